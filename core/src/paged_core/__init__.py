@@ -1,0 +1,77 @@
+"""paged-core: the contract, the reference backend and the registry of paged attention backends.
+
+>>> import torch
+>>> from paged_core import BatchMeta, registry
+>>> meta = BatchMeta.build(query_lens=[5, 1], seq_lens=[5, 40], block_size=16)
+>>> backend = registry.get("reference")
+>>> cache = backend.allocate(8, 16, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+>>> backend.write(cache, torch.randn(6, 2, 64), torch.randn(6, 2, 64), meta)
+>>> backend.forward(torch.randn(6, 8, 64), cache, meta).shape
+torch.Size([6, 8, 64])
+"""
+
+from ._backend import Backend, validation_enabled
+from ._batch import BatchMeta, BlockAllocator
+from ._cache import (
+    Q_MAX,
+    KVCache,
+    allocate_kv_cache,
+    dequantize_kv,
+    kv_bytes_per_token,
+    quantize_kv,
+    write_kv,
+)
+from ._convert import FlashAttnArgs, FlashInferPages, to_flash_attn_args, to_flashinfer_pages
+from ._errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    BatchMetaError,
+    InputError,
+    PagedError,
+    PluginError,
+    UnsupportedSpecError,
+)
+from ._merge import merge_states
+from ._reference import ReferenceBackend, reference_attention
+from ._registry import Problem, Registration, Registry, registry
+from ._spec import KV_DTYPES, AttentionSpec, Capabilities
+from .hookspecs import HOOK_API_VERSION, hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionSpec",
+    "Backend",
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "BatchMeta",
+    "BatchMetaError",
+    "BlockAllocator",
+    "Capabilities",
+    "FlashAttnArgs",
+    "FlashInferPages",
+    "HOOK_API_VERSION",
+    "InputError",
+    "KVCache",
+    "KV_DTYPES",
+    "PagedError",
+    "PluginError",
+    "Problem",
+    "Q_MAX",
+    "ReferenceBackend",
+    "Registration",
+    "Registry",
+    "UnsupportedSpecError",
+    "allocate_kv_cache",
+    "dequantize_kv",
+    "hookimpl",
+    "kv_bytes_per_token",
+    "merge_states",
+    "quantize_kv",
+    "reference_attention",
+    "registry",
+    "to_flash_attn_args",
+    "to_flashinfer_pages",
+    "validation_enabled",
+    "write_kv",
+]

@@ -1,0 +1,384 @@
+"""``BatchMeta``: one flattened batch of requests in any mix of states.
+
+Every request in a step contributes ``query_len`` new tokens (rows of ``q``) and has ``seq_len``
+tokens of context once they are appended::
+
+    request r:  |<------------------ seq_len ------------------>|
+                |<------- context_len ------->|<-- query_len -->|
+                [ K/V already in the cache ... | new tokens      ]
+                                               ^ query i sits at position context_len + i
+
+so query ``i`` sees keys ``0 .. context_len + i`` (causal) and, with a sliding window ``w > 0``,
+only keys ``> context_len + i - w``. One rule covers a prefill chunk (``context_len > 0``), a whole
+prompt (``context_len == 0``), a decode token (``query_len == 1``) and a speculative verification
+block (``query_len == k + 1``). A request with ``seq_len == 0`` is padding (as in a batch padded for
+a CUDA graph): its rows produce exact zeros and its ``slot_mapping`` entries are ``-1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ._errors import BatchMetaError
+
+__all__ = ["BatchMeta", "BlockAllocator"]
+
+
+class BlockAllocator:
+    """Hands out physical KV blocks of a pool of ``num_blocks``.
+
+    With ``shuffle=True`` the blocks come in a random order, so a request's blocks are not
+    contiguous, as in a long-running engine; block 0 is reserved by default (vLLM keeps it as the
+    null block), which catches kernels that read block 0 when they should not.
+
+    >>> alloc = BlockAllocator(8, shuffle=False)
+    >>> alloc.allocate(3)
+    [1, 2, 3]
+    """
+
+    def __init__(
+        self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        free = list(range(1 if reserve_zero and num_blocks > 1 else 0, num_blocks))
+        if shuffle:
+            g = torch.Generator().manual_seed(seed)
+            free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
+        self._free = free
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(
+                f"out of KV blocks: asked for {n}, {len(self._free)} free of {self.num_blocks}; "
+                "allocate a larger cache"
+            )
+        out, self._free = self._free[:n], self._free[n:]
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+
+
+@dataclasses.dataclass
+class BatchMeta:
+    """Metadata of one flattened batch; built once per step and shared by every layer.
+
+    Build it from per-request lists with :meth:`build`, or fill the fields from an engine's own
+    tensors and call :meth:`validate` while debugging.
+    """
+
+    #: R, the number of requests (padding requests included).
+    num_reqs: int
+    #: int32 [num_reqs + 1]: request r's new tokens are rows ``query_start_loc[r]:query_start_loc[r+1]`` of q.
+    query_start_loc: torch.Tensor
+    #: int32 [num_reqs]: tokens of context after this step, new tokens included; 0 = padding request.
+    seq_lens: torch.Tensor
+    #: int32 [num_reqs, max_blocks_per_req]: physical block of each logical block of each request.
+    block_table: torch.Tensor
+    #: int64 [num_tokens]: flat slot ``block * block_size + offset`` where each new token's K/V is written; -1 = not written.
+    slot_mapping: torch.Tensor
+    #: Tokens per KV block; the slot arithmetic of ``slot_mapping`` and ``block_table`` uses it.
+    block_size: int
+    #: Host int: the largest query_len (or an upper bound), for sizing grids without a device sync.
+    max_query_len: int
+    #: Host int: the largest seq_len (or an upper bound).
+    max_seq_len: int
+    #: int32 [num_reqs + 1] on the CPU, or None: a host mirror for backends that plan on the host.
+    query_start_loc_cpu: torch.Tensor | None = None
+    #: int32 [num_reqs] on the CPU, or None: a host mirror for backends that plan on the host.
+    seq_lens_cpu: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------------------- derived
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of query rows (the first dim of ``q`` and ``slot_mapping``)."""
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def decode_only(self) -> bool:
+        """True when every request has at most one new token (``max_query_len <= 1``)."""
+        return self.max_query_len <= 1
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        """int32 [num_reqs]: new tokens per request (on the device of the batch)."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """int32 [num_reqs]: tokens already cached before this step."""
+        return self.seq_lens - self.query_lens
+
+    def host(self) -> tuple[list[int], list[int]]:
+        """(query_lens, seq_lens) as Python lists, from the host mirrors when present.
+
+        Without mirrors this copies from the device (a sync): fine for references and planning
+        tests, never called on the per-layer path of a fast backend.
+        """
+        qsl = self.query_start_loc_cpu if self.query_start_loc_cpu is not None else self.query_start_loc
+        sl = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens
+        qsl_l = qsl.tolist()
+        return [b - a for a, b in zip(qsl_l[:-1], qsl_l[1:])], sl.tolist()
+
+    def to(self, device: torch.device | str) -> BatchMeta:
+        """The same batch with its device tensors on ``device`` (host mirrors stay on the CPU)."""
+        return dataclasses.replace(
+            self,
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+            block_table=self.block_table.to(device),
+            slot_mapping=self.slot_mapping.to(device),
+        )
+
+    def select(self, reqs: Sequence[int]) -> BatchMeta:
+        """A batch of only the requests ``reqs`` (in that order), sharing the same cache blocks.
+
+        Used to check batch invariance: a request's output alone must equal its output in the batch.
+        """
+        qlens, slens = self.host()
+        qsl = self.query_start_loc.tolist()
+        rows = [i for r in reqs for i in range(qsl[r], qsl[r + 1])]
+        idx = torch.tensor(list(reqs), dtype=torch.long, device=self.device)
+        return BatchMeta.from_tensors(
+            query_lens=[qlens[r] for r in reqs],
+            seq_lens=[slens[r] for r in reqs],
+            block_table=self.block_table.index_select(0, idx),
+            slot_mapping=self.slot_mapping[torch.tensor(rows, dtype=torch.long, device=self.device)],
+            block_size=self.block_size,
+        )
+
+    # ----------------------------------------------------------------------------- builders
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        *,
+        block_size: int,
+        allocator: BlockAllocator | None = None,
+        num_blocks: int | None = None,
+        device: torch.device | str = "cpu",
+        table_width: int | None = None,
+        seed: int = 0,
+    ) -> BatchMeta:
+        """Build a batch from per-request lists, allocating each request's blocks.
+
+        ``seq_lens[r] == 0`` makes request r padding (its ``query_lens[r]`` rows are not written
+        and produce zeros). Blocks come from ``allocator`` or, if None, from a shuffled pool of
+        ``num_blocks`` (default: just enough, plus the reserved block 0).
+
+        >>> meta = BatchMeta.build([3, 1], [10, 70], block_size=16)
+        >>> meta.num_reqs, meta.num_tokens, meta.max_seq_len, meta.decode_only
+        (2, 4, 70, False)
+        """
+        if len(query_lens) != len(seq_lens):
+            raise BatchMetaError(
+                f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; "
+                "give one of each per request"
+            )
+        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            if q < 0 or s < 0:
+                raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s} must be >= 0")
+            if s and q > s:
+                raise BatchMetaError(
+                    f"request {r}: query_len {q} is larger than seq_len {s}; the new tokens are "
+                    "part of the context, so accepted: query_len <= seq_len (or seq_len 0 for padding)"
+                )
+        nblocks = [math.ceil(s / block_size) for s in seq_lens]
+        if allocator is None:
+            allocator = BlockAllocator(num_blocks or sum(nblocks) + 1, seed=seed)
+        tables = [allocator.allocate(n) for n in nblocks]
+        return cls.from_lists(
+            query_lens, seq_lens, tables, block_size=block_size, device=device, table_width=table_width
+        )
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        *,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        table_width: int | None = None,
+    ) -> BatchMeta:
+        """Build a batch from per-request lists and explicit per-request block lists."""
+        width = max([len(t) for t in block_tables] + [table_width or 1])
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for r, t in enumerate(block_tables):
+            if t:
+                table[r, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
+        slots = []
+        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            for i in range(q):
+                if s == 0:
+                    slots.append(-1)
+                    continue
+                pos = s - q + i
+                slots.append(block_tables[r][pos // block_size] * block_size + pos % block_size)
+        return cls.from_tensors(
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_size=block_size,
+            device=device,
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> BatchMeta:
+        device = torch.device(device) if device is not None else block_table.device
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        sl_cpu = torch.tensor(list(seq_lens), dtype=torch.int32)
+        return cls(
+            num_reqs=len(seq_lens),
+            query_start_loc=qsl_cpu.to(device),
+            seq_lens=sl_cpu.to(device),
+            block_table=block_table.to(device=device, dtype=torch.int32),
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+            block_size=block_size,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=sl_cpu,
+        )
+
+    # ----------------------------------------------------------------------------- validate
+    def validate(self, *, num_blocks: int | None = None) -> BatchMeta:
+        """Check every invariant; raise :class:`BatchMetaError` naming request, field and values.
+
+        Copies the metadata to the host (a sync): call it while debugging or behind
+        ``PAGED_VALIDATE=1``, not on the hot path. ``num_blocks`` (the cache's) enables the check
+        that every block id a request uses exists. Returns ``self`` so it chains.
+        """
+        R = self.num_reqs
+        self._check_tensor("query_start_loc", self.query_start_loc, torch.int32, (R + 1,))
+        self._check_tensor("seq_lens", self.seq_lens, torch.int32, (R,))
+        self._check_tensor("slot_mapping", self.slot_mapping, torch.int64, (self.num_tokens,))
+        if self.block_table.dtype != torch.int32 or self.block_table.dim() != 2 or self.block_table.shape[0] != R:
+            raise BatchMetaError(
+                f"block_table is {self._desc(self.block_table)}; accepted: int32 [num_reqs={R}, max_blocks_per_req]"
+            )
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            t = getattr(self, name)
+            if t.device != self.device:
+                raise BatchMetaError(
+                    f"{name} is on {t.device} but seq_lens is on {self.device}; every BatchMeta "
+                    "tensor must be on the device of q"
+                )
+        if self.block_size < 1:
+            raise BatchMetaError(f"block_size is {self.block_size}; accepted: a positive int")
+
+        qsl = self.query_start_loc.tolist()
+        sl = self.seq_lens.tolist()
+        if qsl[0] != 0:
+            raise BatchMetaError(f"query_start_loc[0] is {qsl[0]}; accepted: 0")
+        if qsl[-1] != self.num_tokens:
+            raise BatchMetaError(
+                f"query_start_loc[{R}] is {qsl[-1]} but slot_mapping has {self.num_tokens} rows; "
+                "accepted: the last offset equals the number of query tokens"
+            )
+        for mirror, dev, name in (
+            (self.query_start_loc_cpu, qsl, "query_start_loc_cpu"),
+            (self.seq_lens_cpu, sl, "seq_lens_cpu"),
+        ):
+            if mirror is not None and mirror.tolist() != dev:
+                raise BatchMetaError(f"{name} differs from its device tensor; rebuild the host mirror")
+        width = self.block_table.shape[1]
+        table = self.block_table.tolist()
+        slots = self.slot_mapping.tolist()
+        bs = self.block_size
+        max_q = 0
+        for r in range(R):
+            q, s = qsl[r + 1] - qsl[r], sl[r]
+            if q < 0:
+                raise BatchMetaError(
+                    f"request {r}: query_start_loc decreases ({qsl[r]} -> {qsl[r + 1]}); "
+                    "accepted: non-decreasing offsets"
+                )
+            if s < 0:
+                raise BatchMetaError(f"request {r}: seq_lens[{r}] is {s}; accepted: >= 0")
+            if s and q > s:
+                raise BatchMetaError(
+                    f"request {r}: query_len {q} is larger than seq_lens[{r}] = {s}; accepted: "
+                    "query_len <= seq_len (the new tokens are part of the context), or seq_len 0 for padding"
+                )
+            max_q = max(max_q, q)
+            nblk = math.ceil(s / bs)
+            if nblk > width:
+                raise BatchMetaError(
+                    f"request {r}: seq_lens[{r}] = {s} needs {nblk} blocks of {bs} but block_table "
+                    f"has {width} columns; accepted: a table at least ceil(max_seq_len / block_size) wide"
+                )
+            if num_blocks is not None:
+                for j in range(nblk):
+                    b = table[r][j]
+                    if not 0 <= b < num_blocks:
+                        raise BatchMetaError(
+                            f"request {r}: block_table[{r}, {j}] = {b} is outside the cache; "
+                            f"accepted: block ids 0 .. {num_blocks - 1}"
+                        )
+            for i in range(q):
+                row = qsl[r] + i
+                if s == 0:
+                    want = -1
+                else:
+                    pos = s - q + i
+                    want = table[r][pos // bs] * bs + pos % bs
+                if slots[row] != want:
+                    raise BatchMetaError(
+                        f"request {r}: slot_mapping[{row}] is {slots[row]} but the block table puts "
+                        f"its token (position {s - q + i if s else 'padding'}) at slot {want}; "
+                        "accepted: block_table[r, pos // block_size] * block_size + pos % block_size, "
+                        "or -1 for padding requests"
+                    )
+        if self.max_query_len < max_q:
+            raise BatchMetaError(
+                f"max_query_len is {self.max_query_len} but request lengths reach {max_q}; "
+                "accepted: the maximum or an upper bound"
+            )
+        if self.max_seq_len < max(sl, default=0):
+            raise BatchMetaError(
+                f"max_seq_len is {self.max_seq_len} but seq_lens reach {max(sl)}; "
+                "accepted: the maximum or an upper bound"
+            )
+        return self
+
+    @staticmethod
+    def _desc(t: torch.Tensor) -> str:
+        return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+    def _check_tensor(self, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise BatchMetaError(f"{name} is a {type(t).__name__}; accepted: a torch.Tensor")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise BatchMetaError(
+                f"{name} is {self._desc(t)}; accepted: {str(dtype).removeprefix('torch.')} {list(shape)}"
+            )

@@ -1,0 +1,117 @@
+"""The PyTorch reference backend: correct by construction, slow, and the oracle for all others.
+
+It gathers each request's keys through the block table, repeats KV heads for GQA, applies the
+causal (and window) mask of the rule of positions, and takes a plain softmax, all in float32 or
+float64. Block ids outside the pool are treated as masked keys, the behaviour the kernels
+promise for bad metadata, so every backend agrees even on garbage.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import Backend
+from ._batch import BatchMeta
+from ._cache import KVCache
+from ._errors import InputError
+from ._spec import KV_DTYPES, Capabilities
+
+__all__ = ["ReferenceBackend", "reference_attention"]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: BatchMeta,
+    *,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed request by request in ``compute_dtype``.
+
+    Returns ``out`` in ``compute_dtype`` (cast it yourself; the backend casts to ``q.dtype``),
+    plus ``lse [num_tokens, num_heads]`` (natural log, ``compute_dtype``) with ``return_lse``.
+    """
+    n, hq, d = q.shape
+    hkv, bs = cache.num_kv_heads, cache.block_size
+    group = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    kf, vf = cache.dequantized()
+    kf, vf = kf.to(compute_dtype), vf.to(compute_dtype)
+    out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)
+    lse = torch.full((n, hq), -math.inf, dtype=compute_dtype, device=q.device)
+    qlens, slens = meta.host()
+    qsl = meta.query_start_loc.tolist()
+    width = meta.block_table.shape[1]
+    for r in range(meta.num_reqs):
+        t, s = qlens[r], slens[r]
+        if t == 0 or s == 0:
+            continue  # padding request: zeros, lse -inf
+        nblk = min(math.ceil(s / bs), width)
+        blocks = meta.block_table[r, :nblk].long()
+        bad = (blocks < 0) | (blocks >= cache.num_blocks)
+        blocks = blocks.clamp(0, cache.num_blocks - 1)
+        keys = kf[blocks].reshape(nblk * bs, hkv, d)[:s]
+        vals = vf[blocks].reshape(nblk * bs, hkv, d)[:s]
+        key_ok = (~bad).repeat_interleave(bs)[:s]  # [s]; keys past the table are absent too
+        keys = keys.repeat_interleave(group, dim=1)  # [s, hq, d]
+        vals = vals.repeat_interleave(group, dim=1)
+        qr = q[qsl[r] : qsl[r] + t].to(compute_dtype)  # [t, hq, d]
+        logits = torch.einsum("thd,khd->htk", qr, keys) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        kpos = torch.arange(keys.shape[0], device=q.device)
+        qpos = s - t + torch.arange(t, device=q.device)
+        visible = (kpos[None, :] <= qpos[:, None]) & key_ok[None, :]
+        if window:
+            visible &= kpos[None, :] > qpos[:, None] - window
+        logits = logits.masked_fill(~visible[None], -math.inf)  # [hq, t, k]
+        if sinks is not None:
+            sink = sinks.to(compute_dtype)[:, None, None].expand(hq, t, 1)
+            total = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)  # [hq, t]
+        else:
+            total = torch.logsumexp(logits, dim=-1)
+        # exp(-inf - -inf) is NaN: a row with nothing visible keeps zeros.
+        probs = torch.exp(logits - total[..., None]).nan_to_num(0.0)
+        out[qsl[r] : qsl[r] + t] = torch.einsum("htk,khd->thd", probs, vals)
+        lse[qsl[r] : qsl[r] + t] = total.transpose(0, 1)
+    return (out, lse) if return_lse else out
+
+
+class ReferenceBackend(Backend):
+    """The oracle: every feature, any shape, any device; computes in float32 or float64.
+
+    Options: ``compute_dtype`` (``torch.float32`` or ``torch.float64``, default float32).
+    Host loops make it slow and not CUDA-graph safe; it syncs on every call.
+    """
+
+    name = "reference"
+    capabilities = Capabilities(
+        kv_dtypes=frozenset(KV_DTYPES),
+        sliding_window=True,
+        softcap=True,
+        sinks=True,
+        returns_lse=True,
+        batch_invariant=True,
+    )
+
+    def __init__(self, *, compute_dtype: torch.dtype = torch.float32, validate: bool | None = None):
+        super().__init__(validate=validate)
+        if compute_dtype not in (torch.float32, torch.float64):
+            raise InputError(f"compute_dtype is {compute_dtype}; accepted: torch.float32, torch.float64")
+        self.compute_dtype = compute_dtype
+
+    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+        res, res_lse = reference_attention(
+            q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks,
+            compute_dtype=self.compute_dtype, return_lse=True,
+        )
+        out.copy_(res)
+        if lse is not None:
+            lse.copy_(res_lse)

@@ -1,0 +1,170 @@
+"""What an attention call needs (``AttentionSpec``) and what a backend offers (``Capabilities``).
+
+A backend's ``capabilities`` are a promise: the conformance suite runs every case whose spec the
+backend accepts and fails the backend if it is wrong. ``Capabilities.reasons(spec)`` turns the
+comparison into sentences, so "why was this skipped" and "why did select() pick that" always have
+an answer a person can read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import Literal
+
+import torch
+
+__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KVDtype", "ANY"]
+
+KVDtype = Literal["auto", "int8", "fp8"]
+#: The cache storage formats: the model dtype itself, or symmetric int8 / fp8 (E4M3) codes with
+#: one float32 scale per (slot, KV head).
+KV_DTYPES: tuple[str, ...] = ("auto", "int8", "fp8")
+
+#: Marker for "no restriction" in a ``Capabilities`` field.
+ANY = None
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _fmt(values: Collection) -> str:
+    return ", ".join(str(v) for v in sorted(values, key=str))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """The static shape of one attention layer call; hashable, so checks can be cached.
+
+    >>> spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+    >>> spec.group_size
+    4
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.bfloat16
+    kv_dtype: KVDtype = "auto"
+    window: int = 0
+    softcap: float = 0.0
+    sinks: bool = False
+    device: str = "cpu"
+    decode_only: bool = False
+    return_lse: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+    def describe(self) -> str:
+        """A compact one-line description used in case ids and reports."""
+        parts = [
+            f"{self.num_heads}/{self.num_kv_heads}x{self.head_dim}",
+            f"bs{self.block_size}",
+            dtype_name(self.dtype),
+        ]
+        if self.kv_dtype != "auto":
+            parts.append(f"kv={self.kv_dtype}")
+        if self.window:
+            parts.append(f"window={self.window}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        parts.append(self.device_type)
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend promises to compute exactly. ``None`` in a set-valued field means any."""
+
+    head_dims: frozenset[int] | None = ANY
+    block_sizes: frozenset[int] | None = ANY
+    group_sizes: frozenset[int] | None = ANY
+    dtypes: frozenset[torch.dtype] = frozenset(_DTYPE_NAMES)
+    kv_dtypes: frozenset[str] = frozenset({"auto"})
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    sliding_window: bool = False
+    softcap: bool = False
+    sinks: bool = False
+    mixed_batches: bool = True
+    returns_lse: bool = False
+    cuda_graphs: bool = False
+    #: Each request's output is bitwise the same whatever else is in the batch.
+    batch_invariant: bool = False
+
+    def reasons(self, spec: AttentionSpec) -> list[str]:
+        """Each way ``spec`` falls outside these capabilities, as a sentence; empty if none."""
+        out: list[str] = []
+        if spec.num_heads % spec.num_kv_heads:
+            out.append(
+                f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}"
+            )
+        if spec.device_type not in self.devices:
+            out.append(f"device {spec.device_type!r} is not supported (accepted: {_fmt(self.devices)})")
+        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+            out.append(f"head_dim {spec.head_dim} is not supported (accepted: {_fmt(self.head_dims)})")
+        if self.block_sizes is not None and spec.block_size not in self.block_sizes:
+            out.append(
+                f"block_size {spec.block_size} is not supported (accepted: {_fmt(self.block_sizes)})"
+            )
+        if self.group_sizes is not None and spec.group_size not in self.group_sizes:
+            out.append(
+                f"{spec.num_heads // max(spec.num_kv_heads, 1)} query heads per KV head is not "
+                f"supported (accepted: {_fmt(self.group_sizes)})"
+            )
+        if spec.dtype not in self.dtypes:
+            out.append(
+                f"dtype {dtype_name(spec.dtype)} is not supported "
+                f"(accepted: {_fmt(dtype_name(d) for d in self.dtypes)})"
+            )
+        if spec.kv_dtype not in self.kv_dtypes:
+            out.append(
+                f"kv_dtype {spec.kv_dtype!r} is not supported (accepted: {_fmt(self.kv_dtypes)})"
+            )
+        if spec.window and not self.sliding_window:
+            out.append("sliding window attention is not supported")
+        if spec.softcap and not self.softcap:
+            out.append("logit soft-capping is not supported")
+        if spec.sinks and not self.sinks:
+            out.append("attention sinks are not supported")
+        if not spec.decode_only and not self.mixed_batches:
+            out.append("only decode-only batches (one query token per request) are supported")
+        if spec.return_lse and not self.returns_lse:
+            out.append("returning the log-sum-exp is not supported")
+        return out
+
+    def summary(self) -> str:
+        """A compact one-line form for ``paged list``."""
+
+        def s(v):
+            return "any" if v is None else ",".join(str(x) for x in sorted(v, key=str))
+
+        flags = [
+            name
+            for name, on in [
+                ("window", self.sliding_window),
+                ("softcap", self.softcap),
+                ("sinks", self.sinks),
+                ("lse", self.returns_lse),
+                ("cuda-graphs", self.cuda_graphs),
+                ("batch-invariant", self.batch_invariant),
+            ]
+            if on
+        ]
+        return (
+            f"head_dim {s(self.head_dims)}; block {s(self.block_sizes)}; group {s(self.group_sizes)}; "
+            f"dtype {s(dtype_name(d) for d in self.dtypes)}; kv {s(self.kv_dtypes)}; "
+            f"{'mixed' if self.mixed_batches else 'decode-only'}; {s(self.devices)}"
+            + (f"; {', '.join(flags)}" if flags else "")
+        )

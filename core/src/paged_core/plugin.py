@@ -1,0 +1,9 @@
+"""paged-core's own plugin: registers the reference backend through the same hook as everyone."""
+
+from paged_core.hookspecs import hookimpl
+
+
+@hookimpl
+def register_backends(register):
+    # Lowest priority: the oracle is always correct but never the fast choice.
+    register("reference", "paged_core._reference:ReferenceBackend", priority=-100)

@@ -1,0 +1,89 @@
+"""Sessions of the paged workspace: tests, conformance, bench, lint, wheels, demo.
+
+Every session installs what it needs itself, with torch pinned (an unpinned torch pulls a
+multi-GB CUDA build on a CPU machine). ``nox -s tests`` is what CI runs.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+# Plugins whose vendor library cannot be installed on a CPU machine: installed without their
+# dependencies, so the registry shows them as unavailable with the reason (a tested behaviour).
+VENDOR_PLUGINS = {"flashinfer", "flash-attn2"}
+TORCH = "torch==2.13.0"
+TRITON = "triton==3.9.0"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+
+def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
+    session.install(TORCH, TRITON, *TEST_DEPS)
+    plain = [p for p in plugins if p not in VENDOR_PLUGINS]
+    args = ["-e", "core", "-e", "conformance"]
+    for p in plain:
+        args += ["-e", f"plugins/{p}"]
+    session.install("--no-build-isolation", *args)
+    for p in plugins:
+        if p in VENDOR_PLUGINS:
+            session.install("--no-build-isolation", "--no-deps", "-e", f"plugins/{p}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Core, plugin and conformance tests on this machine (CPU: Triton under its interpreter)."""
+    _install_workspace(session, PLUGINS)
+    session.env.setdefault("TRITON_INTERPRET", "1" if sys.platform != "darwin" else "1")
+    session.run("paged", "list")
+    session.run(
+        "pytest", "tests", *[f"plugins/{p}/tests" for p in PLUGINS if (ROOT / "plugins" / p / "tests").exists()],
+        "--doctest-modules", "core/src/paged_core", *session.posargs,
+    )
+    session.run("pytest", "--pyargs", "paged_conformance", "-p", "paged_conformance.plugin", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("plugin", PLUGINS, ids=PLUGINS)
+def conformance(session: nox.Session, plugin: str) -> None:
+    """The conformance suite on one plugin's backends (and the reference), writing the matrix."""
+    _install_workspace(session, [plugin])
+    session.run("paged", "list")
+    session.run("paged", "check", "--report", f"conformance-report-{plugin}", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every installed backend side by side against the bandwidth floor (GPU; small on CPU)."""
+    _install_workspace(session, PLUGINS)
+    session.install("matplotlib")
+    session.run("paged", "bench", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: install everything installable, list backends, check them on real batches."""
+    _install_workspace(session, PLUGINS)
+    session.run("paged", "list")
+    session.run("paged", "check", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the workspace."""
+    session.install("ruff")
+    session.run("ruff", "check", ".", *session.posargs)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every distribution into dist/ (then: pip install --find-links dist 'paged-core[triton]')."""
+    session.install("build", "setuptools>=68", "wheel")
+    for d in ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS]]:
+        session.run("python", "-m", "build", "--no-isolation", "--wheel", "--outdir", "dist", d)
