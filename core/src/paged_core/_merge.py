@@ -20,30 +20,60 @@ __all__ = ["merge_states"]
 def merge_states(
     outputs: torch.Tensor | Sequence[torch.Tensor],
     lses: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``S`` partial attention results over disjoint key sets into one.
 
     ``outputs``: ``[S, num_tokens, num_heads, head_dim]`` (or a list of S ``[num_tokens,
     num_heads, head_dim]``); ``lses``: float32 ``[S, num_tokens, num_heads]``, natural log,
-    ``-inf`` where a part saw no key. Returns ``(out, lse)`` with ``out`` in the outputs' dtype;
-    rows where every part is empty give zeros and ``-inf``, never NaN.
+    ``-inf`` where a part saw no key (its output is then ignored, even if NaN). ``sinks``
+    (float32 ``[num_heads]``) adds one logit per head to the denominator, with no value.
+    Returns ``(out, lse)`` with ``out`` in the outputs' dtype; rows where every part is empty
+    give zeros and ``-inf``, never NaN. On CUDA with ``paged-triton-splitkv`` installed this
+    runs its Triton kernel; elsewhere PyTorch.
 
     >>> o = torch.ones(2, 1, 1, 2); l = torch.tensor([[[0.0]], [[float("-inf")]]])
     >>> out, lse = merge_states(o, l)
     >>> out.flatten().tolist(), lse.item()
     ([1.0, 1.0], 0.0)
     """
-    outs = torch.stack(list(outputs)) if not isinstance(outputs, torch.Tensor) else outputs
-    ls = torch.stack(list(lses)) if not isinstance(lses, torch.Tensor) else lses
+    outs = _stack("outputs", outputs)
+    ls = _stack("lses", lses)
     if outs.dim() != 4 or ls.shape != outs.shape[:3]:
         raise InputError(
             f"outputs {list(outs.shape)} and lses {list(ls.shape)} do not match; accepted: "
             "outputs [S, num_tokens, num_heads, head_dim] with lses [S, num_tokens, num_heads]"
         )
+    if sinks is not None and tuple(sinks.shape) != (outs.shape[2],):
+        raise InputError(f"sinks has shape {list(sinks.shape)}; accepted: float32 [num_heads={outs.shape[2]}]")
+    if outs.is_cuda:
+        try:
+            from paged_triton_splitkv.launch import merge_states as merge_kernel
+        except ImportError:
+            pass  # the PyTorch path below is exact too, only slower
+        else:
+            return merge_kernel(outs, ls.float(), sinks=sinks)
     ls = ls.float()
-    lse = torch.logsumexp(ls, dim=0)  # [N, H]; -inf where every part is empty
+    total = ls if sinks is None else torch.cat([ls, sinks.float().view(1, 1, -1).expand(1, *ls.shape[1:])])
+    lse = torch.logsumexp(total, dim=0)  # [N, H]; -inf where every part is empty
     # Guard the all-empty rows: -inf - -inf is NaN, so weigh them against 0 instead.
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w = torch.exp(ls - safe[None])  # [S, N, H]
-    out = (w[..., None] * outs.float()).sum(dim=0)
+    w = torch.exp(ls - safe[None])  # [S, N, H]; exactly 0 for empty parts
+    out = torch.where(w[..., None] > 0, w[..., None] * outs.float(), 0.0).sum(dim=0)
     return out.to(outs.dtype), lse
+
+
+def _stack(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """A list of parts as one tensor, refusing what torch.stack would fail on deep inside."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    parts = list(parts)
+    shapes = [list(p.shape) for p in parts]
+    if not parts or any(sh != shapes[0] for sh in shapes):
+        found = ", ".join(str(sh) for sh in shapes) if parts else "no parts to merge"
+        raise InputError(
+            f"{name} {found}{' differ in shape' if parts else ''}; accepted: outputs [S, num_tokens, "
+            "num_heads, head_dim] with lses [S, num_tokens, num_heads] (or lists of S parts of one shape)"
+        )
+    return torch.stack(parts)

@@ -31,8 +31,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def _sorted(values: Collection) -> list:
+    """Numbers in numeric order, anything else by its text."""
+    return sorted(values, key=lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)))
+
+
 def _fmt(values: Collection) -> str:
-    return ", ".join(str(v) for v in sorted(values, key=str))
+    return ", ".join(str(v) for v in _sorted(values))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +153,7 @@ class Capabilities:
         """A compact one-line form for ``paged list``."""
 
         def s(v):
-            return "any" if v is None else ",".join(str(x) for x in sorted(v, key=str))
+            return "any" if v is None else ",".join(str(x) for x in _sorted(v))
 
         flags = [
             name

@@ -1,0 +1,144 @@
+"""The ``triton-splitkv`` backend: Flash-Decoding where it pays, the unified kernel elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any, ClassVar
+
+from paged_core import Backend, BatchMeta, InputError
+from paged_core._spec import AttentionSpec
+from paged_triton_unified.backend import TritonUnifiedBackend, interpreter_reasons
+from paged_triton_unified.launch import unified_attention
+
+from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
+
+__all__ = ["TritonSplitKVBackend", "SplitKVPlan"]
+
+
+@dataclasses.dataclass
+class SplitKVPlan:
+    """What :meth:`TritonSplitKVBackend.plan` decided for one step."""
+
+    meta: BatchMeta
+    #: Leading logical blocks shared by every request (0: no cascade).
+    prefix_blocks: int = 0
+
+
+class TritonSplitKVBackend(Backend):
+    """Decode batches too small to fill the GPU are split along the context (Flash-Decoding):
+    each split writes a partial output and its log-sum-exp, a second kernel merges them exactly.
+    Every other batch runs the unified kernel, so any batch is served.
+
+    Options:
+
+    - ``split_kv``: ``"auto"`` (split when the (request, KV head) pairs cannot fill the GPU;
+      the count comes from the multiprocessor count, about two programs per SM, at least 256
+      tokens a split, at most 32), ``True`` (always split decode batches) or ``False``.
+    - ``num_splits``: a fixed split count for decode batches (implies ``split_kv=True``).
+    - ``batch_invariant``: splits of a fixed ``blocks_per_split`` blocks, not derived from the
+      batch, so a request's output is bitwise the same alone or in any batch (decode batches).
+    - ``cascade``: detect a prefix shared by every request (the same physical blocks) in
+      :meth:`plan` and read it once for the whole batch; ``plan(meta, shared_prefix_blocks=k)``
+      declares it instead (no device read).
+    """
+
+    name = "triton-splitkv"
+    capabilities = dataclasses.replace(TritonUnifiedBackend.capabilities)
+    #: Option sets the conformance suite runs besides the defaults.
+    variants: ClassVar[dict[str, dict[str, Any]]] = {
+        "splits-1": {"num_splits": 1},
+        "splits-3": {"num_splits": 3},
+        "splits-8": {"num_splits": 8},
+        "batch-invariant": {"batch_invariant": True},
+        "cascade": {"cascade": True},
+    }
+
+    def __init__(
+        self,
+        *,
+        split_kv: bool | str = "auto",
+        num_splits: int | None = None,
+        batch_invariant: bool = False,
+        blocks_per_split: int = 16,
+        cascade: bool = False,
+        min_prefix_tokens: int = 256,
+        validate: bool | None = None,
+    ):
+        super().__init__(validate=validate)
+        if split_kv not in ("auto", True, False):
+            raise InputError(f"split_kv is {split_kv!r}; accepted: 'auto', True or False")
+        if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+            raise InputError(f"num_splits is {num_splits!r}; accepted: None or an int >= 1")
+        if not isinstance(blocks_per_split, int) or blocks_per_split < 1:
+            raise InputError(f"blocks_per_split is {blocks_per_split!r}; accepted: an int >= 1")
+        self.split_kv = True if num_splits is not None else split_kv
+        self.num_splits = num_splits
+        self.blocks_per_split = blocks_per_split if batch_invariant else None
+        self.cascade = cascade
+        self.min_prefix_tokens = min_prefix_tokens
+        if batch_invariant:
+            # Mixed batches go to the unified kernel, whose tiles follow the batch: the bitwise
+            # promise holds for decode batches, so that is what this mode claims.
+            self.capabilities = dataclasses.replace(
+                self.capabilities, batch_invariant=True, mixed_batches=False
+            )
+
+    @classmethod
+    def unavailable(cls) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed (pip install 'paged-core[triton]')"]
+        return []
+
+    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
+        return interpreter_reasons(spec)
+
+    def plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None) -> SplitKVPlan:
+        """Once per step. With ``cascade=True`` and no declared prefix, reads the block table
+        from the device (a sync) to find the shared prefix; declare it to avoid that."""
+        prefix = 0
+        if shared_prefix_blocks is not None:
+            prefix = shared_prefix_blocks
+        elif self.cascade and meta.num_reqs > 1:
+            prefix = _shared_prefix(meta)
+        if prefix * meta.block_size < self.min_prefix_tokens:
+            prefix = 0
+        return SplitKVPlan(meta, prefix)
+
+    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+        if isinstance(plan, BatchMeta):
+            plan = self.plan(plan)
+        meta = plan.meta
+        kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
+        if plan.prefix_blocks and not window:
+            cascade_attention(
+                q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                block_table=meta.block_table, prefix_blocks=plan.prefix_blocks,
+                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,
+            )
+            return
+        if meta.decode_only and meta.num_tokens == meta.num_reqs and self.split_kv is not False:
+            if self.blocks_per_split is not None:
+                num_splits = None  # fixed-size splits: the count follows max_seq_len
+            elif self.num_splits is not None:
+                num_splits = self.num_splits
+            else:
+                num_splits = choose_num_splits(
+                    meta.num_reqs, cache.num_kv_heads, meta.max_seq_len, cache.block_size, q.device
+                )
+            if num_splits is None or num_splits > 1 or self.split_kv is True:
+                split_decode_attention(
+                    q, cache.k, cache.v, out, seq_lens=meta.seq_lens, block_table=meta.block_table,
+                    max_seq_len=meta.max_seq_len, scale=scale, num_splits=num_splits, window=window,
+                    blocks_per_split=self.blocks_per_split, **kv,
+                )
+                return
+        unified_attention(
+            q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            scale=scale, window=window, **kv,
+        )
+
+
+def _shared_prefix(meta: BatchMeta) -> int:
+    return shared_prefix_blocks(meta.block_table, meta.seq_lens, meta.block_size)

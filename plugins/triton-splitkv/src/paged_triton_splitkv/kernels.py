@@ -1,0 +1,537 @@
+"""Triton kernels of the split-KV (Flash-Decoding) backend.
+
+Only ``@triton.jit`` code and the autotune configs of the kernel right below them live here;
+launchers (argument checks, workspaces, grids) are in ``launch.py``.
+
+Conventions shared by every kernel of this file:
+
+* Scores are kept in the log2 domain inside the loops (``exp2`` is one MUFU instruction);
+  every log-sum-exp that leaves a kernel is converted back to the natural log.
+* The GROUP query heads that share one KV head are packed into the rows of a tile, so each
+  K/V element read from HBM feeds GROUP (padded) rows of a ``tl.dot``.
+* K/V are gathered straight from the paged pool through the block table; block ids outside
+  ``[0, num_blocks)`` mask their keys and their pointers are clamped to block 0, so a corrupt
+  table can never make a kernel read outside the pool.
+* ``UPCAST`` is on only under ``TRITON_INTERPRET=1``: the interpreter of Triton 3.9 stores
+  bfloat16 as raw 16-bit integers and computes garbage (silently) on any bf16 value that was not
+  first converted with ``.to(tl.float32)``. On the GPU the 16-bit operands go into ``tl.dot``
+  untouched so they run on tensor cores.
+* float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast here: the
+  interpreter cannot load ``float8_e4m3fn`` tensors, the GPU does not care.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _tanh(x):
+    # Portable across Triton 3.6 / 3.9 and the interpreter (libdevice is not). Saturates cleanly:
+    # exp overflow -> inf -> 1, underflow -> 0 -> -1. Absolute error ~1e-7, fine after * softcap.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_tile(
+    m_i,  # [BLOCK_M] float32, running max of scores (log2 domain), -inf while nothing seen
+    l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, running sum of p @ V
+    q,  # [BLOCK_M, HEAD_DIM_PAD] dot dtype (q.dtype on GPU, float32 under the interpreter)
+    vis,  # [BLOCK_M, BLOCK_N] bool, key visible to row (implies key_ok)
+    blk,  # [BLOCK_N] int64, physical block of each key (0 where not key_ok)
+    offs_in_blk,  # [BLOCK_N] int32, slot of each key inside its block
+    key_ok,  # [BLOCK_N] bool, key may be loaded (in range, valid block id)
+    kv_head,
+    offs_d,  # [HEAD_DIM_PAD]
+    d_mask,  # [HEAD_DIM_PAD] bool, offs_d < HEAD_DIM
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    scale,
+    softcap,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
+    V_SCALE_ON_P: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
+    k_off = blk * stride_kb + offs_in_blk * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+    # K is loaded already transposed so the score tile is a plain q @ kt.
+    kt = tl.load(
+        k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
+        mask=key_ok[None, :] & d_mask[:, None],
+        other=0,
+    )  # [HEAD_DIM_PAD, BLOCK_N]
+    if FP8:
+        kt = kt.to(tl.float8e4nv, bitcast=True)
+    # int8 and e4m3 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
+    # per-key scale is applied to the score column afterwards (one multiply per score instead of
+    # one per K element).
+    kt = kt.to(q.dtype)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    if QUANT:
+        ks_off = blk * stride_ksb + offs_in_blk * stride_kss + kv_head * stride_ksh
+        k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
+        s = s * k_sc[None, :]
+    s = s * scale
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
+    s = tl.where(vis, s * LOG2E, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+    # exp2(-inf - (-inf)) = NaN out of p and alpha (both are then exactly 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_off = blk * stride_vb + offs_in_blk * stride_vs + kv_head * stride_vh  # [BLOCK_N] int64
+    v = tl.load(
+        v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
+        mask=key_ok[:, None] & d_mask[None, :],
+        other=0,
+    )  # [BLOCK_N, HEAD_DIM_PAD]
+    if FP8:
+        v = v.to(tl.float8e4nv, bitcast=True)
+    if QUANT:
+        vs_off = blk * stride_vsb + offs_in_blk * stride_vss + kv_head * stride_vsh
+        v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
+        if V_SCALE_ON_P:
+            # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
+            # BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into subnormals.
+            pv = p * v_sc[None, :]
+            v = v.to(q.dtype)
+        else:
+            pv = p
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+    else:
+        pv = p
+        v = v.to(q.dtype)
+    acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    part_out_ptr,  # [num_tokens, num_q_heads, head_dim] float32 (one split's slice)
+    part_lse_ptr,  # [num_tokens, num_q_heads] float32 (one split's slice)
+    m_i, l_i, acc,
+    token,  # [BLOCK_M] int64
+    head,  # [BLOCK_M]
+    row_valid,  # [BLOCK_M] bool
+    offs_d, d_mask,
+    stride_pot, stride_poh, stride_pod,
+    stride_plt, stride_plh,
+):
+    """Write out normalized within this key range and its natural-log LSE (-inf, zeros if empty)."""
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(
+        part_out_ptr + token[:, None] * stride_pot + head[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+        out,
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
+    tl.store(part_lse_ptr + token * stride_plt + head * stride_plh, lse, mask=row_valid)
+
+
+# --------------------------------------------------------------------------------------------
+# Split kernel: (request, query tile, KV head, split) -> partial out + lse.
+# --------------------------------------------------------------------------------------------
+
+# BLOCK_N 64-128 with 2-3 stages keeps ~2 tiles of K/V in flight per program (cp.async), which
+# is what a memory-bound loop needs; 4 warps suffice for 16-row tiles. Compiled offline for sm_90
+# (bf16, d 128, GROUP 4): 64/4w/2st uses 39 KB shared memory and 90 registers, 128/4w/3st 139 KB
+# (one program per SM). Not yet timed on the H200.
+if _INTERPRET:
+    # One fixed config under the interpreter: autotuning there only multiplies the run time.
+    # 32 spans two 16-token blocks and is smaller than a 64-token block: both gather paths.
+    _SPLIT_CONFIGS = [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+else:
+    _SPLIT_CONFIGS = [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in [
+            (32, 4, 2),
+            (64, 4, 2),
+            (64, 4, 3),
+            (128, 4, 2),
+            (128, 4, 3),
+            (128, 8, 2),
+            (256, 8, 2),
+        ]
+    ]
+
+
+# The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
+# batch-invariant mode needs the same config for a request alone and in any batch.
+# Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
+@triton.autotune(configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q"])
+@triton.jit
+def split_kv_attention_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], q dtype / int8 / uint8 (fp8 bytes)
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], like k_cache
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32 (HAS_QSL only; else request r is token r)
+    part_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] float32
+    part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] float32
+    scale,  # float, softmax scale
+    softcap,  # float (USE_SOFTCAP only)
+    window,  # int (USE_WINDOW only): keys > pos - window are visible
+    key_start,  # int, first key position this pass may see (cascade suffix: prefix length)
+    num_blocks,  # int, blocks in the pool: ids outside [0, num_blocks) are masked
+    max_blocks,  # int, width of block_table: keys past max_blocks * BLOCK_SIZE are masked
+    num_splits,  # int (not FIXED_SPLITS): splits per request
+    tokens_per_split,  # int (FIXED_SPLITS only): key tokens per split, batch independent
+    num_q_tiles,  # int, query tiles per request (grid axis 0 = num_reqs * num_q_tiles)
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
+    stride_btr, stride_btb,
+    stride_pos, stride_pot, stride_poh, stride_pod,
+    stride_pls, stride_plt, stride_plh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per tile (1 for decode)
+    BLOCK_M: tl.constexpr,  # tile rows: max(16, BLOCK_Q * GROUP_PAD)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HAS_QSL: tl.constexpr,
+    FIXED_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
+    V_SCALE_ON_P: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
+):
+    """One program: BLOCK_Q queries of one request x the GROUP heads of one KV head, against the
+    keys of one split; writes that split's normalized partial output and natural-log LSE."""
+    tl.static_assert(BLOCK_M >= BLOCK_Q * GROUP_PAD)
+    tl.static_assert(BLOCK_M >= 16)  # tl.dot needs at least 16 rows
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    tl.static_assert(BLOCK_N >= 16)
+
+    pid_rq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = pid_rq // num_q_tiles
+    q_tile = pid_rq % num_q_tiles
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    if HAS_QSL:
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    else:
+        q_start = req
+        q_len = 1
+    tile_q0 = q_tile * BLOCK_Q
+    if tile_q0 >= q_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_tile = offs_m // GROUP_PAD
+    hh = offs_m % GROUP_PAD
+    q_idx = tile_q0 + tok_in_tile  # [BLOCK_M] query index inside the request
+    row_valid = (tok_in_tile < BLOCK_Q) & (hh < GROUP) & (q_idx < q_len)
+    token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
+    head = kv_head * GROUP + hh  # [BLOCK_M]
+    pos = seq_len - q_len + q_idx  # [BLOCK_M] position of each row's query
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys the tile can see: [lo, hi). Rows refine this with their own causal / window mask.
+    last_q = tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
+    hi = tl.minimum(seq_len - q_len + last_q + 1, max_blocks * BLOCK_SIZE)
+    lo = tl.maximum(key_start, 0)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, seq_len - q_len + tile_q0 - window + 1)
+
+    if FIXED_SPLITS:
+        # Batch invariant: split s always covers the same absolute key positions.
+        split_lo = split * tokens_per_split
+        split_hi = split_lo + tokens_per_split
+    else:
+        # Equal shares of this request's visible range, aligned to BLOCK_N so that every split
+        # but the edges runs whole tiles.
+        base = (lo // BLOCK_N) * BLOCK_N
+        span = tl.maximum(hi - base, 0)
+        per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        split_lo = base + split * per_split
+        split_hi = split_lo + per_split
+    start = tl.maximum(split_lo, lo)
+    end = tl.minimum(split_hi, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    # Tiles stay aligned to split_lo (not to `start`), so the summation order of a split depends
+    # only on the request itself: needed for the batch-invariant mode.
+    t_begin = split_lo + ((start - split_lo) // BLOCK_N) * BLOCK_N
+    for t0 in range(t_begin, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_in = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(
+            block_table_ptr + req * stride_btr + (offs_n // BLOCK_SIZE) * stride_btb, mask=key_in, other=-1
+        )  # [BLOCK_N] int32
+        key_ok = key_in & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(key_ok, blk, 0).to(tl.int64)
+        if BLOCK_Q > 1:
+            vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                vis = vis & (offs_n[None, :] > pos[:, None] - window)
+        else:
+            # Decode: the single query sits at seq_len - 1, so [start, end) is already exact.
+            vis = key_ok[None, :] & (offs_m[:, None] >= 0)
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_ksb, stride_kss, stride_ksh,
+            stride_vsb, stride_vss, stride_vsh,
+            QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
+        )
+
+    # int64: with blocks_per_split, thousands of splits x a large batch overflow int32 offsets.
+    split64 = split.to(tl.int64)
+    _store_partial(
+        part_out_ptr + split64 * stride_pos, part_lse_ptr + split64 * stride_pls,
+        m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
+        stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Cascade prefix kernel: every query row of the batch x the shared prefix.
+# --------------------------------------------------------------------------------------------
+
+# Prefix tiles are real matrix tiles (64-128 rows): the whole point is that one K/V read serves
+# many requests, so the tile is compute-shaped, unlike the 16-row decode tiles above.
+if _INTERPRET:
+    _PREFIX_CONFIGS = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+else:
+    _PREFIX_CONFIGS = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in [
+            (64, 32, 4, 2),
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (128, 32, 4, 2),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+        ]
+    ]
+
+
+@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"])
+@triton.jit
+def cascade_prefix_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], q dtype / int8 / uint8 (fp8 bytes)
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], like k_cache
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
+    block_table_ptr,  # [num_reqs, max_blocks] int32; row 0 supplies the shared prefix blocks
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    part_out_ptr,  # [num_tokens, num_q_heads, head_dim] float32 (the prefix slot)
+    part_lse_ptr,  # [num_tokens, num_q_heads] float32 (the prefix slot)
+    scale,
+    softcap,
+    prefix_tokens,  # int, prefix_blocks * block_size
+    num_tokens,  # int
+    num_reqs,  # int
+    search_steps,  # int, ceil(log2(num_reqs)): binary-search steps from token to request
+    num_blocks,
+    max_blocks,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
+    stride_btb,
+    stride_pot, stride_poh, stride_pod,
+    stride_plt, stride_plh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
+    V_SCALE_ON_P: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows (query token x head-in-group) per program (autotuned)
+    BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
+):
+    """One program: BLOCK_M consecutive (query token, head-in-group) rows of the whole batch for
+    one KV head, against the shared prefix keys; writes partial output and natural-log LSE."""
+    tl.static_assert(BLOCK_M >= 16)
+    tl.static_assert(BLOCK_N >= 16)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+
+    kv_head = tl.program_id(1)
+    # Rows pack exactly GROUP heads per token (no power-of-two padding needed: the tile is not
+    # split per token), so no row of the tile is wasted.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP  # [BLOCK_M]
+    hh = rows % GROUP
+    row_valid = token < num_tokens
+    head = kv_head * GROUP + hh
+
+    # Request of each row: the last r with query_start_loc[r] <= token (empty requests share
+    # their start with the next one, "last" skips them).
+    r_lo = tl.zeros([BLOCK_M], tl.int32)
+    r_hi = tl.zeros([BLOCK_M], tl.int32) + num_reqs
+    for _ in range(search_steps):
+        mid = (r_lo + r_hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid, mask=row_valid, other=0)
+        right = mid_start <= token
+        r_lo = tl.where(right, mid, r_lo)
+        r_hi = tl.where(right, r_hi, mid)
+    seq_len = tl.load(seq_lens_ptr + r_lo, mask=row_valid, other=0)
+    q_end = tl.load(query_start_loc_ptr + r_lo + 1, mask=row_valid, other=0)
+    # The query at `token` is the (q_end - token)-th from the end of its request's positions.
+    # Rows whose query sits inside the prefix keep an exact causal mask below; padding requests
+    # (seq_len 0) get pos < 0 and see nothing.
+    pos = tl.where(row_valid, seq_len - (q_end - token), -1)  # [BLOCK_M]
+
+    token64 = token.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + token64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    end = tl.minimum(tl.minimum(prefix_tokens, tl.max(pos, 0) + 1), max_blocks * BLOCK_SIZE)
+    for t0 in range(0, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)
+        key_in = offs_n < end
+        blk = tl.load(block_table_ptr + (offs_n // BLOCK_SIZE) * stride_btb, mask=key_in, other=-1)
+        key_ok = key_in & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(key_ok, blk, 0).to(tl.int64)
+        vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_ksb, stride_kss, stride_ksh,
+            stride_vsb, stride_vss, stride_vsh,
+            QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
+        )
+
+    _store_partial(
+        part_out_ptr, part_lse_ptr, m_i, l_i, acc, token64, head, row_valid, offs_d, d_mask,
+        stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Merge: exact combination of partial attention over disjoint key sets.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def merge_states_kernel(
+    parts_out_ptr,  # [num_parts, num_tokens, num_heads, head_dim], float32 / fp16 / bf16
+    parts_lse_ptr,  # [num_parts, num_tokens, num_heads] float32, natural log
+    sinks_ptr,  # [num_heads] float32 (HAS_SINKS only), natural-log logit without a value
+    out_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
+    out_lse_ptr,  # [num_tokens, num_heads] float32 (STORE_LSE only)
+    num_parts,
+    stride_pos, stride_pot, stride_poh, stride_pod,
+    stride_pls, stride_plt, stride_plh,
+    stride_ot, stride_oh, stride_od,
+    stride_olt, stride_olh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """One program: one (token, head); out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    lse_base = parts_lse_ptr + token * stride_plt + head * stride_plh
+    out_base = parts_out_ptr + token * stride_pot + head * stride_poh + offs_d * stride_pod
+
+    m = tl.full([], float("-inf"), tl.float32)
+    for s in range(num_parts):
+        m = tl.maximum(m, tl.load(lse_base + s * stride_pls))
+    empty = m == float("-inf")
+    m_all = m
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m_all = tl.maximum(m, sink)
+    m_safe = tl.where(empty, 0.0, m_all)
+
+    # Sequential sum in part order (not a tree reduction over a padded vector): trailing empty
+    # parts add exact zeros, so a request's result does not depend on how many splits the batch
+    # launched. That is what makes blocks_per_split mode bit-identical across batches.
+    denom = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for s in range(num_parts):
+        w = tl.exp(tl.load(lse_base + s * stride_pls) - m_safe)
+        o = tl.load(out_base + s * stride_pos, mask=d_mask, other=0.0).to(tl.float32)
+        denom += w
+        # An empty part may hold anything (a caller's NaN); w == 0 must not let it through.
+        acc += tl.where(w > 0.0, w * o, 0.0)
+    if HAS_SINKS:
+        # The sink joins the denominator exactly once, here, after all parts.
+        denom += tl.exp(sink - m_safe)
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, denom))
+    out = acc * inv
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, denom)))
+        tl.store(out_lse_ptr + token * stride_olt + head * stride_olh, lse)

@@ -1,0 +1,584 @@
+"""Launchers of the split-KV (Flash-Decoding) kernels: argument checks, workspaces, grids.
+
+Every launcher is CUDA-graph capturable: it never reads a device tensor on the host (no
+``.item()``, no ``.tolist()``); grids come from host ints (shapes, ``max_seq_len``). Checks are
+on shapes, dtypes and devices only, so they cost microseconds. ``shared_prefix_blocks`` is the
+one helper that syncs, and says so.
+
+The autotuned kernels benchmark their configs on the first call for each key (GROUP_PAD,
+HEAD_DIM_PAD, BLOCK_SIZE, query tile, dtypes): run one warm-up call per layer shape before
+capturing a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+
+from .kernels import cascade_prefix_kernel, merge_states_kernel, split_kv_attention_kernel
+
+__all__ = [
+    "cascade_attention",
+    "choose_num_splits",
+    "merge_states",
+    "shared_prefix_blocks",
+    "split_decode_attention",
+]
+
+# Read once, like Triton itself reads it when the kernels are decorated.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+# choose_num_splits: about 2 resident programs per SM hides the latency of one program's
+# loads behind the other's; 256 tokens (16 blocks of 16) per split keeps the fixed cost of a
+# program (loading q, writing a partial, merging it) small against its K/V traffic; beyond 32
+# splits the merge's reads start to show for short contexts.
+_PROGRAMS_PER_SM = 2
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+
+def _fail(name: str, found: object, accepted: str) -> ValueError:
+    return ValueError(f"{name}: found {found}; accepted: {accepted}.")
+
+
+def _check_int_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise _fail(name, getattr(t, "dtype", type(t).__name__), "a torch.int32 tensor")
+    if shape is not None and tuple(t.shape) != shape:
+        raise _fail(f"{name}.shape", tuple(t.shape), f"{shape}")
+    if t.device != device:
+        raise _fail(f"{name}.device", t.device, f"the device of q ({device})")
+
+
+def _check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> None:
+    """Shape / dtype / device checks shared by the attention launchers (host metadata only)."""
+    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
+        raise _fail("q", f"{tuple(q.shape)} {q.dtype}", "[num_tokens, num_q_heads, head_dim] float32/float16/bfloat16")
+    num_tokens, num_q_heads, head_dim = q.shape
+    dev = q.device
+    if k_cache.dim() != 4:
+        raise _fail("k_cache.shape", tuple(k_cache.shape), "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise _fail("v_cache.shape", tuple(v_cache.shape), f"the shape of k_cache {tuple(k_cache.shape)}")
+    _, _, num_kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim:
+        raise _fail("k_cache.shape[3] (head_dim)", kv_head_dim, f"q's head_dim {head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise _fail("num_kv_heads", num_kv_heads, f"a divisor of num_q_heads ({num_q_heads})")
+    if k_cache.dtype != v_cache.dtype:
+        raise _fail("v_cache.dtype", v_cache.dtype, f"k_cache's dtype {k_cache.dtype}")
+    if k_cache.dtype not in (q.dtype, *_QUANT_DTYPES):
+        raise _fail("k_cache.dtype", k_cache.dtype, f"q.dtype ({q.dtype}), torch.int8 or torch.float8_e4m3fn")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.device != dev:
+            raise _fail(f"{name}.device", t.device, f"the device of q ({dev})")
+    quant = k_cache.dtype in _QUANT_DTYPES
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not quant:
+            if sc is not None:
+                raise _fail(name, "a tensor", f"None for an unquantized {k_cache.dtype} cache")
+            continue
+        if sc is None:
+            raise _fail(name, None, f"a float32 tensor {tuple(k_cache.shape[:3])} for a {k_cache.dtype} cache")
+        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(k_cache.shape[:3]) or sc.device != dev:
+            raise _fail(name, f"{tuple(sc.shape)} {sc.dtype} on {sc.device}",
+                        f"float32 {tuple(k_cache.shape[:3])} on {dev}")
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+        raise _fail("out", f"{tuple(out.shape)} {out.dtype}", f"{tuple(q.shape)} {q.dtype} (q's shape and dtype)")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (num_tokens, num_q_heads)
+                            or lse.device != dev):
+        raise _fail("lse", f"{tuple(lse.shape)} {lse.dtype} on {lse.device}",
+                    f"float32 {(num_tokens, num_q_heads)} on {dev}, or None")
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)
+                              or sinks.device != dev):
+        raise _fail("sinks", f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}",
+                    f"float32 ({num_q_heads},) on {dev}, or None")
+    if block_table.dim() != 2:
+        raise _fail("block_table.shape", tuple(block_table.shape), "[num_reqs, max_blocks]")
+    num_reqs = block_table.shape[0]
+    _check_int_tensor("block_table", block_table, None, dev)
+    _check_int_tensor("seq_lens", seq_lens, (num_reqs,), dev)
+    if not (isinstance(window, int) and window >= 0):
+        raise _fail("window", window, "an int >= 0 (0 = no sliding window)")
+    if not softcap >= 0.0:
+        raise _fail("softcap", softcap, "a float >= 0 (0 = no soft-cap)")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise _fail("scale", scale, "a finite Python float")
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(x))
+
+
+def _kv_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> dict:
+    """Cache pointers, strides and dtype switches common to the attention kernels."""
+    quant = k_cache.dtype in _QUANT_DTYPES
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    # Unused scale pointers still need a tensor; the QUANT=False kernel never touches them.
+    ks = k_scale if quant else k_cache
+    vs = v_scale if quant else v_cache
+    ks_strides = k_scale.stride() if quant else (0, 0, 0)
+    vs_strides = v_scale.stride() if quant else (0, 0, 0)
+    return dict(
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        k_scale_ptr=ks,
+        v_scale_ptr=vs,
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_kd=k_cache.stride(3),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2), stride_vd=v_cache.stride(3),
+        stride_ksb=ks_strides[0], stride_kss=ks_strides[1], stride_ksh=ks_strides[2],
+        stride_vsb=vs_strides[0], stride_vss=vs_strides[1], stride_vsh=vs_strides[2],
+        HEAD_DIM=q.shape[2],
+        HEAD_DIM_PAD=_pow2_at_least(q.shape[2], 16),
+        BLOCK_SIZE=k_cache.shape[1],
+        QUANT=quant,
+        FP8=fp8,
+        # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
+        # subnormals for small scales, so fp16 dequantizes V itself.
+        V_SCALE_ON_P=quant and q.dtype != torch.float16,
+        UPCAST=_INTERPRET,
+        # fp32 q must not silently become TF32 on tensor cores (1e-3 error); 16-bit ignores it.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Split decode
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, block_size: int, device: torch.device | str
+) -> int:
+    """Number of KV splits that fills the GPU for a decode batch (host ints only, no sync).
+
+    Targets about two programs per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
+    at least 256 tokens (and a whole block) per split, caps at 32. Returns 1 on a non-CUDA
+    device or when the (request, KV head) pairs already fill the GPU.
+
+    >>> choose_num_splits(4, 8, 32768, 16, "cpu")
+    1
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = _PROGRAMS_PER_SM * _sm_count(index)
+    pairs = max(1, num_reqs * num_kv_heads)
+    if pairs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, pairs)
+    by_length = max(1, max_seq_len // max(_MIN_TOKENS_PER_SPLIT, block_size))
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def split_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Flash-Decoding over a paged KV cache for a decode-only batch; fills and returns ``out``.
+
+    Shapes: q, out ``[num_reqs, num_q_heads, head_dim]`` (token r is request r's one query, at
+    position ``seq_lens[r] - 1``); k_cache, v_cache ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` of q.dtype, int8 or float8_e4m3fn (then k_scale, v_scale float32
+    ``[num_blocks, block_size, num_kv_heads]``, value = code * scale); seq_lens int32
+    ``[num_reqs]`` (0: padding request, exact zeros); block_table int32 ``[num_reqs,
+    max_blocks]``; sinks float32 ``[num_q_heads]``; lse (output, optional) float32
+    ``[num_reqs, num_q_heads]``, natural log, -inf where no key is visible, and including the
+    sink term otherwise (so ``out * exp(lse)`` stays the unnormalized sum and merges exactly).
+
+    Splits: with ``blocks_per_split=K`` split s covers key tokens ``[s*K*block_size,
+    (s+1)*K*block_size)`` of every request, so a request's output is bit-identical alone or in
+    any batch (``num_splits`` then defaults to ``ceil(max_seq_len / (K*block_size))``; a larger
+    value just adds empty splits, e.g. to keep one CUDA-graph grid). Otherwise each request's
+    visible range is cut into ``num_splits`` (default: ``choose_num_splits``) near-equal parts.
+
+    >>> import torch
+    >>> q = torch.zeros(1, 4, 64); kc = torch.zeros(2, 16, 1, 64); o = torch.empty_like(q)
+    >>> _ = split_decode_attention(q, kc, kc, o, seq_lens=torch.tensor([0], dtype=torch.int32),
+    ...     block_table=torch.zeros(1, 2, dtype=torch.int32), max_seq_len=0, scale=0.125)
+    >>> bool((o == 0).all())
+    True
+    """
+    _check_attention_args(q, k_cache, v_cache, out, seq_lens=seq_lens, block_table=block_table, scale=scale,
+                          window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale, lse=lse)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = block_table.shape[0]
+    if num_tokens != num_reqs:
+        raise _fail("q.shape[0] (num_tokens)", num_tokens,
+                    f"num_reqs = {num_reqs} (one query per request; use cascade_attention or a "
+                    "unified kernel for longer queries)")
+    if not (isinstance(max_seq_len, int) and max_seq_len >= 0):
+        raise _fail("max_seq_len", max_seq_len, "a host int >= 0 (the largest value in seq_lens)")
+    if blocks_per_split is not None:
+        if not (isinstance(blocks_per_split, int) and blocks_per_split >= 1):
+            raise _fail("blocks_per_split", blocks_per_split, "an int >= 1, or None")
+        tokens_per_split = blocks_per_split * block_size
+        needed = max(1, triton.cdiv(max_seq_len, tokens_per_split))
+        if num_splits is None:
+            num_splits = needed
+        elif not (isinstance(num_splits, int) and num_splits >= needed):
+            raise _fail("num_splits", num_splits,
+                        f">= ceil(max_seq_len / (blocks_per_split * block_size)) = {needed}, or None")
+    else:
+        tokens_per_split = 0
+        if num_splits is None:
+            num_splits = choose_num_splits(num_reqs, num_kv_heads, max_seq_len, block_size, q.device)
+        if not (isinstance(num_splits, int) and num_splits >= 1):
+            raise _fail("num_splits", num_splits, "an int >= 1, or None")
+
+    if num_tokens == 0:
+        return out
+    part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    _launch_split(
+        q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
+        seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
+        window=window, key_start=0, num_splits=num_splits, tokens_per_split=tokens_per_split, max_query_len=1,
+    )
+    merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
+    return out
+
+
+def _launch_split(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    window: int,
+    key_start: int,
+    num_splits: int,
+    tokens_per_split: int,
+    max_query_len: int,
+) -> None:
+    """Launch the split kernel; arguments already checked. Writes part_out / part_lse."""
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    num_reqs = block_table.shape[0]
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if max_query_len <= 1:
+        block_q = 1
+    else:
+        # Up to 64 rows per tile for multi-token queries: enough to amortize each K/V tile
+        # over several queries without spilling the fp32 accumulator at head_dim 256.
+        block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
+    num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
+    grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
+    split_kv_attention_kernel[grid](
+        q_ptr=q,
+        block_table_ptr=block_table,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc if query_start_loc is not None else seq_lens,
+        part_out_ptr=part_out,
+        part_lse_ptr=part_lse,
+        scale=float(scale),
+        softcap=float(softcap),
+        window=int(window),
+        key_start=int(key_start),
+        num_blocks=k_cache.shape[0],
+        max_blocks=block_table.shape[1],
+        num_splits=num_splits,
+        tokens_per_split=tokens_per_split,
+        num_q_tiles=num_q_tiles,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+        stride_btr=block_table.stride(0), stride_btb=block_table.stride(1),
+        stride_pos=part_out.stride(0), stride_pot=part_out.stride(1),
+        stride_poh=part_out.stride(2), stride_pod=part_out.stride(3),
+        stride_pls=part_lse.stride(0), stride_plt=part_lse.stride(1), stride_plh=part_lse.stride(2),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(16, block_q * group_pad),
+        HAS_QSL=query_start_loc is not None,
+        FIXED_SPLITS=tokens_per_split > 0,
+        USE_SOFTCAP=softcap > 0.0,
+        USE_WINDOW=window > 0,
+        **_kv_args(q, k_cache, v_cache, k_scale, v_scale),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------------------------
+
+
+def merge_states(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    lses: torch.Tensor | Sequence[torch.Tensor],
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention results over S disjoint key sets (Triton kernel).
+
+    outputs ``[S, num_tokens, num_heads, head_dim]`` (or S tensors ``[num_tokens, num_heads,
+    head_dim]``, stacked here: one copy), each normalized over its own keys; lses float32
+    ``[S, num_tokens, num_heads]``, natural log, -inf for an empty key set (its output is then
+    ignored, even if NaN). Returns ``(out, lse)``: out ``[num_tokens, num_heads, head_dim]`` in
+    outputs' dtype (or written into ``out``, any float dtype), lse float32 ``[num_tokens,
+    num_heads]``; a (token, head) empty in every part gets zeros and -inf. ``sinks`` (float32
+    ``[num_heads]``, optional) adds ``exp(sink)`` to the denominator once, with no value.
+
+    >>> import torch
+    >>> o = torch.ones(2, 1, 1, 4); l = torch.tensor([[[0.0]], [[float("-inf")]]])
+    >>> m, s = merge_states(o, l)
+    >>> m.flatten().tolist(), s.item()
+    ([1.0, 1.0, 1.0, 1.0], 0.0)
+    """
+    if not isinstance(outputs, torch.Tensor):
+        outputs = torch.stack(list(outputs))
+    if not isinstance(lses, torch.Tensor):
+        lses = torch.stack(list(lses))
+    if outputs.dim() != 4 or outputs.dtype not in _FLOAT_DTYPES:
+        raise _fail("outputs", f"{tuple(outputs.shape)} {outputs.dtype}",
+                    "[S, num_tokens, num_heads, head_dim] float32/float16/bfloat16, or a list of S [N, H, D]")
+    num_parts, num_tokens, num_heads, head_dim = outputs.shape
+    dev = outputs.device
+    if tuple(lses.shape) != (num_parts, num_tokens, num_heads) or lses.dtype != torch.float32 or lses.device != dev:
+        raise _fail("lses", f"{tuple(lses.shape)} {lses.dtype} on {lses.device}",
+                    f"float32 {(num_parts, num_tokens, num_heads)} on {dev}")
+    if num_parts < 1:
+        raise _fail("outputs.shape[0] (S)", num_parts, ">= 1 part")
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=outputs.dtype, device=dev)
+    elif tuple(out.shape) != (num_tokens, num_heads, head_dim) or out.dtype not in _FLOAT_DTYPES or out.device != dev:
+        raise _fail("out", f"{tuple(out.shape)} {out.dtype} on {out.device}",
+                    f"a float tensor {(num_tokens, num_heads, head_dim)} on {dev}, or None")
+    if out_lse is None:
+        out_lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
+    elif tuple(out_lse.shape) != (num_tokens, num_heads) or out_lse.dtype != torch.float32 or out_lse.device != dev:
+        raise _fail("out_lse", f"{tuple(out_lse.shape)} {out_lse.dtype} on {out_lse.device}",
+                    f"float32 {(num_tokens, num_heads)} on {dev}, or None")
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
+                              or sinks.device != dev):
+        raise _fail("sinks", f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}",
+                    f"float32 ({num_heads},) on {dev}, or None")
+    if num_tokens == 0 or num_heads == 0:
+        return out, out_lse
+    merge_states_kernel[(num_tokens, num_heads)](
+        parts_out_ptr=outputs,
+        parts_lse_ptr=lses,
+        sinks_ptr=sinks if sinks is not None else lses,
+        out_ptr=out,
+        out_lse_ptr=out_lse,
+        num_parts=num_parts,
+        stride_pos=outputs.stride(0), stride_pot=outputs.stride(1),
+        stride_poh=outputs.stride(2), stride_pod=outputs.stride(3),
+        stride_pls=lses.stride(0), stride_plt=lses.stride(1), stride_plh=lses.stride(2),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
+        stride_olt=out_lse.stride(0), stride_olh=out_lse.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_pow2_at_least(head_dim, 16),
+        HAS_SINKS=sinks is not None,
+        STORE_LSE=True,  # the kernel can skip it; this API always returns an lse
+        # One (token, head) row of <= 256 floats per program: a single warp covers it.
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+    return out, out_lse
+
+
+# --------------------------------------------------------------------------------------------
+# Cascade
+# --------------------------------------------------------------------------------------------
+
+
+def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
+    """Leading logical blocks that every request shares, usable as ``prefix_blocks``.
+
+    SYNCS with the device (reads block_table and seq_lens): call it off the hot path, e.g.
+    once per scheduler step, never inside a CUDA graph.
+
+    Counts the blocks whose physical id in row 0 equals the id in every row with
+    ``seq_len > 0`` (padding rows are ignored; row 0 must match because the prefix kernel reads
+    the prefix through it), capped by the shortest non-padding request's full blocks. Rows whose
+    queries still lie inside that prefix are fine: ``cascade_attention`` masks them causally.
+
+    >>> import torch
+    >>> bt = torch.tensor([[3, 4, 5], [3, 4, 9]], dtype=torch.int32)
+    >>> shared_prefix_blocks(bt, torch.tensor([40, 48], dtype=torch.int32), 16)
+    2
+    """
+    if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
+        raise _fail("block_table / seq_lens shapes", (tuple(block_table.shape), tuple(seq_lens.shape)),
+                    "[num_reqs, max_blocks] and [num_reqs]")
+    bt = block_table.cpu()
+    sl = seq_lens.cpu()
+    active = sl > 0
+    active[0] = True
+    if bt.shape[0] == 0 or not bool((sl > 0).any()):
+        return 0
+    same = (bt[active] == bt[0:1]).all(dim=0)  # [max_blocks]
+    common = int(same.int().cumprod(0).sum())
+    shortest_full = int(sl[sl > 0].min()) // block_size
+    return min(common, shortest_full)
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_blocks: int,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Causal paged attention for a batch sharing its first ``prefix_blocks`` blocks.
+
+    One prefix kernel tiles every query row of the batch (tokens x GROUP heads) against the
+    shared prefix, read through ``block_table[0, :prefix_blocks]`` (the caller guarantees each
+    request with ``seq_len > 0`` holds the same ids there, for the blocks it uses: see
+    ``shared_prefix_blocks``), so the prefix K/V is read once per 64-128-row tile instead of
+    once per request. A second pass attends each request's queries to its own keys from
+    ``prefix_blocks * block_size`` on (``num_splits`` splits), and ``merge_states`` combines
+    both. Exact for any request: queries lying inside the prefix are masked causally in the
+    prefix pass, padding requests (seq_len 0) give exact zeros.
+
+    Shapes as in ``split_decode_attention``, except q, out ``[num_tokens, ...]`` with
+    query_start_loc int32 ``[num_reqs + 1]``. Sliding windows are refused (ValueError).
+    """
+    _check_attention_args(q, k_cache, v_cache, out, seq_lens=seq_lens, block_table=block_table, scale=scale,
+                          window=window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale, lse=lse)
+    if window != 0:
+        raise _fail("window", window, "0: cascade attention cannot use a sliding window; call the unified "
+                    "or split kernels for windowed layers")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs, max_blocks = block_table.shape
+    _check_int_tensor("query_start_loc", query_start_loc, (num_reqs + 1,), q.device)
+    if not (isinstance(prefix_blocks, int) and 0 <= prefix_blocks <= max_blocks):
+        raise _fail("prefix_blocks", prefix_blocks, f"an int in [0, block_table.shape[1] = {max_blocks}]")
+    if not (isinstance(max_query_len, int) and max_query_len >= 0):
+        raise _fail("max_query_len", max_query_len, "a host int >= 0 (the largest query length)")
+    if not (isinstance(max_seq_len, int) and max_seq_len >= 0):
+        raise _fail("max_seq_len", max_seq_len, "a host int >= 0 (the largest value in seq_lens)")
+    if not (isinstance(num_splits, int) and num_splits >= 1):
+        raise _fail("num_splits", num_splits, "an int >= 1")
+    if num_tokens == 0:
+        return out
+
+    num_parts = num_splits + (1 if prefix_blocks > 0 else 0)
+    part_out = torch.empty((num_parts, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_parts, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
+
+    # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
+    _launch_split(
+        q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
+        seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
+        softcap=softcap, window=0, key_start=prefix_blocks * block_size, num_splits=num_splits,
+        tokens_per_split=0, max_query_len=max(max_query_len, 1),
+    )
+
+    # Prefix: all query rows of the batch against the shared blocks; the last part.
+    if prefix_blocks > 0:
+        group = num_q_heads // num_kv_heads
+        po, pl = part_out[num_splits], part_lse[num_splits]
+        grid = lambda meta: (triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads)  # noqa: E731
+        cascade_prefix_kernel[grid](
+            q_ptr=q,
+            block_table_ptr=block_table,
+            seq_lens_ptr=seq_lens,
+            query_start_loc_ptr=query_start_loc,
+            part_out_ptr=po,
+            part_lse_ptr=pl,
+            scale=float(scale),
+            softcap=float(softcap),
+            prefix_tokens=prefix_blocks * block_size,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            search_steps=(num_reqs - 1).bit_length(),
+            num_blocks=num_blocks,
+            max_blocks=max_blocks,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+            stride_btb=block_table.stride(1),
+            stride_pot=po.stride(0), stride_poh=po.stride(1), stride_pod=po.stride(2),
+            stride_plt=pl.stride(0), stride_plh=pl.stride(1),
+            GROUP=group,
+            USE_SOFTCAP=softcap > 0.0,
+            **kv,
+        )
+    merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
+    return out

@@ -1,0 +1,404 @@
+"""Split-KV (Flash-Decoding), merge and cascade kernels against a float64 PyTorch reference.
+
+Runs on the CPU under TRITON_INTERPRET=1 (set below when no GPU is present, before Triton is
+imported) and unchanged on a GPU. Shapes are tiny on purpose: the interpreter runs every
+program in NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paged_core import merge_states as merge_states_torch  # noqa: E402  (the PyTorch path on CPU tensors)
+from paged_triton_splitkv.launch import (  # noqa: E402
+    cascade_attention,
+    choose_num_splits,
+    merge_states,
+    shared_prefix_blocks,
+    split_decode_attention,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative to max|ref|: fp32 sees only summation-order error; fp16/bf16 the rounding of q, K, V
+# and of the probabilities fed to the second dot.
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+HEAD_DIM = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Reference and fixtures
+# --------------------------------------------------------------------------------------------
+
+
+def reference_attention(q, k_cache, v_cache, *, query_start_loc, seq_lens, block_table, scale, window=0,
+                        softcap=0.0, sinks=None, k_scale=None, v_scale=None):
+    """Float64 oracle: (out [N, Hq, D] float64, lse [N, Hq] float64, natural log incl. sink)."""
+    num_tokens, hq, d = q.shape
+    num_blocks, bs, hkv, _ = k_cache.shape
+    group = hq // hkv
+    k = k_cache.double() if k_scale is None else k_cache.double() * k_scale.double()[..., None]
+    v = v_cache.double() if v_scale is None else v_cache.double() * v_scale.double()[..., None]
+    out = torch.zeros(num_tokens, hq, d, dtype=torch.float64)
+    lse = torch.full((num_tokens, hq), float("-inf"), dtype=torch.float64)
+    qsl, sl, bt = query_start_loc.tolist(), seq_lens.tolist(), block_table.tolist()
+    for r in range(len(sl)):
+        q_len, seq_len = qsl[r + 1] - qsl[r], sl[r]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            keys = []
+            for j in range(max(0, pos + 1)):
+                if j // bs >= len(bt[r]):
+                    continue
+                blk = bt[r][j // bs]
+                if not 0 <= blk < num_blocks:  # the kernels mask invalid block ids
+                    continue
+                if window > 0 and j <= pos - window:
+                    continue
+                keys.append((blk, j % bs))
+            if not keys:
+                continue
+            t = qsl[r] + i
+            kk = torch.stack([k[b, o] for b, o in keys])  # [n, Hkv, D]
+            vv = torch.stack([v[b, o] for b, o in keys])
+            for h in range(hq):
+                s = (kk[:, h // group] @ q[t, h].double()) * scale
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
+                logits = s if sinks is None else torch.cat([s, sinks[h].double().view(1)])
+                lse[t, h] = torch.logsumexp(logits, 0)
+                p = torch.exp(s - lse[t, h])
+                out[t, h] = p @ vv[:, h // group]
+    return out, lse
+
+
+def make_cache(num_blocks, block_size, hkv, dtype, kv_dtype=None, seed=0, head_dim=HEAD_DIM):
+    """Random K/V; quantized caches hold symmetric per-(slot, head) codes and float32 scales."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g)
+    v = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g)
+    if kv_dtype is None:
+        return k.to(dtype), v.to(dtype), None, None
+    qmax = 127.0 if kv_dtype == torch.int8 else 448.0
+    caches = []
+    for x in (k, v):
+        sc = x.abs().amax(-1) / qmax
+        codes = x / sc[..., None]
+        codes = codes.round().clamp(-127, 127).to(torch.int8) if kv_dtype == torch.int8 else codes.to(kv_dtype)
+        caches += [codes, sc.float()]
+    return caches[0], caches[2], caches[1], caches[3]
+
+
+def make_batch(seq_lens, block_size, num_blocks, max_blocks=None, seed=0, shared_prefix=0):
+    """Shuffled, non-contiguous block table (block 0 reserved); unused entries hold garbage ids."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    max_blocks = max_blocks or max(max(need), 1) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    prefix_ids = [perm.pop() for _ in range(shared_prefix)]
+    bt = torch.full((len(seq_lens), max_blocks), -7, dtype=torch.int32)
+    for r, n in enumerate(need):
+        ids = prefix_ids[:n] + [perm.pop() for _ in range(max(0, n - shared_prefix))]
+        bt[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        bt[r, len(ids):: 2] = num_blocks + 5  # out-of-range ids past the context: never read
+    return torch.tensor(seq_lens, dtype=torch.int32), bt
+
+
+def decode_qsl(n):
+    return torch.arange(n + 1, dtype=torch.int32)
+
+
+def assert_close(out, ref, dtype, what=""):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out.double().cpu() - ref).abs().max().item()
+    denom = max(ref.abs().max().item(), 1e-6)
+    assert err / denom <= TOL[dtype], f"{what}: max err {err:.3g} vs max|ref| {denom:.3g} ({dtype})"
+
+
+def assert_lse_close(lse, ref_lse, tol=1e-3):
+    lse = lse.double().cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs"
+    fin = ~torch.isneginf(ref_lse)
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() <= tol
+
+
+def run_decode(q, kc, vc, seq_lens, bt, *, dtype, ks=None, vs=None, with_lse=True, **kw):
+    """Run split_decode_attention on DEVICE with NaN-poisoned outputs; returns CPU (out, lse)."""
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE) if with_lse else None
+    split_decode_attention(
+        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, seq_lens=seq_lens.to(DEVICE),
+        block_table=bt.to(DEVICE), max_seq_len=int(seq_lens.max()), scale=HEAD_DIM**-0.5,
+        k_scale=dev(ks), v_scale=dev(vs), lse=lse, **kw,
+    )
+    return out.cpu(), (None if lse is None else lse.cpu())
+
+
+def decode_case(seq_lens, *, hq=4, hkv=1, block_size=16, dtype=torch.float32, kv_dtype=None, seed=0,
+                head_dim=HEAD_DIM):
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 4
+    kc, vc, ks, vs = make_cache(num_blocks, block_size, hkv, dtype, kv_dtype, seed, head_dim)
+    sl, bt = make_batch(seq_lens, block_size, num_blocks, seed=seed)
+    q = torch.randn(len(seq_lens), hq, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, kc, vc, ks, vs, sl, bt
+
+
+# --------------------------------------------------------------------------------------------
+# Split decode
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_matches_reference_for_split_counts(num_splits):
+    q, kc, vc, _, _, sl, bt = decode_case([70, 130, 255], hq=6, hkv=2)  # group 3 -> padded to 4
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=num_splits)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(3), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, f"splits={num_splits}")
+    assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_half_precision(dtype):
+    # Block 64 > BLOCK_N exercises tiles smaller than a block.
+    q, kc, vc, _, _, sl, bt = decode_case([100, 37], block_size=64, dtype=dtype, seed=3)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, num_splits=3)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, str(dtype))
+    assert_lse_close(lse, ref_lse, tol=2e-2)
+
+
+def test_head_dim_not_power_of_two():
+    # head_dim 80 -> padded to 128 and masked; block 32 with BLOCK_N 32 (one block per step).
+    q, kc, vc, _, _, sl, bt = decode_case([75, 140], hq=4, hkv=2, block_size=32, seed=41, head_dim=80)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, "head_dim 80")
+    assert_lse_close(lse, ref_lse)
+
+
+def test_short_request_among_long_ones_and_padding_rows():
+    # 8 splits over 3 tokens leaves most splits of request 1 empty; requests 2 and 4 are padding.
+    q, kc, vc, _, _, sl, bt = decode_case([200, 3, 0, 129, 0], seed=5)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=8)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(5), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, "mixed lengths")
+    assert torch.equal(out[[2, 4]], torch.zeros_like(out[[2, 4]])), "padding rows must be exact zeros"
+    assert torch.isneginf(lse[[2, 4]]).all()
+    assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantized_cache_matches_dequantized_reference(kv_dtype, dtype):
+    q, kc, vc, ks, vs, sl, bt = decode_case([90, 161], hq=4, hkv=1, dtype=dtype, kv_dtype=kv_dtype, seed=7)
+    out, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=3)
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt,
+                                 scale=HEAD_DIM**-0.5, k_scale=ks, v_scale=vs)
+    assert_close(out, ref, dtype, f"{kv_dtype}/{dtype}")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(window=40), dict(softcap=5.0), dict(sinks=True), dict(window=17, softcap=2.0, sinks=True)],
+    ids=["window", "softcap", "sinks", "all"],
+)
+def test_window_softcap_sinks(kw):
+    q, kc, vc, _, _, sl, bt = decode_case([150, 30, 0, 255], hq=6, hkv=2, seed=11)
+    kw = dict(kw)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.linspace(-1.0, 3.0, 6, dtype=torch.float32)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt,
+                                       scale=HEAD_DIM**-0.5, **kw)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].to(DEVICE)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3, **kw)
+    assert_close(out, ref, torch.float32, str(kw))
+    assert_lse_close(lse, ref_lse)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_invalid_block_ids_are_masked_not_read():
+    q, kc, vc, _, _, sl, bt = decode_case([100, 60], hq=2, hkv=2, seed=13)  # MHA: GROUP 1
+    bt[0, 2] = -3  # keys 32..47 of request 0 vanish
+    bt[1, 1] = kc.shape[0] + 100  # keys 16..31 of request 1 vanish
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, "invalid ids")
+    assert_lse_close(lse, ref_lse)
+
+
+def test_table_narrower_than_seq_len_masks_the_rest():
+    q, kc, vc, _, _, sl, bt = decode_case([100], seed=17)
+    bt = bt[:, :3].contiguous()  # 48 keys addressable out of 100
+    out, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=2)
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(1), seq_lens=sl,
+                                 block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, "narrow table")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_mode_is_bitwise_stable(dtype):
+    q, kc, vc, _, _, sl, bt = decode_case([250, 70, 0, 131], hq=4, hkv=1, dtype=dtype, seed=19)
+    batch_out, batch_lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, blocks_per_split=2)
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt,
+                                 scale=HEAD_DIM**-0.5)
+    assert_close(batch_out, ref, dtype, "batch-invariant mode")
+    for r in (1, 3):
+        alone_out, alone_lse = run_decode(q[r:r + 1], kc, vc, sl[r:r + 1], bt[r:r + 1], dtype=dtype,
+                                          blocks_per_split=2)
+        assert torch.equal(alone_out[0], batch_out[r]), f"request {r}: output differs alone vs in batch"
+        assert torch.equal(alone_lse[0], batch_lse[r])
+    # A larger grid than needed (fixed CUDA-graph grid) only adds empty splits.
+    padded_out, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, blocks_per_split=2, num_splits=12)
+    assert torch.equal(padded_out, batch_out)
+
+
+def test_decode_rejects_bad_arguments():
+    q, kc, vc, _, _, sl, bt = decode_case([20, 30])
+    out = torch.empty_like(q)
+    base = dict(seq_lens=sl, block_table=bt, max_seq_len=30, scale=0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        split_decode_attention(q, kc, vc, out, **{**base, "seq_lens": sl.long()})
+    with pytest.raises(ValueError, match="num_tokens"):
+        split_decode_attention(q[:1], kc, vc, out[:1], **base)
+    with pytest.raises(ValueError, match="k_scale"):
+        split_decode_attention(q, kc.to(torch.int8), vc.to(torch.int8), out, **base)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_decode_attention(q, kc, vc, out, **base, num_splits=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_decode_attention(q, kc, vc, out, **base, blocks_per_split=1, num_splits=1)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kc3 = kc.expand(-1, -1, 3, -1)
+        split_decode_attention(q, kc3, kc3, out, **base)
+
+
+def test_choose_num_splits_on_cpu_is_one():
+    assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_states_matches_torch_and_handles_empty(dtype):
+    g = torch.Generator().manual_seed(23)
+    outs = torch.randn(3, 5, 4, HEAD_DIM, generator=g).to(dtype)
+    lses = torch.randn(3, 5, 4, generator=g) * 3
+    lses[1, 0] = float("-inf")  # one part empty
+    lses[:, 2, 1] = float("-inf")  # every part empty
+    outs[1, 0] = float("nan")  # an empty part's output must be ignored
+    got_out, got_lse = merge_states([o.to(DEVICE) for o in outs], lses.to(DEVICE))
+    ref_out, ref_lse = merge_states_torch(outs, lses)
+    assert got_out.dtype == dtype
+    assert_close(got_out.cpu(), ref_out.double(), dtype, "merge vs torch")
+    assert torch.equal(got_out[2, 1].cpu(), torch.zeros(HEAD_DIM, dtype=dtype))
+    assert torch.isneginf(got_lse[2, 1]).item()
+    assert_lse_close(got_lse, ref_lse.double(), tol=1e-5)
+
+
+def test_merge_of_disjoint_key_sets_equals_attention_over_union():
+    q, kc, vc, _, _, sl, bt = decode_case([150, 90], seed=29)
+    scale = HEAD_DIM**-0.5
+    full, full_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
+                                         block_table=bt, scale=scale)
+    # Disjoint key sets: the first 48 keys (blocks 0-2) and the rest, by masking table entries.
+    bt_a, bt_b = bt.clone(), bt.clone()
+    bt_a[:, 3:] = -1
+    bt_b[:, :3] = -1
+    parts = [run_decode(q, kc, vc, sl, t, dtype=torch.float32, num_splits=2) for t in (bt_a, bt_b)]
+    out, lse = merge_states([p[0].to(DEVICE) for p in parts], torch.stack([p[1] for p in parts]).to(DEVICE))
+    assert_close(out.cpu(), full, torch.float32, "merge of halves")
+    assert_lse_close(lse, full_lse)
+    torch_out, _ = merge_states_torch([p[0] for p in parts], [p[1] for p in parts])
+    assert_close(torch_out, full, torch.float32, "torch merge of halves")
+
+
+# --------------------------------------------------------------------------------------------
+# Cascade
+# --------------------------------------------------------------------------------------------
+
+
+def cascade_case(q_lens, seq_lens, prefix_blocks, *, hq=4, hkv=1, block_size=16, dtype=torch.float32,
+                 kv_dtype=None, seed=31):
+    num_blocks = prefix_blocks + sum(math.ceil(s / block_size) for s in seq_lens) + 4
+    kc, vc, ks, vs = make_cache(num_blocks, block_size, hkv, dtype, kv_dtype, seed)
+    sl, bt = make_batch(seq_lens, block_size, num_blocks, seed=seed, shared_prefix=prefix_blocks)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, kc, vc, ks, vs, qsl, sl, bt
+
+
+def run_cascade(q, kc, vc, qsl, sl, bt, prefix_blocks, *, ks=None, vs=None, **kw):
+    out = torch.full_like(q, float("nan")).to(DEVICE)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    q_lens = (qsl[1:] - qsl[:-1])
+    cascade_attention(
+        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, query_start_loc=qsl.to(DEVICE), seq_lens=sl.to(DEVICE),
+        block_table=bt.to(DEVICE), prefix_blocks=prefix_blocks, max_query_len=int(q_lens.max()),
+        max_seq_len=int(sl.max()), scale=HEAD_DIM**-0.5, k_scale=dev(ks), v_scale=dev(vs), lse=lse, **kw,
+    )
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_batch_matches_reference(dtype):
+    # 5 decodes sharing 6 blocks (96 tokens); 6 q / 2 kv heads -> GROUP 3 rows per token.
+    seq_lens = [130, 97, 180, 0, 111]
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, seq_lens, 6, hq=6, hkv=2, dtype=dtype)
+    assert shared_prefix_blocks(bt, sl, 16) == 6
+    out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 6)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                       scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, dtype, "cascade decode")
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert_lse_close(lse, ref_lse, tol=1e-3 if dtype == torch.float32 else 2e-2)
+
+
+def test_cascade_multi_token_queries_reaching_into_the_prefix():
+    # Request 1's 40 queries start at position 60 < prefix 64: masked causally in the prefix pass.
+    # Request 2 ends exactly at the prefix (empty suffix). Softcap, int8 cache and sinks too.
+    q_lens, seq_lens = [5, 40, 1, 3], [120, 100, 64, 77]
+    q, kc, vc, ks, vs, qsl, sl, bt = cascade_case(q_lens, seq_lens, 4, kv_dtype=torch.int8, seed=37)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 4, ks=ks, vs=vs, softcap=4.0, sinks=sinks.to(DEVICE),
+                           num_splits=2)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                       scale=HEAD_DIM**-0.5, softcap=4.0, sinks=sinks, k_scale=ks, v_scale=vs)
+    assert_close(out, ref, torch.float32, "cascade multi-token")
+    assert_lse_close(lse, ref_lse)
+
+
+def test_cascade_refuses_window_and_bad_prefix():
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case([1, 1], [40, 50], 2)
+    base = dict(query_start_loc=qsl, seq_lens=sl, block_table=bt, max_query_len=1, max_seq_len=50, scale=0.1)
+    with pytest.raises(ValueError, match="window"):
+        cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=2, window=8, **base)
+    with pytest.raises(ValueError, match="prefix_blocks"):
+        cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=99, **base)
+
+
+def test_shared_prefix_blocks_ignores_padding_rows_and_caps_by_length():
+    bt = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 8], [0, 0, 0, 0], [3, 4, 5, 6]], dtype=torch.int32)
+    assert shared_prefix_blocks(bt, torch.tensor([64, 64, 0, 64], dtype=torch.int32), 16) == 3
+    assert shared_prefix_blocks(bt, torch.tensor([64, 64, 0, 20], dtype=torch.int32), 16) == 1
+    assert shared_prefix_blocks(bt, torch.zeros(4, dtype=torch.int32), 16) == 0

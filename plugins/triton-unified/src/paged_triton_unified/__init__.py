@@ -1,0 +1,19 @@
+"""paged-triton-unified: one Triton kernel launch per layer for any mixed batch.
+
+Registers the backend ``triton-unified``; the class lives in :mod:`paged_triton_unified.backend`
+and is imported only when used.
+"""
+
+from paged_core.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+@hookimpl
+def register_backends(register):
+    register(
+        "triton-unified",
+        "paged_triton_unified.backend:TritonUnifiedBackend",
+        priority=20,
+        install="pip install 'paged-core[triton]'",
+    )

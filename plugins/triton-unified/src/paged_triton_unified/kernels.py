@@ -1,0 +1,470 @@
+"""Triton kernels of the triton-unified backend: one launch per layer for a whole mixed batch.
+
+Only ``@triton.jit`` code lives here (plus the autotuning configs of the kernel they tune);
+the launcher that validates arguments and sizes the grid is ``launch.py``.
+
+Vocabulary, for one request of a flattened batch::
+
+    positions   0 . . . . . . . . . . . . . . . . seq_len - 1
+                |<------ context_len ------>|<-- query_len -->|
+                                             the new tokens: rows query_start_loc[r] ...
+
+Query ``i`` of a request sits at position ``context_len + i`` and sees keys ``0 .. position``
+(and with a window ``w > 0`` only keys ``> position - w``). Logical key ``j`` lives in physical
+slot ``block_table[r, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE`` of the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 the launcher runs one fixed config: autotuning there would only
+# multiply the (already slow) interpreted run time by the number of configs.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Literals 1.4426950408889634 (log2 e) and 0.6931471805599453 (ln 2) appear inline in the
+# kernels: plain Python globals are not readable from @triton.jit code.
+
+
+# --------------------------------------------------------------------------------------------
+# Tile plan: which query tiles exist, flattened over the batch.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def tile_plan_kernel(
+    query_start_loc_ptr,  # int32 [num_reqs + 1]
+    tile_end_small_ptr,  # int32 [num_reqs], out: inclusive prefix sum of small-class tiles
+    tile_end_large_ptr,  # int32 [num_reqs], out: inclusive prefix sum of large-class tiles
+    num_reqs,
+    BLOCK_Q_SMALL: tl.constexpr,
+    BLOCK_Q_LARGE: tl.constexpr,
+    SPLIT: tl.constexpr,  # False: every request goes to the small class
+    BLOCK_R: tl.constexpr,
+):
+    """One program writes, for each size class, the running count of query tiles per request.
+
+    A request with ``query_len <= BLOCK_Q_SMALL`` (a decode, a short verification block) fits in
+    one small tile; longer ones go to the large class when SPLIT, so that a long prefill gets
+    tensor-core-sized tiles without inflating the tiles of the decodes it is batched with.
+    This is a single tiny launch instead of a chain of torch ops (diff, clamp, div, where,
+    cumsum), which matters when it is paid once per layer.
+    """
+    # Loop-carried scalars must be tensors from the start (a Python 0 would be a constexpr).
+    carry_small = num_reqs * 0
+    carry_large = num_reqs * 0
+    for start in range(0, num_reqs, BLOCK_R):
+        offs = start + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        in_range = offs < num_reqs
+        q_begin = tl.load(query_start_loc_ptr + offs, mask=in_range, other=0)
+        q_end = tl.load(query_start_loc_ptr + offs + 1, mask=in_range, other=0)
+        # A non-monotone query_start_loc (bad metadata) must not produce negative counts:
+        # the binary search in the attention kernel needs a monotone prefix sum.
+        q_len = tl.maximum(q_end - q_begin, 0)
+        if SPLIT:
+            is_large = q_len > BLOCK_Q_SMALL
+            n_small = tl.where(is_large, 0, (q_len + BLOCK_Q_SMALL - 1) // BLOCK_Q_SMALL)
+            n_large = tl.where(is_large, (q_len + BLOCK_Q_LARGE - 1) // BLOCK_Q_LARGE, 0)
+            ends_large = carry_large + tl.cumsum(n_large, 0)
+            tl.store(tile_end_large_ptr + offs, ends_large, mask=in_range)
+            carry_large += tl.sum(n_large, 0)
+        else:
+            n_small = (q_len + BLOCK_Q_SMALL - 1) // BLOCK_Q_SMALL
+        ends_small = carry_small + tl.cumsum(n_small, 0)
+        tl.store(tile_end_small_ptr + offs, ends_small, mask=in_range)
+        carry_small += tl.sum(n_small, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no portable tanh across Triton 3.6..3.9 and the interpreter; this form saturates
+    # cleanly to +-1 (exp2 overflows to inf, 2/inf = 0) instead of producing inf/inf = NaN.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _attend_step(
+    acc,  # float32 [BLOCK_M, HEAD_DIM_PAD]
+    l_i,  # float32 [BLOCK_M]
+    m_i,  # float32 [BLOCK_M], running max in log2 units
+    q,  # [BLOCK_M, HEAD_DIM_PAD], dot dtype
+    start_n,
+    q_pos,  # int32 [BLOCK_M]
+    seq_len,
+    window,
+    softcap,
+    qk_scale,  # scale * log2(e), or scale / softcap when soft-capping
+    num_blocks,
+    max_blocks_per_req,
+    block_table_row_ptr,  # int32 [max_blocks_per_req], this request's row
+    stride_bt_b,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    kv_head,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
+    offs_d,  # [HEAD_DIM_PAD]
+    d_mask,  # [HEAD_DIM_PAD]
+    MASKED: tl.constexpr,  # False: every key of the step is visible to every row (no causal work)
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
+    # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per
+    # key. Keys past the table, past the sequence, or in a block id outside the pool are masked
+    # and their pointers clamped to block 0, so bad metadata never reads outside the cache.
+    logical_block = offs_n // BLOCK_SIZE
+    block = tl.load(
+        block_table_row_ptr + logical_block * stride_bt_b,
+        mask=logical_block < max_blocks_per_req,
+        other=-1,
+    )
+    key_ok = (block >= 0) & (block < num_blocks) & (offs_n < seq_len)  # [BLOCK_N]
+    # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
+    block = tl.where(key_ok, block, 0).to(tl.int64)
+    in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
+    kv_mask = key_ok[None, :] & d_mask[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
+
+    # K^T: [HEAD_DIM_PAD, BLOCK_N]; masked to 0 because uninitialised cache memory may hold NaN.
+    k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
+    k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask, other=0)
+    if KV_QUANT == 2:
+        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
+        k = k.to(tl.float8e4nv, bitcast=True)
+    # Quantized codes convert exactly to the dot dtype; their per-key scale is applied to the
+    # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
+    k = k.to(q.dtype)
+
+    qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    if KV_QUANT != 0:
+        ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
+        k_sc = tl.load(k_scale_ptr + ks_offs, mask=key_ok, other=0.0)  # [BLOCK_N] float32
+        qk = qk * k_sc[None, :]
+    if USE_SOFTCAP:
+        s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+    else:
+        s = qk * qk_scale  # log2 units: exp2 below is exp of the natural logits
+
+    if MASKED:
+        visible = key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+    else:
+        visible = key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps
+    # exp2(-inf - (-inf)) = NaN out of alpha and p.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
+    p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # V: [BLOCK_N, HEAD_DIM_PAD]
+    v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
+    v = tl.load(
+        v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0
+    )
+    if KV_QUANT == 2:
+        v = v.to(tl.float8e4nv, bitcast=True)
+    v = v.to(q.dtype)
+    if KV_QUANT != 0:
+        vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
+        v_sc = tl.load(v_scale_ptr + vs_offs, mask=key_ok, other=0.0)  # [BLOCK_N]
+        p = p * v_sc[None, :]
+    # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also runs
+    # on tensor cores; accumulation stays in float32.
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+def _attention_configs():
+    """The GPU search space; ``keep`` narrows it per shape class at launch time."""
+    configs = []
+    for block_n in (16, 32, 64, 128):
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3, 4):
+                configs.append(
+                    triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+                )
+    return configs
+
+
+# (BLOCK_N, num_warps, num_stages) per shape class, about eight each: the tuning cost is paid
+# on the first call of every class. Decode tiles (16-32 rows) are bandwidth-bound: wide key steps
+# and deep pipelines keep enough bytes in flight. Prefill tiles (64-128 rows) are compute-bound:
+# more warps for the larger MMA, fewer stages because each stage holds larger K/V tiles.
+_DECODE_CONFIGS = {
+    (32, 4, 3),
+    (32, 4, 4),
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 4, 4),
+    (64, 8, 3),
+    (128, 4, 2),
+    (128, 8, 2),
+}
+_PREFILL_CONFIGS = {
+    (32, 4, 2),
+    (32, 4, 3),
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 8, 2),
+    (64, 8, 3),
+    (128, 8, 2),
+    (32, 8, 3),
+}
+
+
+def keep(config, block_m, head_dim_pad):
+    """Whether ``config`` is worth timing for a tile of ``block_m`` rows and a padded head dim."""
+    sig = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    allowed = _DECODE_CONFIGS if block_m <= 32 else _PREFILL_CONFIGS
+    if sig not in allowed:
+        return False
+    # Head dim 256 doubles every tile: 128-key steps with 3+ stages overflow shared memory.
+    if head_dim_pad >= 256 and config.kwargs["BLOCK_N"] * config.num_stages > 192:
+        return False
+    return True
+
+
+def _prune(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    block_m = args["BLOCK_Q"] * args["GROUP_PAD"]
+    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
+    return kept or configs[:1]
+
+
+def _autotune(fn):
+    if INTERPRET:
+        return fn
+    return triton.autotune(
+        configs=_attention_configs(),
+        # The tile shape, the cache layout and the KV format decide the best config; tensor
+        # dtypes are added to the key by the autotuner itself. Request counts and lengths are
+        # not in the key (each new value would re-tune), nor is "decode-only": BLOCK_Q already
+        # separates decode-shaped tiles from prefill tiles, and one config per tile class keeps
+        # a request's result independent of the batch it is in (batch invariance).
+        key=["BLOCK_Q", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(fn)
+
+
+@_autotune
+# Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
+# kernel for each combination as batches change; none of them feeds address alignment.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req"])
+def unified_attention_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], q's dtype, last dim contiguous
+    k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
+    v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
+    sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
+    lse_ptr,  # float32 [num_tokens, num_q_heads] (written only if HAS_LSE)
+    query_start_loc_ptr,  # int32 [num_reqs + 1]
+    seq_lens_ptr,  # int32 [num_reqs]
+    block_table_ptr,  # int32 [num_reqs, max_blocks_per_req]
+    tile_end_ptr,  # int32 [num_reqs], inclusive prefix sum of this launch's tiles per request
+    num_tokens,
+    num_reqs,
+    num_blocks,
+    max_blocks_per_req,
+    scale,
+    softcap,
+    window,
+    stride_q_t,
+    stride_q_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_bt_r,
+    stride_bt_b,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,  # keys per loop step (may span several cache blocks)
+    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
+):
+    """One program: BLOCK_Q query tokens of one request, all GROUP query heads of one KV head."""
+    tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+
+    # Heaviest tiles first: the last tiles of a causal prefill see the most keys, and running
+    # them early evens out the tail of the launch. The empty programs of the over-sized grid
+    # then come first and exit at once.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Find the request owning this tile: the first r with tile_end[r] > tile.
+    lo = num_reqs * 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        after = tl.load(tile_end_ptr + mid) > tile
+        hi = tl.where(after, mid, hi)
+        lo = tl.where(after, lo, mid + 1)
+    req = lo
+    if req >= num_reqs:
+        return  # past the batch's last tile
+    tile_begin = tl.load(tile_end_ptr + req - 1, mask=req > 0, other=0)
+    local_tile = tile - tile_begin
+
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [BLOCK_M], BLOCK_M = BLOCK_Q * GROUP_PAD
+    q_idx = local_tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the request
+    head_in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + head_in_group  # [BLOCK_M] query head of each row
+    token = q_begin + q_idx  # [BLOCK_M] row of q / out
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
+    q_pos = context_len + q_idx  # [BLOCK_M] position of each row's query
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    token64 = token.to(tl.int64)
+    q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    if USE_SOFTCAP:
+        qk_scale = scale / softcap
+    else:
+        qk_scale = scale * 1.4426950408889634
+
+    # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
+    # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
+    # row's arithmetic does not depend on which tile it landed in (batch invariance).
+    first_pos = context_len + local_tile * BLOCK_Q
+    last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
+    key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
+    if USE_WINDOW:
+        lo_key = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+    else:
+        lo_key = first_pos * 0
+        full_lo = first_pos * 0
+    start = (lo_key // BLOCK_N) * BLOCK_N
+    full_begin = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, key_end // BLOCK_N * BLOCK_N)
+    if full_begin >= full_end:
+        full_begin = start
+        full_end = start
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
+
+    # Leading window edge, masked.
+    for start_n in range(start, full_begin, BLOCK_N):
+        acc, l_i, m_i = _attend_step(
+            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+            offs_d, d_mask,
+            MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    # Bulk of the context: no causal or window mask to compute.
+    for start_n in range(full_begin, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_step(
+            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+            offs_d, d_mask,
+            MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    # The causal diagonal, masked.
+    for start_n in range(full_end, key_end, BLOCK_N):
+        acc, l_i, m_i = _attend_step(
+            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+            offs_d, d_mask,
+            MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+
+    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(0) = 1):
+    # such rows (padding requests) write zeros and lse = -inf, sinks or not.
+    seen = l_i > 0.0
+    if HAS_SINKS:
+        # The sink joins the denominator only; folding it in at the end is the same softmax as
+        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_fin)
+        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
+        m_i = m_fin
+        l_i = tl.where(seen, l_fin, 0.0)
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
+    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    if HAS_LSE:
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)

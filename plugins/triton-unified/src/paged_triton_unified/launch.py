@@ -1,0 +1,419 @@
+"""Launcher of the triton-unified kernel: validation, tile sizing and the grid.
+
+Everything here is host-side Python that reads only shapes, dtypes, strides and host ints, so a
+call never synchronises with the device and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+from triton.runtime.autotuner import Autotuner
+
+from .kernels import INTERPRET, tile_plan_kernel, unified_attention_kernel
+
+__all__ = [
+    "BLOCK_M_LARGE",
+    "BLOCK_M_SMALL",
+    "INTERPRET",
+    "INTERPRET_CONFIG",
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_KV_DTYPES",
+    "LaunchConfig",
+    "default_config",
+    "unified_attention",
+]
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The cache holds either q's dtype or quantized codes with float32 scales per (slot, KV head).
+SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+# Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
+# for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
+# tiles re-read the causal prefix once per few queries (GPU.md: 61-71 TFLOP/s for such designs).
+BLOCK_M_SMALL = 16
+BLOCK_M_LARGE = 128
+# Head dims padded to 256 double every register tile; 64 rows keep the accumulator in registers.
+BLOCK_M_LARGE_WIDE_HEAD = 64
+
+# The one config run under TRITON_INTERPRET=1. BLOCK_N = 32 spans two 16-token cache blocks and
+# half of a 64-token block, so the tests cover both sides of the block-table gather.
+INTERPRET_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+
+_TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the launcher tiles a batch.
+
+    Requests with at most ``block_q_small`` new tokens (decodes, short verification blocks) run
+    in one launch with ``block_q_small``-token tiles; longer ones, if the batch has any, in a
+    second launch with ``block_q_large``-token tiles. ``block_n``/``num_warps``/``num_stages``
+    fix the kernel config; ``None`` lets the autotuner choose (on the GPU).
+    """
+
+    block_q_small: int
+    block_q_large: int
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> LaunchConfig:
+    """The launcher's default tiling for a model shape (independent of the batch).
+
+    >>> default_config(num_q_heads=32, num_kv_heads=8, head_dim=128).block_q_small
+    4
+    """
+    group_pad = _next_power_of_2(num_q_heads // num_kv_heads)
+    large_rows = BLOCK_M_LARGE if _next_power_of_2(head_dim) <= 128 else BLOCK_M_LARGE_WIDE_HEAD
+    fixed = INTERPRET_CONFIG if INTERPRET else {}
+    return LaunchConfig(
+        block_q_small=max(1, BLOCK_M_SMALL // group_pad),
+        block_q_large=max(1, large_rows // group_pad),
+        block_n=fixed.get("BLOCK_N"),
+        num_warps=fixed.get("num_warps"),
+        num_stages=fixed.get("num_stages"),
+    )
+
+
+def _fail(name: str, found, accepted: str) -> None:
+    raise ValueError(f"{name} {found} is not supported: triton-unified accepts {accepted}")
+
+
+def _check_int32_vector(name: str, t, length: int, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"of type {type(t).__name__}", "an int32 tensor")
+    if t.dtype != torch.int32:
+        _fail(name, f"with dtype {t.dtype}", "int32 (cast with .to(torch.int32))")
+    if t.dim() != 1 or t.shape[0] != length:
+        _fail(name, f"with shape {tuple(t.shape)}", f"shape ({length},)")
+    if not t.is_contiguous():
+        _fail(name, "with non-contiguous storage", "a contiguous tensor (call .contiguous())")
+    if t.device != device:
+        _fail(name, f"on {t.device}", f"tensors on q's device {device}")
+
+
+def _check_scales(name: str, t, cache: torch.Tensor) -> None:
+    expected = tuple(cache.shape[:3])
+    if t is None:
+        _fail(name, "None", f"a float32 tensor {expected} when the cache holds {cache.dtype} codes")
+    if t.dtype != torch.float32 or tuple(t.shape) != expected:
+        _fail(
+            name,
+            f"{t.dtype} {tuple(t.shape)}",
+            f"float32 of shape {expected} (num_blocks, block_size, num_kv_heads)",
+        )
+    if t.device != cache.device:
+        _fail(name, f"on {t.device}", f"tensors on q's device {cache.device}")
+
+
+def _validate(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
+              max_seq_len, scale, window, softcap, sinks, k_scale, v_scale, lse) -> None:  # fmt: skip
+    if q.dtype not in SUPPORTED_DTYPES:
+        _fail("q dtype", q.dtype, "float32, float16 and bfloat16")
+    if q.dim() != 3:
+        _fail("q", f"with shape {tuple(q.shape)}", "[num_tokens, num_q_heads, head_dim]")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        _fail("head_dim", head_dim, ", ".join(map(str, SUPPORTED_HEAD_DIMS)))
+    if k_cache.dim() != 4:
+        _fail(
+            "k_cache",
+            f"with shape {tuple(k_cache.shape)}",
+            "[num_blocks, block_size, num_kv_heads, head_dim]",
+        )
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        _fail("block_size", block_size, "powers of two from 1 to 256")
+    if cache_head_dim != head_dim:
+        _fail("k_cache head_dim", cache_head_dim, f"q's head_dim {head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        _fail("num_kv_heads", num_kv_heads, f"a divisor of num_q_heads ({num_q_heads})")
+    if num_blocks == 0:
+        _fail("k_cache", "with 0 blocks", "a cache of at least one block")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        _fail("v_cache shape", tuple(v_cache.shape), f"k_cache's shape {tuple(k_cache.shape)}")
+    if k_cache.dtype != q.dtype and k_cache.dtype not in SUPPORTED_KV_DTYPES:
+        _fail("k_cache dtype", k_cache.dtype, f"q's dtype ({q.dtype}), torch.int8 or torch.float8_e4m3fn")
+    if v_cache.dtype != k_cache.dtype:
+        _fail("v_cache dtype", v_cache.dtype, f"k_cache's dtype ({k_cache.dtype})")
+    if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape):
+        _fail("out", f"{out.dtype} {tuple(out.shape)}", f"q's dtype and shape ({q.dtype} {tuple(q.shape)})")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.stride(-1) != 1:
+            _fail(f"{name} stride", tuple(t.stride()), "a contiguous last (head_dim) dimension")
+        if t.device != q.device:
+            _fail(name, f"on {t.device}", f"tensors on q's device {q.device}")
+
+    num_reqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
+    _check_int32_vector("seq_lens", seq_lens, max(num_reqs, 0), q.device)
+    _check_int32_vector("query_start_loc", query_start_loc, num_reqs + 1, q.device)
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.dtype != torch.int32
+        or block_table.dim() != 2
+        or block_table.shape[0] != num_reqs
+    ):
+        found = (
+            f"{block_table.dtype} {tuple(block_table.shape)}"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        _fail("block_table", found, f"an int32 tensor [num_reqs={num_reqs}, max_blocks_per_req]")
+    if block_table.device != q.device:
+        _fail("block_table", f"on {block_table.device}", f"tensors on q's device {q.device}")
+
+    # Host numbers only: reading a device tensor here would synchronise (and break graph capture).
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len), ("window", window)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+            _fail(name, repr(value), "a non-negative host int (not a device tensor)")
+    if not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        _fail("scale", repr(scale), "a finite host float")
+    if not isinstance(softcap, numbers.Real) or not softcap >= 0.0 or math.isinf(softcap):
+        _fail("softcap", repr(softcap), "0 (off) or a positive host float")
+
+    if k_cache.dtype in SUPPORTED_KV_DTYPES:
+        _check_scales("k_scale", k_scale, k_cache)
+        _check_scales("v_scale", v_scale, v_cache)
+    elif k_scale is not None or v_scale is not None:
+        # A claim is a promise: scales on a full-precision cache would be silently ignored.
+        _fail(
+            "k_scale/v_scale",
+            "given",
+            f"None when the cache holds {k_cache.dtype} values (scales are for int8/fp8 caches)",
+        )
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,) or sinks.device != q.device
+    ):
+        _fail(
+            "sinks",
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}",
+            f"None or float32 [{num_q_heads}] on {q.device}",
+        )
+    if lse is not None and (
+        lse.dtype != torch.float32 or tuple(lse.shape) != (num_tokens, num_q_heads) or lse.device != q.device
+    ):
+        _fail(
+            "lse",
+            f"{lse.dtype} {tuple(lse.shape)} on {lse.device}",
+            f"None or float32 [{num_tokens}, {num_q_heads}] on {q.device}",
+        )
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Paged attention for a flattened batch of requests in any mix of prefill and decode.
+
+    Request ``r`` owns rows ``query_start_loc[r]:query_start_loc[r+1]`` of ``q``; they are the
+    last ``t`` of its ``seq_lens[r]`` positions, so query ``i`` sits at position
+    ``seq_lens[r] - t + i`` and sees keys ``0 .. position`` (with ``window > 0`` only keys
+    ``> position - window``). Logical key ``j`` is read from slot ``j % block_size`` of block
+    ``block_table[r, j // block_size]``.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]``, float32/float16/bfloat16, last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, or
+            ``torch.int8`` / ``torch.float8_e4m3fn`` codes dequantized as ``code * scale``.
+        out: ``[num_tokens, num_q_heads, head_dim]``, q's dtype; every row is written.
+        query_start_loc: int32 ``[num_reqs + 1]``, ``query_start_loc[-1] == num_tokens``.
+        seq_lens: int32 ``[num_reqs]``, context after this step including the new tokens;
+            0 marks a padding request.
+        block_table: int32 ``[num_reqs, max_blocks_per_req]``.
+        max_query_len, max_seq_len: host ints bounding the batch (no device read here).
+        scale: softmax scale applied to ``q . k``.
+        window: 0 for full causal attention, else the sliding-window width.
+        softcap: 0 for off, else logits ``s -> softcap * tanh(s / softcap)`` after scaling.
+        sinks: float32 ``[num_q_heads]`` or None: one logit per head that joins the softmax
+            denominator and contributes no value.
+        k_scale, v_scale: float32 ``[num_blocks, block_size, num_kv_heads]``, required for
+            int8/fp8 caches and rejected otherwise.
+        lse: float32 ``[num_tokens, num_q_heads]`` or None; if given, receives the natural-log
+            log-sum-exp of the scaled (soft-capped) logits over the visible keys, sinks
+            included; ``-inf`` for rows with no visible key.
+        config: tiling/kernel config; default :func:`default_config` (autotuned on the GPU).
+
+    Returns:
+        ``out``.
+
+    Rows with no visible key (a padding request with ``seq_len == 0``, or a query position
+    below 0) are exact zeros, never NaN, with ``lse = -inf`` even when sinks are given.
+
+    Robustness: device metadata is never trusted for addressing. Block ids ``< 0`` or
+    ``>= num_blocks`` mask their keys (the pointer is clamped, never dereferenced out of the
+    pool); key positions at or beyond ``max_blocks_per_req * block_size`` are masked; q/out rows
+    outside ``[0, num_tokens)`` are neither read nor written; a decreasing ``query_start_loc``
+    yields empty requests. Bad metadata gives wrong numbers for the requests it describes,
+    never a fault.
+
+    The call only reads host ints, shapes, dtypes and strides: it never synchronises with the
+    device and is CUDA-graph capturable. Validation is host-only and raises ``ValueError``.
+
+    Example::
+
+        out = unified_attention(q, k_cache, v_cache, torch.empty_like(q),
+                                query_start_loc=qsl, seq_lens=seq_lens, block_table=bt,
+                                max_query_len=16, max_seq_len=130, scale=head_dim ** -0.5)
+    """
+    _validate(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
+              max_seq_len, scale, window, softcap, sinks, k_scale, v_scale, lse)  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_power_of_2(group)
+    head_dim_pad = max(16, _next_power_of_2(head_dim))
+    if config is None:
+        config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    bq_small, bq_large = config.block_q_small, config.block_q_large
+    if bq_small * group_pad < 16 or bq_large * group_pad < 16:
+        _fail("config", config, f"block_q_small/large of at least {max(1, 16 // group_pad)} (16 tile rows)")
+
+    if k_cache.dtype == torch.int8:
+        kv_quant = 1
+    elif k_cache.dtype == torch.float8_e4m3fn:
+        # Codes travel as bytes and are bit-cast in the kernel: the CPU interpreter has no
+        # float8 pointers, and on the GPU the reinterpretation is free.
+        kv_quant = 2
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        kv_quant = 0
+    if kv_quant:
+        ks, vs = k_scale, v_scale
+    else:
+        ks = vs = q  # never read (KV_QUANT is 0); any tensor keeps the signature fixed
+    ks_strides = ks.stride() if kv_quant else (0, 0, 0)
+    vs_strides = vs.stride() if kv_quant else (0, 0, 0)
+    lse_strides = lse.stride() if lse is not None else (0, 0)
+
+    # Requests longer than one small tile get their own launch with large tiles, so a long
+    # prefill reaches tensor-core rates without 128-row tiles for the decodes next to it.
+    split = max_query_len > bq_small
+    tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
+    tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device) if split else tile_end_small
+    tile_plan_kernel[(1,)](
+        query_start_loc_ptr=query_start_loc,
+        tile_end_small_ptr=tile_end_small,
+        tile_end_large_ptr=tile_end_large,
+        num_reqs=num_reqs,
+        BLOCK_Q_SMALL=bq_small,
+        BLOCK_Q_LARGE=bq_large,
+        SPLIT=split,
+        BLOCK_R=min(_TILE_PLAN_BLOCK_R, max(16, _next_power_of_2(num_reqs))),
+    )
+
+    # Upper bounds on the tile counts from host ints only: sum(ceil(q_len / B)) over requests
+    # <= num_tokens // B + (number of requests). Programs past the last real tile exit at once.
+    launches = []
+    if split:
+        launches.append((bq_small, tile_end_small, num_reqs))
+        num_large = min(num_reqs, num_tokens // (bq_small + 1))
+        launches.append((bq_large, tile_end_large, num_tokens // bq_large + num_large))
+    else:
+        launches.append((bq_small, tile_end_small, num_tokens // bq_small + num_reqs))
+
+    if config.block_n is not None:
+        kernel = unified_attention_kernel
+        if isinstance(kernel, Autotuner):
+            kernel = kernel.fn  # the jitted kernel under the autotuner
+        fixed = {
+            "BLOCK_N": config.block_n,
+            "num_warps": config.num_warps or 4,
+            "num_stages": config.num_stages or 2,
+        }
+    else:
+        kernel, fixed = unified_attention_kernel, {}
+
+    for block_q, tile_end, num_tiles in launches:
+        if num_tiles == 0:
+            continue
+        kernel[(num_tiles, num_kv_heads)](
+            q_ptr=q,
+            k_cache_ptr=k_cache,
+            v_cache_ptr=v_cache,
+            out_ptr=out,
+            k_scale_ptr=ks,
+            v_scale_ptr=vs,
+            sinks_ptr=sinks if sinks is not None else q,
+            lse_ptr=lse if lse is not None else out,
+            query_start_loc_ptr=query_start_loc,
+            seq_lens_ptr=seq_lens,
+            block_table_ptr=block_table,
+            tile_end_ptr=tile_end,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            num_blocks=num_blocks,
+            max_blocks_per_req=block_table.shape[1],
+            scale=float(scale),
+            softcap=float(softcap) if softcap else 1.0,
+            window=window,
+            stride_q_t=q.stride(0),
+            stride_q_h=q.stride(1),
+            stride_k_b=k_cache.stride(0),
+            stride_k_s=k_cache.stride(1),
+            stride_k_h=k_cache.stride(2),
+            stride_v_b=v_cache.stride(0),
+            stride_v_s=v_cache.stride(1),
+            stride_v_h=v_cache.stride(2),
+            stride_ks_b=ks_strides[0],
+            stride_ks_s=ks_strides[1],
+            stride_ks_h=ks_strides[2],
+            stride_vs_b=vs_strides[0],
+            stride_vs_s=vs_strides[1],
+            stride_vs_h=vs_strides[2],
+            stride_o_t=out.stride(0),
+            stride_o_h=out.stride(1),
+            stride_lse_t=lse_strides[0],
+            stride_lse_h=lse_strides[1],
+            stride_bt_r=block_table.stride(0),
+            stride_bt_b=block_table.stride(1),
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_Q=block_q,
+            KV_QUANT=kv_quant,
+            USE_WINDOW=window > 0,
+            USE_SOFTCAP=softcap > 0,
+            HAS_SINKS=sinks is not None,
+            HAS_LSE=lse is not None,
+            UPCAST=INTERPRET,
+            # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
+            DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
+            **fixed,
+        )
+    return out
