@@ -1,0 +1,195 @@
+"""CPU tests of the flashinfer plugin: registration, availability reasons, `paged list`, planning prep.
+
+None of these import FlashInfer or need CUDA; they run everywhere (FlashInfer is absent on CI).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import paged_flashinfer
+from paged_core import AttentionSpec, BatchMeta, Registry, UnsupportedSpecError, allocate_kv_cache
+from paged_core import _cli
+from paged_flashinfer import backend as fib
+from paged_flashinfer.backend import INSTALL, FlashInferBackend, prepare_plan
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A registry with the reference and this plugin only, whatever else is installed."""
+    monkeypatch.setenv("PAGED_PLUGINS", "reference")
+    reg = Registry()
+    reg.add_plugin(paged_flashinfer, name="flashinfer")
+    return reg
+
+
+def _no_flashinfer(monkeypatch):
+    real = fib.importlib.util.find_spec
+    monkeypatch.setattr(fib.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else real(name, *a))
+
+
+def _fake_flashinfer(monkeypatch):
+    real = fib.importlib.util.find_spec
+    monkeypatch.setattr(fib.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flashinfer" else real(name, *a))
+
+
+def test_registered_with_priority_and_install_hint(registry):
+    reg = registry.registration("flashinfer")
+    assert reg.priority == 30
+    assert reg.install_hint == INSTALL
+    assert registry.names()[0] == "flashinfer"
+
+
+def test_unavailable_without_flashinfer_names_the_fix(registry, monkeypatch):
+    _no_flashinfer(monkeypatch)
+    reasons = registry.unavailable("flashinfer")
+    assert any("flashinfer is not installed" in r and r.endswith(f"({INSTALL})") for r in reasons)
+    with pytest.raises(Exception, match="pip install 'paged-core\\[flashinfer\\]'"):
+        registry.get("flashinfer")
+
+
+def test_unavailable_without_cuda(monkeypatch):
+    _fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reasons = FlashInferBackend.unavailable()
+    assert len(reasons) == 1
+    assert "needs a CUDA GPU" in reasons[0] and "torch.cuda.is_available()" in reasons[0]
+
+
+def test_available_when_both_present(monkeypatch):
+    _fake_flashinfer(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert FlashInferBackend.unavailable() == []
+
+
+def test_importing_the_backend_does_not_import_flashinfer():
+    # The registry imports the backend module for capabilities on any machine.
+    if "flashinfer" in sys.modules:
+        pytest.skip("flashinfer was already imported by something else in this process")
+    import importlib
+
+    importlib.reload(fib)
+    assert "flashinfer" not in sys.modules
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_paged_list_shows_it_unavailable_and_never_breaks(registry, monkeypatch, capsys, as_json):
+    _no_flashinfer(monkeypatch)
+    monkeypatch.setattr(_cli, "registry", registry)
+    assert _cli.main(["list", "--json"] if as_json else ["list"]) == 0
+    text = capsys.readouterr().out
+    if as_json:
+        rows = {r["name"]: r for r in json.loads(text)["backends"]}
+        assert rows["flashinfer"]["available"] is False
+        assert any(INSTALL in r for r in rows["flashinfer"]["reasons"])
+        assert rows["reference"]["available"] is True
+    else:
+        line = next(x for x in text.splitlines() if x.startswith("flashinfer"))
+        assert "unavailable" in line
+        assert INSTALL in text and "reference" in text
+
+
+def test_constructor_is_cheap_and_checks_options():
+    b = FlashInferBackend()  # no GPU, no FlashInfer: constructing allocates nothing
+    assert b._workspaces == {} and b._slots == {}
+    with pytest.raises(ValueError, match="decode_backend is 'fa4'"):
+        FlashInferBackend(decode_backend="fa4")
+    with pytest.raises(ValueError, match="mixed is 'pod'"):
+        FlashInferBackend(mixed="pod")
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(device="cpu"), "device 'cpu'"),
+        (dict(dtype=torch.float32), "dtype float32"),
+        (dict(head_dim=96), "head_dim 96"),
+        (dict(kv_dtype="int8"), "kv_dtype 'int8'"),
+        (dict(kv_dtype="fp8"), "kv_dtype 'fp8'"),
+        (dict(sinks=True), "sinks"),
+    ],
+    ids=["cpu", "float32", "head_dim_96", "int8", "fp8", "sinks"],
+)
+def test_declared_capabilities_refuse_what_flashinfer_cannot_do(change, words):
+    base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                device="cuda", window=128, softcap=30.0, return_lse=True)
+    assert FlashInferBackend.capabilities.reasons(AttentionSpec(**base)) == []
+    reasons = FlashInferBackend.capabilities.reasons(AttentionSpec(**{**base, **change}))
+    assert any(words in r for r in reasons), reasons
+
+
+def test_forward_on_cpu_is_refused_with_reasons():
+    meta = BatchMeta.build([1, 1], [5, 9], block_size=16)
+    cache = allocate_kv_cache(4, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedSpecError, match="device 'cpu'"):
+        FlashInferBackend().forward(torch.zeros(2, 4, 64, dtype=torch.bfloat16), cache, meta)
+
+
+# ----------------------------------------------------------------------------- plan preparation
+def test_decode_batch_with_padding_gets_dummy_pages_and_a_row_mask():
+    meta = BatchMeta.build([1, 1, 1, 1], [17, 0, 3, 0], block_size=16)
+    p = prepare_plan(meta)
+    assert p.batch_class == "decode"
+    # Padding requests: one page (block 0) holding one token.
+    assert p.pages.indptr.tolist() == [0, 2, 3, 4, 5]
+    assert p.pages.last_page_len.tolist() == [1, 1, 3, 1]
+    idx = p.pages.indices.tolist()
+    assert idx[:2] == meta.block_table[0, :2].tolist() and idx[2] == 0 and idx[4] == 0
+    assert idx[3] == meta.block_table[2, 0].item()
+    assert p.pages.indptr_cpu.tolist() == p.pages.indptr.tolist()
+    assert p.pages.last_page_len_cpu.tolist() == [1, 1, 3, 1]
+    assert p.kv_lens_cpu.tolist() == [17, 1, 3, 1]
+    assert p.pad_rows.tolist() == [False, True, False, True]
+
+
+def test_padding_request_with_several_rows_gets_as_many_dummy_keys():
+    # kv_len >= qo_len for every request the kernels see, even padding ones.
+    meta = BatchMeta.build([3, 20], [10, 0], block_size=16)
+    p = prepare_plan(meta)
+    assert p.batch_class == "prefill"
+    assert p.kv_lens_cpu.tolist() == [10, 20]
+    assert p.pages.indptr_cpu.tolist() == [0, 1, 3]
+    assert p.pages.indices[1:3].tolist() == [0, 0]
+    assert p.pad_rows.tolist() == [False] * 3 + [True] * 20
+
+
+@pytest.mark.parametrize(
+    "qlens, slens, cls",
+    [
+        ([1, 1, 1], [5, 40, 9], "decode"),
+        ([5, 1, 1], [5, 40, 9], "mixed"),
+        ([5, 16, 21], [5, 16, 21], "prefill"),
+        ([1, 0, 1], [5, 40, 9], "prefill"),  # a request without new tokens: not the decode wrapper
+        ([4, 0, 1], [40, 40, 9], "mixed"),
+    ],
+    ids=["decode", "mixed", "prefill", "decode_with_idle_request", "mixed_with_idle_request"],
+)
+def test_batch_classes(qlens, slens, cls):
+    p = prepare_plan(BatchMeta.build(qlens, slens, block_size=16))
+    assert p.batch_class == cls
+    assert p.pad_rows is None  # no padding: no mask, nothing extra per layer
+    assert p.qo_indptr_cpu.tolist() == [0, *torch.tensor(qlens).cumsum(0).tolist()]
+
+
+def test_plan_works_without_host_mirrors():
+    meta = BatchMeta.build([1, 1], [17, 0], block_size=16)
+    bare = BatchMeta(**{**meta.__dict__, "query_start_loc_cpu": None, "seq_lens_cpu": None})
+    p = prepare_plan(bare)
+    assert p.pages.indptr_cpu.tolist() == [0, 2, 3]
+    assert p.pad_rows.tolist() == [False, True]
+
+
+def test_explicit_plan_needs_all_parameters_and_a_cuda_batch():
+    b = FlashInferBackend()
+    meta = BatchMeta.build([1], [5], block_size=16)
+    assert b.plan(meta).batch_class == "decode"  # no parameters: pure preparation, no FlashInfer
+    with pytest.raises(ValueError, match="not all"):
+        b.plan(meta, num_heads=8)
+    with pytest.raises(ValueError, match="CUDA batches only"):
+        b.plan(meta, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
