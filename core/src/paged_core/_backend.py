@@ -243,6 +243,11 @@ class Backend:
                 f"sinks is {_shape(sinks) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}; "
                 f"accepted: float32 [num_heads={hq}] on {q.device}"
             )
-        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
-                                or out.stride(-1) != 1):
-            raise InputError(f"out is {_shape(out)}; accepted: the shape, dtype and device of q ({_shape(q)})")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape
+                                or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1):
+            found = (f"{_shape(out)} with last-dimension stride {out.stride(-1)}"
+                     if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise InputError(
+                f"out is {found}; accepted: the shape, dtype and device of q ({_shape(q)}), "
+                "last-dimension stride 1"
+            )

@@ -310,7 +310,10 @@ class BatchMeta:
             (self.seq_lens_cpu, sl, "seq_lens_cpu"),
         ):
             if mirror is not None and mirror.tolist() != dev:
-                raise BatchMetaError(f"{name} differs from its device tensor; rebuild the host mirror")
+                raise BatchMetaError(
+                    f"{name} is {mirror.tolist()} but {name.removesuffix('_cpu')} is {dev}; accepted: "
+                    "a host mirror equal to its device tensor (rebuild the host mirror)"
+                )
         width = self.block_table.shape[1]
         table = self.block_table.tolist()
         slots = self.slot_mapping.tolist()

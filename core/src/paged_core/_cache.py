@@ -178,6 +178,11 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
     leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1.
     """
+    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
+            or slot_mapping.dtype not in (torch.int64, torch.int32)):
+        found = (f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
+                 if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
+        raise InputError(f"slot_mapping is {found}; accepted: int64 or int32 [num_tokens]")
     n = slot_mapping.shape[0]
     want = (n, cache.num_kv_heads, cache.head_dim)
     for name, t in (("k", k), ("v", v)):

@@ -42,8 +42,13 @@ def reference_attention(
     hkv, bs = cache.num_kv_heads, cache.block_size
     group = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    kf, vf = cache.dequantized()
-    kf, vf = kf.to(compute_dtype), vf.to(compute_dtype)
+    if cache.quantized:
+        # Dequantize in compute_dtype: code * scale needs ~31 bits, so a float32 product would
+        # round the values a float64 oracle is meant to use exactly.
+        kf = cache.k.to(compute_dtype) * cache.k_scale.to(compute_dtype)[..., None]
+        vf = cache.v.to(compute_dtype) * cache.v_scale.to(compute_dtype)[..., None]
+    else:
+        kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
     out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)
     lse = torch.full((n, hq), -math.inf, dtype=compute_dtype, device=q.device)
     qlens, slens = meta.host()
@@ -77,8 +82,10 @@ def reference_attention(
             total = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)  # [hq, t]
         else:
             total = torch.logsumexp(logits, dim=-1)
-        # exp(-inf - -inf) is NaN: a row with nothing visible keeps zeros.
-        probs = torch.exp(logits - total[..., None]).nan_to_num(0.0)
+        # exp(-inf - -inf) is NaN: a row with nothing visible keeps zeros. Only those rows: a NaN
+        # from the inputs must reach the output, never turn into plausible zeros.
+        probs = torch.exp(logits - total[..., None])
+        probs = probs.masked_fill(torch.isneginf(total)[..., None], 0.0)
         out[qsl[r] : qsl[r] + t] = torch.einsum("htk,khd->thd", probs, vals)
         lse[qsl[r] : qsl[r] + t] = total.transpose(0, 1)
     return (out, lse) if return_lse else out

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 def _smoke():
     # Imported by path: tests/ directories of several plugins share sys.path under pytest.
     spec = importlib.util.spec_from_file_location("paged_flashinfer_gpu_smoke",
-                                                  Path(__file__).with_name("gpu_smoke.py"))
+                                                  Path(__file__).with_name("smoke_flashinfer_gpu.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -4,7 +4,7 @@ with and without LSE, sliding window and soft-cap; then a CUDA graph captured on
 batch and replayed after a re-plan with new data. Prints one PASS/FAIL line per check and exits
 non-zero if any failed.
 
-    python3 plugins/flashinfer/tests/gpu_smoke.py            # from the repository root
+    python3 plugins/flashinfer/tests/smoke_flashinfer_gpu.py            # from the repository root
 
 The first plan of each kind JIT-compiles FlashInfer modules (about 15-85 s each on the H200).
 The GPU tests (test_flashinfer_gpu.py) import the helpers below.

@@ -1,0 +1,266 @@
+"""Backend.forward: every input error, unsupported specs with the backend's reasons, PAGED_VALIDATE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_core import (
+    AttentionSpec,
+    BatchMeta,
+    BatchMetaError,
+    Capabilities,
+    InputError,
+    ReferenceBackend,
+    UnsupportedSpecError,
+    allocate_kv_cache,
+    validation_enabled,
+)
+
+
+def setup(num_heads=4, dtype=torch.float32, kv_dtype="auto"):
+    meta = BatchMeta.build([2, 1], [5, 9], block_size=4, num_blocks=8, seed=0)
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=dtype, kv_dtype=kv_dtype)
+    q = torch.randn(3, num_heads, 8).to(dtype)
+    return q, cache, meta
+
+
+def _input(change):
+    q, cache, meta = setup()
+    kw = {}
+    if change == "q-rank":
+        q = q[:, 0]
+    elif change == "q-not-a-tensor":
+        q = q.tolist()
+    elif change == "cache-type":
+        cache = (cache.k, cache.v)
+    elif change == "meta-type":
+        meta = {"seq_lens": meta.seq_lens}
+    elif change == "q-rows":
+        q = torch.randn(4, 4, 8)
+    elif change == "head_dim":
+        q = torch.randn(3, 4, 16)
+    elif change == "heads-not-multiple":
+        q = torch.randn(3, 5, 8)
+    elif change == "dtype":
+        q = q.double()
+    elif change == "non-contiguous":
+        q = torch.randn(3, 4, 16)[..., ::2]
+    elif change == "block_size":
+        meta = BatchMeta.build([2, 1], [5, 9], block_size=8, num_blocks=8, seed=0)
+    elif change == "device":
+        q = q.to("meta")
+    elif change == "table-dtype":
+        meta.block_table = meta.block_table.long()
+    elif change == "window-negative":
+        kw["window"] = -1
+    elif change == "window-float":
+        kw["window"] = 2.5
+    elif change == "softcap-negative":
+        kw["softcap"] = -1.0
+    elif change == "sinks-shape":
+        kw["sinks"] = torch.zeros(2)
+    elif change == "sinks-dtype":
+        kw["sinks"] = torch.zeros(4, dtype=torch.float64)
+    elif change == "sinks-list":
+        kw["sinks"] = [0.0] * 4
+    elif change == "out-shape":
+        kw["out"] = torch.empty(3, 4, 4)
+    elif change == "out-dtype":
+        kw["out"] = torch.empty(3, 4, 8, dtype=torch.float16)
+    elif change == "out-strided":
+        kw["out"] = torch.empty(3, 4, 16)[..., ::2]
+    elif change == "out-not-a-tensor":
+        kw["out"] = [0.0]
+    else:
+        raise AssertionError(change)
+    return q, cache, meta, kw
+
+
+INPUT_ERRORS = {
+    "q-rank": ["q is float32 [3, 8] on cpu", "accepted: a tensor [num_tokens, num_heads, head_dim]"],
+    "q-not-a-tensor": ["q is list", "accepted: a tensor [num_tokens, num_heads, head_dim]"],
+    "cache-type": ["cache is a tuple", "accepted: a paged_core.KVCache"],
+    "meta-type": ["meta is a dict", "accepted: a BatchMeta or the result of reference.plan(meta)"],
+    "q-rows": ["q has 4 rows but the batch has 3 query tokens", "q.shape[0] == meta.num_tokens"],
+    "head_dim": ["q has head_dim 16 but the cache has head_dim 8"],
+    "heads-not-multiple": [
+        "q has 5 heads, not a multiple of the cache's 2 KV heads",
+        "accepted: num_heads = group_size * num_kv_heads",
+    ],
+    "dtype": [
+        "q is float64 but the cache holds float32 K/V",
+        "accepted: the dtype the cache was allocated for",
+    ],
+    "non-contiguous": ["q's last dimension has stride 2", "accepted: stride 1 (call q.contiguous())"],
+    "block_size": ["the batch was built for block_size 8 but the cache has block_size 4"],
+    "device": ["cache.k is on cpu but q is on meta", "accepted: one device"],
+    "table-dtype": ["block_table is int64 and seq_lens is int32", "accepted: int32 for both"],
+    "window-negative": ["window is -1", "accepted: 0 (no window) or a positive int"],
+    "window-float": ["window is 2.5", "accepted: 0 (no window) or a positive int"],
+    "softcap-negative": ["softcap is -1.0", "accepted: 0 (off) or a positive float"],
+    "sinks-shape": ["sinks is float32 [2] on cpu", "accepted: float32 [num_heads=4] on cpu"],
+    "sinks-dtype": ["sinks is float64 [4] on cpu", "accepted: float32 [num_heads=4] on cpu"],
+    "sinks-list": ["sinks is list", "accepted: float32 [num_heads=4] on cpu"],
+    "out-shape": [
+        "out is float32 [3, 4, 4] on cpu",
+        "accepted: the shape, dtype and device of q (float32 [3, 4, 8] on cpu)",
+    ],
+    "out-dtype": ["out is float16 [3, 4, 8] on cpu", "accepted: the shape, dtype and device of q"],
+    "out-strided": [
+        "out is float32 [3, 4, 8] on cpu with last-dimension stride 2",
+        "last-dimension stride 1",
+    ],
+    "out-not-a-tensor": ["out is list", "accepted: the shape, dtype and device of q"],
+}
+
+
+@pytest.mark.parametrize("change", list(INPUT_ERRORS))
+def test_forward_input_errors(change):
+    q, cache, meta, kw = _input(change)
+    with pytest.raises(InputError) as exc:
+        ReferenceBackend().forward(q, cache, meta, **kw)
+    msg = str(exc.value)
+    for needle in INPUT_ERRORS[change]:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    assert isinstance(exc.value, ValueError)
+
+
+class Narrow(ReferenceBackend):
+    name = "narrow"
+    capabilities = Capabilities(
+        head_dims=frozenset({64, 128}),
+        block_sizes=frozenset({16, 32}),
+        group_sizes=frozenset({1}),
+        dtypes=frozenset({torch.bfloat16}),
+        kv_dtypes=frozenset({"auto", "fp8"}),
+        devices=frozenset({"cuda"}),
+        mixed_batches=False,
+    )
+
+
+def test_unsupported_spec_lists_every_reason():
+    q, cache, meta = setup(kv_dtype="int8")
+    with pytest.raises(UnsupportedSpecError) as exc:
+        Narrow().forward(q, cache, meta, window=3, softcap=5.0, sinks=torch.zeros(4), return_lse=True)
+    err = exc.value
+    assert err.backend == "narrow"
+    assert err.reasons == [
+        "device 'cpu' is not supported (accepted: cuda)",
+        "head_dim 8 is not supported (accepted: 64, 128)",
+        "block_size 4 is not supported (accepted: 16, 32)",
+        "2 query heads per KV head is not supported (accepted: 1)",
+        "dtype float32 is not supported (accepted: bfloat16)",
+        "kv_dtype 'int8' is not supported (accepted: auto, fp8)",
+        "sliding window attention is not supported",
+        "logit soft-capping is not supported",
+        "attention sinks are not supported",
+        "only decode-only batches (one query token per request) are supported",
+        "returning the log-sum-exp is not supported",
+    ]
+    assert str(err).startswith("Backend 'narrow' cannot run this attention:\n  - device 'cpu'")
+    assert isinstance(err, ValueError)
+
+
+def test_unsupported_includes_unavailable_and_extra_reasons():
+    class NoGpu(ReferenceBackend):
+        name = "no-gpu"
+
+        @classmethod
+        def unavailable(cls):
+            return ["no CUDA device; to fix: run on a GPU machine"]
+
+        def extra_reasons(self, spec):
+            return [f"head_dim {spec.head_dim} with {spec.dtype} is too small for this kernel"]
+
+    q, cache, meta = setup()
+    with pytest.raises(UnsupportedSpecError) as exc:
+        NoGpu().forward(q, cache, meta)
+    assert exc.value.reasons == [
+        "no CUDA device; to fix: run on a GPU machine",
+        "head_dim 8 with torch.float32 is too small for this kernel",
+    ]
+
+
+def test_supported_spec_reasons_empty():
+    spec = AttentionSpec(
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        kv_dtype="fp8",
+        window=4,
+        softcap=30.0,
+        sinks=True,
+        return_lse=True,
+    )
+    assert ReferenceBackend().reasons(spec) == [] and ReferenceBackend().supports(spec)
+    assert (
+        Narrow().reasons(
+            AttentionSpec(
+                num_heads=8, num_kv_heads=8, head_dim=64, block_size=16, device="cuda", decode_only=True
+            )
+        )
+        == []
+    )
+    bad = AttentionSpec(num_heads=6, num_kv_heads=4, head_dim=64, block_size=16)
+    assert "num_heads 6 is not a multiple of num_kv_heads 4" in ReferenceBackend().reasons(bad)
+
+
+def test_decode_only_backend_runs_decode_batches():
+    class DecodeOnly(ReferenceBackend):
+        name = "decode-only"
+        capabilities = Capabilities(mixed_batches=False)
+
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32)
+    meta = BatchMeta.build([1, 1], [5, 9], block_size=4, num_blocks=8)
+    q = torch.randn(2, 4, 8)
+    assert torch.equal(DecodeOnly().forward(q, cache, meta), ReferenceBackend().forward(q, cache, meta))
+
+
+# ---------------------------------------------------------------------------------- validation
+@pytest.fixture
+def validate_calls(monkeypatch):
+    calls = []
+    original = BatchMeta.validate
+
+    def spy(self, **kwargs):
+        calls.append(kwargs)
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(BatchMeta, "validate", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("env", "explicit", "expect"),
+    [
+        (None, None, False),
+        ("1", None, True),
+        ("true", None, True),
+        ("0", None, False),
+        ("1", False, False),
+        (None, True, True),
+        ("0", True, True),
+    ],
+)
+def test_paged_validate(monkeypatch, validate_calls, env, explicit, expect):
+    if env is None:
+        monkeypatch.delenv("PAGED_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("PAGED_VALIDATE", env)
+    assert validation_enabled(explicit) is expect
+    q, cache, meta = setup()
+    backend = ReferenceBackend(validate=explicit)
+    backend.forward(q, cache, meta)
+    assert validate_calls == ([{"num_blocks": 8}] if expect else [])
+
+
+def test_validation_catches_bad_metadata(monkeypatch):
+    q, cache, meta = setup()
+    meta.block_table[1, 0] = 8  # one past the pool of 8 blocks
+    monkeypatch.setenv("PAGED_VALIDATE", "1")
+    with pytest.raises(BatchMetaError, match=r"request 1: block_table\[1, 0\] = 8 is outside the cache"):
+        ReferenceBackend().forward(q, cache, meta)
+    # Validation off: no host checks; the reference masks the bad block instead of reading it.
+    out = ReferenceBackend(validate=False).forward(q, cache, meta)
+    assert not out.isnan().any()

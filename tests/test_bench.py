@@ -1,0 +1,292 @@
+"""``paged bench`` on the CPU: structure and correctness checks of its output, never timings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from paged_core import KV_DTYPES, Backend, Capabilities, Registry, _bench, _cli, hookimpl, reference_attention
+
+
+class _Counting(Backend):
+    capabilities = Capabilities(kv_dtypes=frozenset(KV_DTYPES))
+    calls = 0
+
+    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+        type(self).calls += 1
+        self._compute(q, cache, plan, out, scale)
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        raise NotImplementedError
+
+
+class WrongBackend(_Counting):
+    """Fast and wrong: random numbers."""
+
+    name = "fake-wrong"
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        out.copy_(torch.randn_like(out))
+
+
+class ForgetfulBackend(_Counting):
+    """Right for the first query row, forgets the others (the poisoned output must catch it)."""
+
+    name = "fake-forgetful"
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        ref = reference_attention(q, cache, plan, scale=scale).to(out.dtype)
+        out[:1].copy_(ref[:1])
+
+
+class CudaOnlyBackend(_Counting):
+    name = "fake-cuda-only"
+    capabilities = Capabilities(devices=frozenset({"cuda"}))
+
+
+class BrokenBackend(_Counting):
+    name = "fake-broken"
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        raise RuntimeError("kernel exploded")
+
+
+class PlanningBackend(_Counting):
+    """Correct, with a plan object (like FlashInfer's plan/run split)."""
+
+    name = "fake-planning"
+    plans = 0
+
+    class Plan:
+        def __init__(self, meta):
+            self.meta = meta
+
+    def plan(self, meta):
+        type(self).plans += 1
+        return self.Plan(meta)
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        out.copy_(reference_attention(q, cache, plan.meta, scale=scale))
+
+
+FAKES = (WrongBackend, ForgetfulBackend, CudaOnlyBackend, BrokenBackend, PlanningBackend)
+
+
+class _Plugin:
+    @hookimpl
+    def register_backends(self, register):
+        for cls in FAKES:
+            register(cls.name, cls)
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    # paged bench sets TRITON_INTERPRET=1 on a machine without CUDA; keep it out of other tests.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for cls in FAKES:
+        cls.calls = 0
+    reg = Registry()
+    reg.add_plugin(_Plugin(), name="bench-fakes")
+    return reg
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    _bench.add_arguments(p)
+    return p.parse_args(["--device", "cpu", *argv])
+
+
+ROW_FIELDS = {
+    "case",
+    "shape",
+    "kind",
+    "backend",
+    "label",
+    "paged",
+    "status",
+    "ms",
+    "gbps",
+    "pct_bw_floor",
+    "tflops",
+    "pct_mm_floor",
+    "x_fastest",
+    "max_rel_err",
+    "tolerance",
+    "timing",
+    "plan_ms",
+}
+CASE_FIELDS = {
+    "id",
+    "kind",
+    "shape",
+    "num_reqs",
+    "num_tokens",
+    "kv_bytes",
+    "qo_bytes",
+    "flops",
+    "floor_ms_bw",
+    "floor_ms_mm",
+    "checked_requests",
+}
+
+
+def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_registry, capsys):
+    out = tmp_path / "bench.json"
+    names = "reference," + ",".join(c.name for c in FAKES)
+    rc = _bench.main(
+        _args(
+            "--backend",
+            names,
+            "--backend",
+            "sdpa-flash,sdpa-cudnn",
+            "--cases",
+            "decode,mixed,prefill,decode-int8,decode-fp8,cascade,sweep",
+            "--sweep-batches",
+            "1,2",
+            "--json",
+            str(out),
+        ),
+        registry=fake_registry,
+    )
+    assert rc == 1  # a WRONG or failing backend makes the run fail
+    text = capsys.readouterr().out
+    assert "CPU timings — not representative" in text
+    data = json.loads(out.read_text())
+
+    assert data["env"]["device"] == "cpu" and data["env"]["cpu_note"]
+    assert data["env"]["read_bandwidth_Bps"] > 0 and data["env"]["matmul_flops"] > 0
+    ids = [c["id"] for c in data["cases"]]
+    assert ids == [
+        "decode",
+        "mixed",
+        "prefill",
+        "decode-int8",
+        "decode-fp8",
+        "cascade",
+        "sweep-b1-l64",
+        "sweep-b2-l64",
+    ]
+    for c in data["cases"]:
+        assert CASE_FIELDS <= set(c)
+    for r in data["rows"]:
+        assert ROW_FIELDS <= set(r)
+    rows = {(r["case"], r["backend"]): r for r in data["rows"]}
+
+    for cid in ids:
+        ref = rows[(cid, "reference")]
+        assert ref["status"] == "ok", ref
+        assert ref["ms"] > 0 and ref["gbps"] > 0 and ref["x_fastest"] >= 1.0
+        assert ref["max_rel_err"] < 1e-2  # the reference agrees with itself (up to bf16 rounding)
+
+        wrong = rows[(cid, "fake-wrong")]
+        assert wrong["status"].startswith("WRONG"), wrong
+        assert wrong["ms"] is None and wrong["gbps"] is None and wrong["x_fastest"] is None
+
+        forgetful = rows[(cid, "fake-forgetful")]
+        if cid != "sweep-b1-l64":  # with one query row, forgetting "the others" is harmless
+            assert forgetful["status"].startswith("WRONG") and "non-finite" in forgetful["status"]
+            assert forgetful["ms"] is None
+
+        skip = rows[(cid, "fake-cuda-only")]
+        assert skip["status"].startswith("skip:") and "device 'cpu'" in skip["status"]
+
+        broken = rows[(cid, "fake-broken")]
+        assert broken["status"].startswith("error:") and "kernel exploded" in broken["status"]
+        assert broken["ms"] is None
+
+        planning = rows[(cid, "fake-planning")]
+        assert planning["status"] == "ok" and planning["plan_ms"] is not None
+
+    # The wrong backends ran exactly once per case (the check) and were never timed.
+    assert WrongBackend.calls == len(ids)
+    assert ForgetfulBackend.calls > len(ids)  # right on sweep-b1-l64, so timed there
+    assert CudaOnlyBackend.calls == 0
+    assert PlanningBackend.calls > len(ids)  # checked, then timed
+
+    # Non-paged baselines only where they make sense (uniform lengths, model-dtype cache).
+    sdpa_cases = {r["case"] for r in data["rows"] if r["backend"] == "sdpa-flash"}
+    assert sdpa_cases == {"decode", "prefill", "cascade", "sweep-b1-l64", "sweep-b2-l64"}
+    for r in data["rows"]:
+        if r["backend"] == "sdpa-flash":
+            assert r["paged"] is False and "non-paged" in r["label"]
+            assert r["status"] == "ok" or r["status"].startswith("skip:"), r
+    assert data["not_run"]["sdpa-cudnn"]
+
+    by_id = {c["id"]: c for c in data["cases"]}
+    # Cascade: the shared prefix counts once in the bytes the batch needs.
+    casc = by_id["cascade"]
+    assert casc["prefix_tokens"] == 32 and casc["kv_bytes"] < casc["kv_bytes_logical"]
+    # Quantized caches count their scales: int8 and fp8 need the same bytes, fewer than bf16.
+    assert by_id["decode-int8"]["kv_bytes"] == by_id["decode-fp8"]["kv_bytes"] < by_id["decode"]["kv_bytes"]
+    assert by_id["prefill"]["flops"] > 0 and by_id["mixed"]["kind"] == "mixed"
+
+
+def test_cli_bench_reference_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out, png = tmp_path / "b.json", tmp_path / "sweep.png"
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--backend",
+        "reference",
+        "--cases",
+        "decode,sweep",
+        "--sweep-batches",
+        "1,2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert _cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {r["status"] for r in data["rows"]} == {"ok"}
+    assert [r["backend"] for r in data["rows"]] == ["reference"] * 3
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib" in capsys.readouterr().out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_options_exit_2(fake_registry, capsys):
+    assert _bench.main(_args("--cases", "nope"), registry=fake_registry) == 2
+    assert "unknown case" in capsys.readouterr().err
+    assert _bench.main(_args("--backend", "no-such-backend"), registry=fake_registry) == 2
+    assert "no-such-backend" in capsys.readouterr().err
+
+
+def test_flop_and_byte_counts():
+    # One prompt of 3 tokens sees 1 + 2 + 3 keys; a decode at 10 tokens sees 10.
+    assert _bench._flops([3, 1], [3, 10], heads=2, head_dim=8) == 4 * 8 * 2 * (6 + 10)
+    # A 2-block prefix shared by two requests is read once.
+    tables = [[5, 6, 7], [5, 6, 9]]
+    assert _bench._unique_kv_tokens(tables, [40, 36], 16) == 32 + 8 + 4
+    # Checked requests: every prefill within the row budget, and spread decodes.
+    picked = _bench._pick_checked([1] * 30 + [512, 512])
+    assert {30, 31} <= set(picked) and 0 in picked and len(picked) <= 8
+
+
+def test_a_case_that_cannot_be_built_is_reported_and_the_rest_run(tmp_path, fake_registry, monkeypatch):
+    real = _bench._build_pool
+
+    def build(cfg, case, seed):
+        if case.id == "prefill":
+            raise torch.OutOfMemoryError("pretend the pool does not fit")
+        return real(cfg, case, seed)
+
+    monkeypatch.setattr(_bench, "_build_pool", build)
+    out = tmp_path / "b.json"
+    rc = _bench.main(_args("--backend", "reference", "--cases", "decode,prefill,cascade", "--json", str(out)),
+                     registry=fake_registry)
+    assert rc == 1
+    data = json.loads(out.read_text())
+    assert data["complete"] is True
+    status = {r["case"]: r["status"] for r in data["rows"]}
+    assert status["decode"] == "ok" and status["cascade"] == "ok"
+    assert status["prefill"].startswith("error: building the case failed")
+    assert "does not fit" in status["prefill"]

@@ -1,0 +1,336 @@
+"""The paged KV cache: allocation, int8/fp8 quantization bounds, write-then-read, byte counts.
+
+Quantization bounds (per element, per (token, head) vector x with amax = max|x|):
+
+* int8: scale = amax / 127, code = round(x / scale) in [-127, 127], so
+  |x - code * scale| <= scale / 2.
+* fp8 E4M3 (3 mantissa bits, max 448, min normal 2**-6, subnormal step 2**-9): scale = amax / 448
+  and y = x / scale lies in [-448, 448]. Round-to-nearest of a normal y errs by at most half a step,
+  2**(e-4) <= 2**-4 * |y| (e = floor(log2 |y|)); a subnormal y (|y| < 2**-6) errs by at most
+  2**-10. So |x - dequantized| <= max(2**-4 * |x|, 2**-10 * scale) <= 2**-4 * |x| + 2**-10 * scale,
+  which is <= 2**-4 * amax: fp8 keeps every element within 1/16 of the vector's max.
+
+Both get a float32 slack of 1e-5 * scale for the division and the multiplication.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_core import (
+    Q_MAX,
+    BatchMeta,
+    InputError,
+    KVCache,
+    allocate_kv_cache,
+    dequantize_kv,
+    kv_bytes_per_token,
+    quantize_kv,
+    write_kv,
+)
+
+SLACK = 1e-5
+
+
+def spread(shape, seed) -> torch.Tensor:
+    """Random values over many magnitudes (so fp8 subnormals occur), a few exact zero vectors."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(4 * torch.randn(shape, generator=g))
+    x[0] = 0.0  # every head vector of token 0 is zero
+    x[5, 1] = 0.0  # and one single head vector
+    return x
+
+
+# ---------------------------------------------------------------------------------- allocate
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "store"),
+    [
+        (torch.bfloat16, "auto", torch.bfloat16),
+        (torch.float16, "auto", torch.float16),
+        (torch.float32, "auto", torch.float32),
+        (torch.bfloat16, "int8", torch.int8),
+        (torch.float16, "fp8", torch.float8_e4m3fn),
+    ],
+)
+def test_allocate(dtype, kv_dtype, store):
+    cache = allocate_kv_cache(5, 16, 3, 32, dtype=dtype, kv_dtype=kv_dtype)
+    for t in (cache.k, cache.v):
+        assert t.shape == (5, 16, 3, 32) and t.dtype == store and t.device.type == "cpu"
+        assert not t.float().any()
+    assert (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim) == (5, 16, 3, 32)
+    assert cache.dtype == dtype and cache.kv_dtype == kv_dtype
+    assert cache.quantized == (kv_dtype != "auto")
+    if kv_dtype == "auto":
+        assert cache.k_scale is None and cache.v_scale is None
+    else:
+        for s in (cache.k_scale, cache.v_scale):
+            assert s.shape == (5, 16, 3) and s.dtype == torch.float32
+    k, v = cache.dequantized()
+    assert k.dtype == torch.float32 and k.shape == (5, 16, 3, 32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        (dict(kv_dtype="fp4"), ["kv_dtype 'fp4' is not one of auto, int8, fp8"]),
+        (dict(dtype=torch.int32), ["dtype torch.int32 is not supported", "float32, float16, bfloat16"]),
+        (dict(num_blocks=0), ["num_blocks is 0", "accepted: a positive int"]),
+        (dict(head_dim=2.5), ["head_dim is 2.5", "accepted: a positive int"]),
+    ],
+)
+def test_allocate_rejects(kwargs, needles):
+    args = dict(num_blocks=4, block_size=16, num_kv_heads=2, head_dim=8)
+    args.update(kwargs)
+    with pytest.raises(InputError) as exc:
+        allocate_kv_cache(
+            args.pop("num_blocks"),
+            args.pop("block_size"),
+            args.pop("num_kv_heads"),
+            args.pop("head_dim"),
+            **args,
+        )
+    for n in needles:
+        assert n in str(exc.value)
+
+
+# ---------------------------------------------------------------------------------- quantize
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_round_trip(seed):
+    x = spread((64, 4, 48), seed)
+    codes, scale = quantize_kv(x, "int8")
+    assert codes.dtype == torch.int8 and codes.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    amax = x.double().abs().amax(-1)
+    nz = amax > 0
+    torch.testing.assert_close(scale.double()[nz], amax[nz] / 127, rtol=1e-6, atol=0)
+    assert (scale > 0).all() and torch.isfinite(scale).all()
+    assert codes.abs().max() <= 127
+    # The largest element of each non-zero vector maps to the extreme code.
+    assert (codes.abs().amax(-1)[nz] == 127).all()
+    err = (dequantize_kv(codes, scale).double() - x.double()).abs()
+    bound = scale.double()[..., None] * (0.5 + SLACK)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
+    # Zero vectors come back exactly zero.
+    assert not dequantize_kv(codes, scale)[~nz].any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fp8_round_trip(seed):
+    x = spread((64, 4, 48), seed)
+    codes, scale = quantize_kv(x, "fp8")
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    amax = x.double().abs().amax(-1)
+    nz = amax > 0
+    torch.testing.assert_close(scale.double()[nz], amax[nz] / 448, rtol=1e-6, atol=0)
+    assert codes.float().abs().max() <= 448
+    xd, s = x.double(), scale.double()[..., None]
+    err = (dequantize_kv(codes, scale).double() - xd).abs()
+    bound = 2**-4 * xd.abs() + (2**-10 + SLACK) * s
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
+    assert (err <= (2**-4 + SLACK) * amax[..., None]).all()
+    assert not dequantize_kv(codes, scale)[~nz].any()
+    # The spread inputs do reach E4M3's subnormal range, so that branch of the bound is exercised.
+    y = (xd / s).abs()
+    assert ((y > 0) & (y < 2**-6)).any()
+
+
+def test_quantize_known_values():
+    codes, scale = quantize_kv(torch.tensor([[1.0, -2.0, 0.5, 0.0]]), "int8")
+    assert codes.tolist() == [[64, -127, 32, 0]]  # 0.5 * 127 = 63.5 -> 64, 0.25 * 127 = 31.75 -> 32
+    assert scale.item() == pytest.approx(2.0 / 127, rel=1e-7)
+    codes, scale = quantize_kv(torch.tensor([[448.0, -224.0, 1.0]]), "fp8")
+    assert scale.item() == 1.0 and codes.float().tolist() == [[448.0, -224.0, 1.0]]
+    assert Q_MAX == {"int8": 127.0, "fp8": 448.0}
+    with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8"):
+        quantize_kv(torch.ones(2, 4), "auto")
+
+
+# ---------------------------------------------------------------------------------- write
+def fill_random(cache: KVCache, seed: int) -> None:
+    """Give every slot some random prior content, so 'untouched' means something."""
+    g = torch.Generator().manual_seed(seed)
+    for t in (cache.k, cache.v):
+        vals = torch.randn(t.shape, generator=g)
+        if t.dtype == torch.int8:
+            t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+        elif t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
+        else:
+            t.copy_(vals)
+    for s in (cache.k_scale, cache.v_scale):
+        if s is not None:
+            s.copy_(torch.rand(s.shape, generator=g) + 0.1)
+
+
+def snapshot(cache: KVCache) -> list[torch.Tensor]:
+    """Raw bits of every store, flattened to [num_slots, ...]."""
+    out = []
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        if t is None:
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = t.view(torch.uint8)
+        out.append(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).clone())
+    return out
+
+
+def assert_only_slots_changed(before, after, written: set[int]):
+    keep = torch.tensor([i not in written for i in range(before[0].shape[0])])
+    for b, a in zip(before, after, strict=True):
+        assert torch.equal(b[keep], a[keep]), "a slot that was not written changed"
+
+
+def check_slot(cache: KVCache, slot: int, k_row: torch.Tensor, v_row: torch.Tensor):
+    """The cache at ``slot`` holds (k_row, v_row): exactly, or within the quantization bound."""
+    bs = cache.block_size
+    b, o = divmod(slot, bs)
+    for store, scales, row in ((cache.k, cache.k_scale, k_row), (cache.v, cache.v_scale, v_row)):
+        x = row.double()  # [Hkv, D]
+        if not cache.quantized:
+            assert torch.equal(store[b, o], row)
+            continue
+        codes = store[b, o].double()
+        s = scales[b, o].double()  # [Hkv]
+        amax = x.abs().amax(-1)
+        nz = amax > 0
+        torch.testing.assert_close(s[nz], amax[nz] / Q_MAX[cache.kv_dtype], rtol=1e-6, atol=0)
+        got = codes * s[:, None]
+        if cache.kv_dtype == "int8":
+            bound = s[:, None] * (0.5 + SLACK)
+        else:
+            bound = 2**-4 * x.abs() + (2**-10 + SLACK) * s[:, None]
+        assert ((got - x).abs() <= bound).all()
+
+
+KV_CASES = [
+    (torch.bfloat16, "auto"),
+    (torch.float32, "auto"),
+    (torch.float16, "int8"),
+    (torch.bfloat16, "fp8"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), KV_CASES, ids=[f"{d}-{k}" for d, k in KV_CASES])
+def test_write_through_slot_mapping(dtype, kv_dtype):
+    # Mixed batch with a padding request (rows 6..7 of 12: slot -1).
+    meta = BatchMeta.build([3, 1, 2, 5, 1], [19, 9, 0, 5, 30], block_size=8, num_blocks=16, seed=4)
+    cache = allocate_kv_cache(16, 8, 2, 16, dtype=dtype, kv_dtype=kv_dtype)
+    fill_random(cache, seed=1)
+    g = torch.Generator().manual_seed(2)
+    k = (torch.randn(meta.num_tokens, 2, 16, generator=g) * 3).to(dtype)
+    v = (torch.randn(meta.num_tokens, 2, 16, generator=g) * 3).to(dtype)
+    k[0, 1] = 0.0  # a zero head vector
+    before = snapshot(cache)
+    write_kv(cache, k, v, meta.slot_mapping)
+    slots = meta.slot_mapping.tolist()
+    assert slots.count(-1) == 2
+    written = {s for s in slots if s >= 0}
+    assert len(written) == meta.num_tokens - 2
+    for row, s in enumerate(slots):
+        if s >= 0:
+            check_slot(cache, s, k[row], v[row])
+    assert_only_slots_changed(before, snapshot(cache), written)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("spill", [True, False], ids=["allocated", "wrapped"])
+def test_out_of_range_slots_are_ignored(kv_dtype, spill):
+    cache = allocate_kv_cache(4, 4, 1, 8, dtype=torch.float32, kv_dtype=kv_dtype)
+    if not spill:
+        # A cache wrapped around an engine's own tensors has no hidden spill block.
+        cache = KVCache(
+            k=cache.k.clone(),
+            v=cache.v.clone(),
+            kv_dtype=kv_dtype,
+            k_scale=None if cache.k_scale is None else cache.k_scale.clone(),
+            v_scale=None if cache.v_scale is None else cache.v_scale.clone(),
+            dtype=torch.float32,
+        )
+        assert cache._spill is None
+    fill_random(cache, seed=5)
+    before = snapshot(cache)
+    slots = torch.tensor([16, 3, -1, 1000, -7, 15])  # 16 slots in the pool: 0..15
+    k = torch.randn(6, 1, 8) + 1
+    v = torch.randn(6, 1, 8) - 1
+    write_kv(cache, k, v, slots)
+    check_slot(cache, 3, k[1], v[1])
+    check_slot(cache, 15, k[5], v[5])
+    assert_only_slots_changed(before, snapshot(cache), {3, 15})
+
+
+def test_backend_write_uses_meta():
+    from paged_core import ReferenceBackend
+
+    meta = BatchMeta.build([2, 1], [2, 0], block_size=4, num_blocks=3, seed=0)
+    be = ReferenceBackend()
+    cache = be.allocate(3, 4, 1, 4, dtype=torch.float32)
+    k, v = torch.arange(12.0).reshape(3, 1, 4), -torch.arange(12.0).reshape(3, 1, 4)
+    be.write(cache, k, v, meta)
+    blk = meta.block_table[0, 0].item()
+    assert torch.equal(cache.k[blk, :2], k[:2]) and torch.equal(cache.v[blk, :2], v[:2])
+    assert cache.k.count_nonzero() == k[:2].count_nonzero()
+
+
+def test_write_empty_is_a_no_op():
+    cache = allocate_kv_cache(2, 4, 1, 4, dtype=torch.float32)
+    write_kv(cache, torch.empty(0, 1, 4), torch.empty(0, 1, 4), torch.empty(0, dtype=torch.int64))
+    assert not cache.k.any()
+
+
+@pytest.mark.parametrize(
+    ("change", "needles"),
+    [
+        ("k-heads", ["k has shape [3, 3, 8]", "accepted: [num_tokens=3, num_kv_heads=2, head_dim=8]"]),
+        ("v-rows", ["v has shape [2, 2, 8]", "accepted: [num_tokens=3, num_kv_heads=2, head_dim=8]"]),
+        ("k-dtype", ["k is float16 but the cache was allocated for bfloat16", "accepted: bfloat16"]),
+        ("v-device", ["v is on meta but the cache is on cpu"]),
+        ("slots-device", ["slot_mapping is on meta but the cache is on cpu"]),
+        ("slots-2d", ["slot_mapping is int64 [3, 1]", "accepted: int64 or int32 [num_tokens]"]),
+        ("slots-float", ["slot_mapping is float32 [3]", "accepted: int64 or int32 [num_tokens]"]),
+    ],
+)
+def test_write_rejects(change, needles):
+    cache = allocate_kv_cache(4, 4, 2, 8, dtype=torch.bfloat16, kv_dtype="int8")
+    k = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    v = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1, 2])
+    if change == "k-heads":
+        k = torch.randn(3, 3, 8, dtype=torch.bfloat16)
+    elif change == "v-rows":
+        v = v[:2]
+    elif change == "k-dtype":
+        k = k.half()
+    elif change == "v-device":
+        v = v.to("meta")
+    elif change == "slots-device":
+        slots = slots.to("meta")
+    elif change == "slots-2d":
+        slots = slots[:, None]
+    elif change == "slots-float":
+        slots = slots.float()
+    before = snapshot(cache)
+    with pytest.raises(InputError) as exc:
+        write_kv(cache, k, v, slots)
+    for n in needles:
+        assert n in str(exc.value), str(exc.value)
+    assert_only_slots_changed(before, snapshot(cache), set())
+
+
+# ---------------------------------------------------------------------------------- bytes
+def test_kv_bytes_per_token():
+    # Qwen3-8B: 8 KV heads of 128, 36 layers, bf16: 2 (K and V) * 8 * 128 * 2 bytes * 36.
+    assert kv_bytes_per_token(8, 128, num_layers=36) == 147_456
+    assert kv_bytes_per_token(8, 128, dtype=torch.bfloat16, num_layers=36) == 147_456
+    assert kv_bytes_per_token(8, 128, dtype=torch.float32) == 8_192
+    assert kv_bytes_per_token(8, 128, dtype=torch.float16) == 4_096
+    # int8 / fp8: one byte per element plus a float32 scale per (K or V, head).
+    assert kv_bytes_per_token(8, 128, kv_dtype="int8", num_layers=36) == 36 * (2048 + 64) == 76_032
+    assert kv_bytes_per_token(8, 128, kv_dtype="fp8") == 2048 + 64
+
+
+def test_kv_bytes_matches_allocation():
+    for kv_dtype in ("auto", "int8", "fp8"):
+        cache = allocate_kv_cache(3, 16, 4, 64, dtype=torch.float16, kv_dtype=kv_dtype)
+        stores = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.quantized else [])
+        total = sum(t.numel() * t.element_size() for t in stores)
+        assert total == 3 * 16 * kv_bytes_per_token(4, 64, dtype=torch.float16, kv_dtype=kv_dtype)
