@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# PAGED_AUTOTUNE=0 runs one fixed GPU config per kernel: for test runs, where tuning every tiny
+# shape would cost minutes of compiles and the chosen config never changes the result.
+_AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -177,6 +180,8 @@ else:
             (256, 8, 2),
         ]
     ]
+    if not _AUTOTUNE:
+        _SPLIT_CONFIGS = _SPLIT_CONFIGS[1:2]  # (64, 4 warps, 2 stages)
 
 
 # The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
@@ -356,6 +361,8 @@ else:
             (128, 64, 8, 3),
         ]
     ]
+    if not _AUTOTUNE:
+        _PREFIX_CONFIGS = _PREFIX_CONFIGS[1:2]  # (64 rows, 64 keys, 4 warps, 2 stages)
 
 
 @triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"])

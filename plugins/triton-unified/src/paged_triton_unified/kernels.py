@@ -24,6 +24,9 @@ import triton.language as tl
 # Under TRITON_INTERPRET=1 the launcher runs one fixed config: autotuning there would only
 # multiply the (already slow) interpreted run time by the number of configs.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
+# tiny shape would cost minutes of compiles and the chosen config never changes the result.
+AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
 
 # Literals 1.4426950408889634 (log2 e) and 0.6931471805599453 (ln 2) appear inline in the
 # kernels: plain Python globals are not readable from @triton.jit code.
@@ -255,10 +258,18 @@ def keep(config, block_m, head_dim_pad):
     return True
 
 
+# The configs PAGED_AUTOTUNE=0 runs: one per shape class.
+_DEFAULT_DECODE = (64, 4, 3)
+_DEFAULT_PREFILL = (64, 8, 2)
+
+
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     block_m = args["BLOCK_Q"] * args["GROUP_PAD"]
     kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
+    if not AUTOTUNE:
+        default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
+        kept = [c for c in kept if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or kept[:1]
     return kept or configs[:1]
 
 
