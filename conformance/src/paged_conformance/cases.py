@@ -1,0 +1,358 @@
+"""The conformance cases: one table of data, two sizes.
+
+A case is a batch (each request's query and sequence length) plus the shape and features of the
+attention call (heads, head_dim, block size, dtypes, window, soft-cap, sinks, backend options).
+Its id is the test id: ``test_matches_reference[triton-unified-sliding_window]``.
+
+The same table runs at two sizes. ``small`` keeps every kernel call well under a second when the
+Triton backends run under ``TRITON_INTERPRET=1`` on a CPU (measured: ~0.2 s for the small mixed
+batch with 4/1 heads, ~0.7 s with 4/4), so the whole suite stays within minutes there. ``full``
+is what a GPU runs: 32/8 heads, head_dim 128, dozens of requests, contexts of thousands of tokens.
+Only the batches and head counts scale; the ids and what each case is about stay the same.
+
+Positions follow ``paged_core.BatchMeta``: request r's ``query_lens[r]`` new tokens are the last
+of its ``seq_lens[r]`` tokens; ``seq_lens[r] == 0`` makes it a padding request.
+
+>>> [c.id for c in cases("small")][:3]
+['mixed_prefill_and_decode-g4', 'mixed_prefill_and_decode-g3', 'mixed_prefill_and_decode-g1']
+>>> case = get_case("spec_verify_5", "small")
+>>> case.query_lens, case.seq_lens
+((5, 5, 5, 1), (12, 70, 133, 40))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from paged_core import AttentionSpec
+
+__all__ = [
+    "SIZES",
+    "Batch",
+    "Case",
+    "TABLE",
+    "cases",
+    "get_case",
+    "default_size",
+    "default_device",
+]
+
+#: The case sizes: ``small`` for CPUs (Triton under its interpreter), ``full`` for GPUs.
+SIZES = ("small", "full")
+
+_DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Per-request lengths of one batch: ``query_lens[r]`` new tokens of ``seq_lens[r]`` in all."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    #: Leading logical blocks that every request shares (the same physical blocks): a prefix
+    #: cached once for many requests, as cascade attention exploits.
+    shared_prefix_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One concrete conformance case: a batch and the attention call made on it.
+
+    Hashable, so workloads (random data and the float64 reference) can be cached per case.
+    """
+
+    #: The test id, e.g. ``mixed_prefill_and_decode-g4``.
+    id: str
+    #: New tokens of each request in this step (rows of q).
+    query_lens: tuple[int, ...]
+    #: Tokens of context of each request after this step; 0 = padding request (exact-zero rows).
+    seq_lens: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    #: The model dtype of q, K, V and the output.
+    dtype: torch.dtype = torch.float16
+    #: The cache storage: "auto" (the model dtype), "int8" or "fp8" codes with float32 scales.
+    kv_dtype: str = "auto"
+    #: Sliding window (0: off): each query sees its last ``window`` keys, itself included.
+    window: int = 0
+    #: Softmax scale passed to forward; None: the default ``head_dim ** -0.5``.
+    scale: float | None = None
+    #: Logit soft-cap (0: off).
+    softcap: float = 0.0
+    #: Whether to pass per-head attention sinks.
+    sinks: bool = False
+    #: "contiguous", or "qkv_view": q is a strided view into a fused [N, Hq + 2*Hkv, D] tensor.
+    q_layout: str = "contiguous"
+    #: Backend constructor options as (name, value) pairs, e.g. (("num_splits", 3),).
+    options: tuple[tuple[str, Any], ...] = ()
+    #: Leading logical blocks shared by every request (same physical block ids); 0: none.
+    shared_prefix_blocks: int = 0
+    #: Seed of the random data; derived from the id when left at None.
+    seed: int | None = None
+    #: One sentence: what the case is about (shown in reports).
+    about: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.seed is None:
+            # crc32, not hash(): the same data in every process and Python version.
+            object.__setattr__(self, "seed", zlib.crc32(self.id.encode()))
+        if len(self.query_lens) != len(self.seq_lens):
+            raise ValueError(f"case {self.id}: query_lens and seq_lens differ in length")
+
+    # ----------------------------------------------------------------------------- derived
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def decode_only(self) -> bool:
+        return max(self.query_lens, default=0) <= 1
+
+    @property
+    def padding_requests(self) -> list[int]:
+        return [r for r, s in enumerate(self.seq_lens) if s == 0]
+
+    @property
+    def real_requests(self) -> list[int]:
+        return [r for r, s in enumerate(self.seq_lens) if s > 0]
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def spec(self, device: torch.device | str, *, return_lse: bool = False) -> AttentionSpec:
+        """The ``AttentionSpec`` a backend sees for this case (what ``reasons()`` is asked about)."""
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,  # type: ignore[arg-type]
+            window=self.window,
+            softcap=self.softcap,
+            sinks=self.sinks,
+            device=torch.device(device).type,
+            decode_only=self.decode_only,
+            return_lse=return_lse,
+        )
+
+    def describe(self) -> str:
+        """A one-line summary of the shape, for reports and failure messages."""
+        parts = [
+            f"{self.num_reqs} reqs / {self.num_tokens} tokens",
+            f"heads {self.num_heads}/{self.num_kv_heads}",
+            f"head_dim {self.head_dim}",
+            f"block {self.block_size}",
+            _DTYPE_IDS[self.dtype],
+        ]
+        if self.kv_dtype != "auto":
+            parts.append(f"kv {self.kv_dtype}")
+        if self.window:
+            parts.append(f"window {self.window}")
+        if self.scale is not None:
+            parts.append(f"scale {self.scale:g}")
+        if self.softcap:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.q_layout != "contiguous":
+            parts.append(f"q {self.q_layout}")
+        if self.shared_prefix_blocks:
+            parts.append(f"{self.shared_prefix_blocks} shared prefix blocks")
+        parts += [f"{k}={v}" for k, v in self.options]
+        return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------- the table
+# The batches every case is built on, per size. "full" adds requests and lengthens contexts;
+# "small" keeps the features (a chunk after cached context, whole prompts, decodes crossing
+# several blocks, a last block exactly full, padding) at interpreter-friendly lengths.
+BATCHES: Mapping[str, Mapping[str, Batch]] = {
+    # A mid-prefill chunk (new tokens after cached context), a whole 16-token prompt, a 21-token
+    # prompt (not a multiple of the block size), and decodes at 70 and 130 tokens.
+    "mixed": {
+        "small": Batch((24, 16, 21, 1, 1), (56, 16, 21, 70, 130)),
+        "full": Batch(
+            (512, 16, 21, 1, 1, *[1] * 30),
+            (1536, 16, 21, 70, 130, *[97 + 131 * i for i in range(30)]),
+        ),
+    },
+    # Decode only, long and short contexts together (64: the last block exactly full).
+    "decode": {
+        "small": Batch((1, 1, 1, 1, 1), (300, 3, 130, 17, 64)),
+        "full": Batch(
+            (1,) * 16,
+            (8192, 3, 130, 17, 64, 4096, 1, 2048, 513, 1000, 33, 3000, 16, 700, 7, 1500),
+        ),
+    },
+    # Real requests followed by padding requests (seq_len 0), as in a batch padded for a CUDA
+    # graph; one padding request has two rows (a padded verification block).
+    "padding": {
+        "small": Batch((5, 1, 1, 2, 1), (45, 70, 17, 0, 0)),
+        "full": Batch((5, 1, 1, 1, 2, 1, 1, 1), (45, 70, 17, 2000, 0, 0, 0, 0)),
+    },
+    # Speculative decoding: blocks of 5 tokens (4 drafts + 1) to verify, and one plain decode.
+    "spec_verify": {
+        "small": Batch((5, 5, 5, 1), (12, 70, 133, 40)),
+        "full": Batch((*[5] * 16, 1), (*[12 + 250 * i for i in range(16)], 40)),
+    },
+    # Requests at their very first token (seq_len 1) and first decode (seq_len 2).
+    "first_token": {
+        "small": Batch((1, 1, 1, 1), (1, 2, 70, 33)),
+        "full": Batch((1,) * 8, (1, 1, 2, 70, 1, 4096, 2, 300)),
+    },
+    # Requests sharing a cached prefix (the same physical blocks), then private suffixes:
+    # decodes and one verification block, as in parallel sampling from one prompt.
+    "shared_prefix": {
+        "small": Batch((1, 1, 3, 1), (69, 94, 81, 112), shared_prefix_blocks=4),
+        "full": Batch((1,) * 15 + (5,), tuple(4000 + 37 + 11 * i for i in range(16)), shared_prefix_blocks=250),
+    },
+}
+
+#: (num_heads, num_kv_heads) per query/KV group size and case size. Group 3 pads to 4 in
+#: kernels that pack a group into tile rows; the small 6/2 also has two KV heads, so a query
+#: head reading the wrong KV head shows.
+HEADS: Mapping[str, Mapping[int, tuple[int, int]]] = {
+    "small": {4: (4, 1), 3: (6, 2), 1: (2, 2)},
+    "full": {4: (32, 8), 3: (24, 8), 1: (32, 32)},
+}
+DEFAULT_HEAD_DIM = {"small": 64, "full": 128}
+#: Shorter than the mixed batch's prefill chunk (24 / 512 tokens), so the window cuts inside it.
+WINDOW = {"small": 16, "full": 128}
+#: Against unit-normal logits a cap this low changes the softmax visibly, so ignoring it fails.
+SOFTCAP = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of :data:`TABLE`: a batch name and what differs from the defaults."""
+
+    id: str
+    batch: str
+    about: str
+    group: int = 4
+    head_dim: int | None = None  # None: the size's default
+    block_size: int = 16
+    dtype: torch.dtype = torch.float16
+    kv_dtype: str = "auto"
+    window: bool = False
+    scale: float | None = None
+    softcap: bool = False
+    sinks: bool = False
+    q_layout: str = "contiguous"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def build(self, size: str) -> Case:
+        batch = BATCHES[self.batch][size]
+        num_heads, num_kv_heads = HEADS[size][self.group]
+        return Case(
+            id=self.id,
+            query_lens=batch.query_lens,
+            seq_lens=batch.seq_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=self.head_dim or DEFAULT_HEAD_DIM[size],
+            block_size=self.block_size,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            window=WINDOW[size] if self.window else 0,
+            scale=self.scale,
+            softcap=SOFTCAP if self.softcap else 0.0,
+            sinks=self.sinks,
+            q_layout=self.q_layout,
+            options=self.options,
+            shared_prefix_blocks=batch.shared_prefix_blocks,
+            about=self.about,
+        )
+
+
+_MIXED = "the mixed batch"
+#: The one case table. Defaults: group 4, the size's head_dim, block 16, float16, "auto" cache.
+TABLE: tuple[Row, ...] = (
+    Row("mixed_prefill_and_decode-g4", "mixed", f"{_MIXED}, 4 query heads per KV head"),
+    Row("mixed_prefill_and_decode-g3", "mixed", f"{_MIXED}, 3 query heads per KV head (padded)", group=3),
+    Row("mixed_prefill_and_decode-g1", "mixed", f"{_MIXED}, one query head per KV head (MHA)", group=1),
+    Row("decode_only-long_and_short", "decode", "decodes with long and short contexts together"),
+    Row("padding_rows", "padding", "padding requests (seq_len 0) must give exact zeros"),
+    Row("spec_verify_5", "spec_verify", "speculative verification blocks of 5 tokens"),
+    Row("first_token", "first_token", "requests at their very first token"),
+    Row("qkv_view", "mixed", "q is a strided view into a fused QKV tensor", q_layout="qkv_view"),
+    Row("sliding_window", "mixed", "a sliding window shorter than the prefill chunk", window=True),
+    Row("sliding_window-decode_only", "decode", "a sliding window on long and short decodes", window=True),
+    Row("explicit_scale", "mixed", "a softmax scale other than head_dim**-0.5", scale=0.3),
+    Row("softcap", "mixed", "logit soft-capping", softcap=True),
+    Row("sinks", "mixed", "per-head attention sinks", sinks=True),
+    *(Row(f"head_dim_{d}", "mixed", f"head_dim {d}", head_dim=d) for d in (64, 96, 128, 256)),
+    *(Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b) for b in (16, 32, 64, 256)),
+    Row("kv_int8", "mixed", "int8 cache with per-token, per-head scales", kv_dtype="int8"),
+    Row("kv_fp8", "mixed", "fp8 (E4M3) cache with per-token, per-head scales", kv_dtype="fp8"),
+    Row("kv_int8-decode_only", "decode", "int8 cache, decode only", kv_dtype="int8"),
+    Row("kv_fp8-decode_only", "decode", "fp8 cache, decode only", kv_dtype="fp8"),
+    Row("fp32", "mixed", "float32 inputs", dtype=torch.float32),
+    Row("bf16", "mixed", "bfloat16 inputs", dtype=torch.bfloat16),
+    Row("bf16-decode_only", "decode", "bfloat16 inputs, decode only", dtype=torch.bfloat16),
+    Row("all_features-bf16-kv_fp8", "mixed", "window, soft-cap and sinks at once on a bf16 fp8 cache",
+        dtype=torch.bfloat16, kv_dtype="fp8", window=True, softcap=True, sinks=True),
+    # For backends that split the KV (Flash-Decoding): forced split counts. Backends whose
+    # constructor takes no `num_splits` option skip these with that reason.
+    *(Row(f"split_{n}", "decode", f"decode split into {n} KV partitions", options=(("num_splits", n),))
+      for n in (1, 3, 8)),
+    # A backend's bitwise batch-invariant mode: its capabilities then promise torch.equal between
+    # a request alone and in the batch, which the batch_invariance check holds it to.
+    Row("batch_invariant-decode_only", "decode", "decode in the backend's batch-invariant mode",
+        dtype=torch.bfloat16, options=(("batch_invariant", True),)),
+    # Cascade attention: the shared prefix read once for the whole batch, then merged.
+    Row("cascade-shared_prefix", "shared_prefix", "requests sharing a cached prefix, cascade on",
+        dtype=torch.bfloat16, options=(("cascade", True), ("min_prefix_tokens", 16))),
+    Row("shared_prefix", "shared_prefix", "requests sharing a cached prefix (same physical blocks)",
+        dtype=torch.bfloat16),
+)
+
+
+def cases(size: str) -> list[Case]:
+    """Every case of the table at ``size`` ("small" or "full")."""
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
+    return [row.build(size) for row in TABLE]
+
+
+def get_case(case_id: str, size: str) -> Case:
+    """The case called ``case_id`` at ``size``."""
+    for case in cases(size):
+        if case.id == case_id:
+            return case
+    raise KeyError(f"no case {case_id!r}; known: {', '.join(r.id for r in TABLE)}")
+
+
+def default_size() -> str:
+    """``$PAGED_CONFORMANCE_SIZE``, else "full" when a CUDA device is present, else "small"."""
+    size = os.environ.get("PAGED_CONFORMANCE_SIZE")
+    if size:
+        if size not in SIZES:
+            raise ValueError(f"PAGED_CONFORMANCE_SIZE is {size!r}; accepted: {', '.join(SIZES)}")
+        return size
+    return "full" if torch.cuda.is_available() else "small"
+
+
+def default_device() -> torch.device:
+    """``$PAGED_CONFORMANCE_DEVICE``, else cuda when available, else cpu."""
+    dev = os.environ.get("PAGED_CONFORMANCE_DEVICE")
+    if dev:
+        return torch.device(dev)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

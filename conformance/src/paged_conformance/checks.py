@@ -1,0 +1,469 @@
+"""The checks, as plain functions of ``(backend, case, device)``.
+
+The pytest tests (``test_conformance.py``) and ``paged check`` (``runner.py``) call the same
+functions through :func:`run`, so they reach the same verdict. A check returns a
+:class:`CheckResult` when the backend conforms, raises :class:`~.tolerances.ConformanceFailure`
+(an ``AssertionError``) when it does not, and :class:`NotApplicable` with the backend's own
+reasons when the backend does not claim what the check needs.
+
+=========================  =====================================================================
+check                      what it proves
+=========================  =====================================================================
+matches_reference          output within the dtype's tolerance of the float64 reference; every
+                           row written (``out=`` is poisoned with NaN first); padding rows exact
+                           zeros; K/V of the step written with ``backend.write`` first
+lse_matches_reference      the log-sum-exp, for backends that return one: natural log, float32
+                           ``[num_tokens, num_heads]``, ``-inf`` exactly where nothing is seen
+close_to_full_precision    a quantized cache's output within a stated bound of the reference on
+                           the full-precision K/V (equality on the dequantized values is
+                           ``matches_reference``: the reference reads the same codes)
+write_then_read            ``backend.write`` puts each token at its ``slot_mapping`` slot (read
+                           back: exact, or within one code for quantized caches) and touches no
+                           other byte: padding rows (slot -1) write nothing
+batch_invariance           each request run alone equals its rows in the batch: bitwise if the
+                           backend declares ``batch_invariant``, else within tolerance
+random_batches             hypothesis draws batches, shapes and features within the backend's
+                           capabilities and runs ``matches_reference`` on each
+=========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from paged_core import Q_MAX, Backend, Capabilities, KVCache, dequantize_kv
+
+from .backends import BackendPool
+from .cases import Case
+from .tolerances import (
+    QUANTIZED_VS_FULL_PRECISION,
+    ConformanceFailure,
+    assert_close_to_reference,
+    locate,
+    lse_tolerance,
+    output_tolerance,
+)
+from .workload import Workload, build_workload, clear_workloads, storage
+
+__all__ = [
+    "CHECKS",
+    "RANDOM_BATCHES",
+    "Check",
+    "CheckResult",
+    "NotApplicable",
+    "applicable_checks",
+    "check_batch_invariance",
+    "check_close_to_full_precision",
+    "check_lse_matches_reference",
+    "check_matches_reference",
+    "check_random_batches",
+    "check_write_then_read",
+    "run",
+]
+
+
+class NotApplicable(Exception):
+    """The backend does not claim what the check needs; ``reasons`` are its own sentences."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """A passed check: the largest error it measured (vs the reference, or between runs)."""
+
+    max_error: float | None = None
+    note: str = ""
+
+
+def _forward(backend: Backend, wl: Workload, cache: KVCache, *, q: torch.Tensor | None = None,
+             meta=None, out: torch.Tensor | None = None, return_lse: bool = False) -> Any:
+    """One attention call the way an engine makes it: plan once, then forward."""
+    meta = wl.meta if meta is None else meta
+    plan = backend.plan(meta)
+    return backend.forward(
+        wl.q if q is None else q, cache, plan, scale=wl.case.scale, window=wl.case.window,
+        softcap=wl.case.softcap, sinks=wl.sinks, out=out, return_lse=return_lse,
+    )
+
+
+def _step(backend: Backend, wl: Workload) -> KVCache:
+    """A cache holding the context, with this step's K/V written by the backend itself."""
+    cache = wl.fresh_cache(backend)
+    backend.write(cache, wl.k_new, wl.v_new, wl.meta)
+    return cache
+
+
+def _poisoned(wl: Workload) -> torch.Tensor:
+    return torch.full(tuple(wl.q.shape), math.nan, dtype=wl.q.dtype, device=wl.device)
+
+
+def _where(wl: Workload, row: int, head: int) -> str:
+    return locate(row, head, wl.query_start_loc, wl.seq_lens)
+
+
+def _assert_padding_zero(out: torch.Tensor, wl: Workload, name: str, what: str = "output") -> None:
+    pad_rows = wl.padding_rows.nonzero().squeeze(1).to(out.device)
+    vals = out[pad_rows].float()  # [padding rows, num_heads, head_dim]
+    bad = vals != 0  # NaN != 0 too
+    if not bool(bad.any()):
+        return
+    p, head, _ = (int(i) for i in bad.nonzero()[0])
+    row = int(pad_rows[p])
+    raise ConformanceFailure(
+        f"[{name}/{wl.case.id}] padding rows (requests with seq_len 0) must be exact zeros; "
+        f"{int(bad.sum())} of {vals.numel()} {what} elements are not, the first at "
+        f"{_where(wl, row, head)} (value {vals[p, head][bad[p, head]][0].item()!r})",
+        max_error=float(vals.abs().nan_to_num(math.inf).max()),
+    )
+
+
+def _assert_rows_written(out: torch.Tensor, wl: Workload, name: str) -> None:
+    """No NaN left from the poisoned ``out=`` (or computed) in a real request's rows."""
+    real = ~wl.padding_rows.to(out.device)
+    nan = torch.isnan(out) & real[:, None, None]
+    if not bool(nan.any()):
+        return
+    row, head, _ = (int(i) for i in nan.nonzero()[0])
+    rows = int(nan.reshape(nan.shape[0], -1).any(1).sum())
+    raise ConformanceFailure(
+        f"[{name}/{wl.case.id}] {rows} output rows hold NaN, the first at {_where(wl, row, head)}: "
+        "not written (out= was filled with NaN before the call) or computed as NaN",
+        max_error=math.inf,
+    )
+
+
+# --------------------------------------------------------------------------------- checks
+def check_matches_reference(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """Output vs the float64 reference; every row written; padding rows exact zeros."""
+    wl = build_workload(case, device)
+    cache = _step(backend, wl)
+    out = _poisoned(wl)
+    result = _forward(backend, wl, cache, out=out)
+    if result.data_ptr() != out.data_ptr():
+        raise ConformanceFailure(f"[{backend.name}/{case.id}] forward(out=...) returned another tensor "
+                                 "instead of writing into out")
+    _assert_padding_zero(out, wl, backend.name)
+    _assert_rows_written(out, wl, backend.name)
+    err = assert_close_to_reference(
+        out, wl.ref_out, backend=backend.name, case=case.id,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err)
+
+
+def check_lse_matches_reference(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """The log-sum-exp: float32 [num_tokens, num_heads], natural log, -inf where nothing is seen."""
+    wl = build_workload(case, device)
+    cache = _step(backend, wl)
+    out, lse = _forward(backend, wl, cache, out=_poisoned(wl), return_lse=True)
+    want = (case.num_tokens, case.num_heads)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != want:
+        raise ConformanceFailure(
+            f"[{backend.name}/{case.id}] lse is {lse.dtype} {list(lse.shape)}; the convention is "
+            f"float32 {list(want)} (num_tokens, num_heads), natural log"
+        )
+    err = assert_close_to_reference(
+        lse, wl.ref_lse, backend=backend.name, case=case.id, what="lse",
+        tolerance=lse_tolerance(case.dtype, case.kv_dtype),
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    # The output must not change when the LSE is asked for.
+    _assert_padding_zero(out, wl, backend.name)
+    assert_close_to_reference(
+        out, wl.ref_out, backend=backend.name, case=case.id, what="output (with return_lse=True)",
+        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err)
+
+
+def check_close_to_full_precision(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """A quantized cache's output stays within a stated bound of full-precision attention."""
+    wl = build_workload(case, device)
+    full = build_workload(dataclasses.replace(case, kv_dtype="auto"), device)
+    out = _forward(backend, wl, _step(backend, wl))
+    err = assert_close_to_reference(
+        out, full.ref_out, backend=backend.name, case=case.id,
+        what=f"output on the {case.kv_dtype} cache (vs full-precision K/V)",
+        tolerance=QUANTIZED_VS_FULL_PRECISION[case.kv_dtype], rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err)
+
+
+def check_write_then_read(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """``backend.write`` lands each token at its slot and touches nothing else."""
+    wl = build_workload(case, device)
+    cache = wl.fresh_cache(backend)
+    before = {n: t.clone() for n, t in storage(cache).items()}
+    backend.write(cache, wl.k_new, wl.v_new, wl.meta)
+    after = storage(cache)
+    slot_mapping = wl.meta.slot_mapping.cpu()
+    src_rows = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[src_rows]
+    num_slots = wl.num_blocks * case.block_size
+    tag = f"[{backend.name}/{case.id}]"
+
+    # 1. Nothing outside this step's slots changed: padding rows (slot -1) write nothing.
+    for name, t in after.items():
+        changed = (t != before[name]).reshape(num_slots, -1).any(1).cpu()
+        changed[slots] = False
+        if bool(changed.any()):
+            slot = int(changed.nonzero()[0, 0])
+            raise ConformanceFailure(
+                f"{tag} write() changed cache.{name} in {int(changed.sum())} slot(s) that no token of "
+                f"this step maps to, the first slot {slot} (block {slot // case.block_size}, offset "
+                f"{slot % case.block_size}); padding rows have slot -1 and must not be written"
+            )
+
+    # 2. Read the written slots back.
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(num_slots, *t.shape[2:])[slots.to(t.device)]
+
+    k_src, v_src = wl.k_new[src_rows.to(wl.device)], wl.v_new[src_rows.to(wl.device)]
+    if not cache.quantized:
+        for name, t, src in (("k", cache.k, k_src), ("v", cache.v, v_src)):
+            got = rows(t)
+            if not torch.equal(got, src):
+                diff = (got.double() - src.double()).abs()
+                tok = int(diff.reshape(diff.shape[0], -1).amax(1).argmax())
+                raise ConformanceFailure(
+                    f"{tag} cache.{name} read back through slot_mapping differs from what was written: "
+                    f"max abs difference {float(diff.max()):.1e} at token row {int(src_rows[tok])} "
+                    f"(slot {int(slots[tok])}); a full-precision cache must store values exactly",
+                    max_error=float(diff.max()),
+                )
+        return CheckResult(max_error=0.0)
+
+    # Quantized: the scales as paged_core computes them (max|x| / q_max, float32) and each
+    # dequantized element within one code of paged_core's own quantization of the same row.
+    ref = wl.cache_after
+    worst = 0.0
+    for name, codes, scale, ref_codes, ref_scale, src in (
+        ("k", cache.k, cache.k_scale, ref.k, ref.k_scale, k_src),
+        ("v", cache.v, cache.v_scale, ref.v, ref.v_scale, v_src),
+    ):
+        got_scale, want_scale = rows(scale).double(), rows(ref_scale).double()
+        if not torch.allclose(got_scale, want_scale, rtol=1e-5, atol=0):
+            raise ConformanceFailure(
+                f"{tag} cache.{name}_scale read back differs from max|x| / {Q_MAX[case.kv_dtype]:g} "
+                f"per (token, KV head): max relative error "
+                f"{float(((got_scale - want_scale).abs() / want_scale).max()):.1e} (tolerance 1e-5)",
+                max_error=float((got_scale - want_scale).abs().max()),
+            )
+        got = dequantize_kv(rows(codes), rows(scale)).double()
+        want = dequantize_kv(rows(ref_codes), rows(ref_scale)).double()
+        # One code step: the scale for int8; for fp8 E4M3 one ulp (2**-3 relative, plus the
+        # subnormal spacing 2**-9 in units of the scale).
+        step = (want_scale[..., None] * (1 + 1e-5) if case.kv_dtype == "int8"
+                else want.abs() * 2**-3 + want_scale[..., None] * 2**-9)
+        diff = (got - want).abs()
+        if bool((diff > step).any()):
+            raise ConformanceFailure(
+                f"{tag} cache.{name} read back (dequantized) is more than one code away from "
+                f"paged_core.quantize_kv of the written values: max abs difference {float(diff.max()):.1e}",
+                max_error=float(diff.max()),
+            )
+        worst = max(worst, float((got - src.double()).abs().max()) if got.numel() else 0.0)
+    return CheckResult(max_error=worst, note="max |dequantized - written|")
+
+
+def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """Each request alone (``meta.select([r])``) equals its rows in the whole batch."""
+    wl = build_workload(case, device)
+    cache = _step(backend, wl)
+    batch_out = _forward(backend, wl, cache)
+    bitwise = backend.capabilities.batch_invariant
+    tol = output_tolerance(case.dtype, case.kv_dtype)
+    worst = 0.0
+    for r in case.real_requests:
+        rows = wl.rows_of(r)
+        alone = _forward(backend, wl, cache, q=wl.q[rows], meta=wl.meta.select([r]))
+        diff = (alone.double() - batch_out[rows].double()).abs().nan_to_num(math.inf)
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        if bitwise and not torch.equal(alone, batch_out[rows]):
+            i, head, _ = (int(x) for x in (diff == diff.max()).nonzero()[0])
+            row = rows.start + i
+            raise ConformanceFailure(
+                f"[{backend.name}/{case.id}] request {r} run alone differs from its rows in the batch "
+                f"by up to {float(diff.max()):.1e} (at head {head}, row {row}); the backend declares "
+                "capabilities.batch_invariant=True, which promises bitwise equality",
+                max_error=float(diff.max()),
+            )
+        if not bitwise:
+            assert_close_to_reference(
+                alone, batch_out[rows], backend=backend.name, case=case.id, tolerance=tol,
+                what=f"request {r} run alone (vs in the batch)",
+            )
+    return CheckResult(max_error=worst, note="bitwise" if bitwise else f"within {tol}")
+
+
+# --------------------------------------------------------------------------------- random batches
+#: How many random batches per backend, per size.
+RANDOM_EXAMPLES = {"small": 12, "full": 50}
+
+
+def _menu(caps: Capabilities, candidates, allowed) -> list:
+    if allowed is None:
+        return list(candidates)
+    return [c for c in candidates if c in allowed] or sorted(allowed, key=str)[:2]
+
+
+def random_cases(caps: Capabilities, size: str):
+    """A hypothesis strategy of cases drawn within ``caps`` (tiny at size "small")."""
+    from hypothesis import strategies as st
+
+    groups = _menu(caps, (1, 2, 3, 4), caps.group_sizes)
+    head_dims = _menu(caps, (64, 96, 128) if size == "small" else (64, 128, 256), caps.head_dims)
+    block_sizes = _menu(caps, (16, 32, 64), caps.block_sizes)
+    dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in caps.dtypes]
+    kv_dtypes = [k for k in ("auto", "int8", "fp8") if k in caps.kv_dtypes]
+    kinds = ["decode", "padding"]
+    if caps.mixed_batches:
+        kinds += ["chunk", "prompt", "verify"]
+    max_ctx, max_reqs = (160, 5) if size == "small" else (4096, 24)
+
+    @st.composite
+    def draw_case(draw) -> Case:
+        group = draw(st.sampled_from(groups))
+        num_kv_heads = draw(st.sampled_from([1, 2]))
+        query_lens, seq_lens = [], []
+        for _ in range(draw(st.integers(1, max_reqs))):
+            kind = draw(st.sampled_from(kinds))
+            if kind == "padding":
+                q, s = draw(st.integers(1, 1 if not caps.mixed_batches else 3)), 0
+            elif kind == "decode":
+                q, s = 1, draw(st.integers(1, max_ctx))
+            elif kind == "prompt":
+                s = draw(st.integers(1, min(48, max_ctx)))
+                q = s
+            elif kind == "verify":
+                s = draw(st.integers(1, max_ctx))
+                q = min(s, draw(st.integers(2, 6)))
+            else:  # a chunk of a longer prompt, after cached context
+                s = draw(st.integers(2, max_ctx))
+                q = draw(st.integers(1, min(s, 32)))
+            query_lens.append(q)
+            seq_lens.append(s)
+        return Case(
+            id="random_batches",
+            query_lens=tuple(query_lens),
+            seq_lens=tuple(seq_lens),
+            num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=draw(st.sampled_from(head_dims)),
+            block_size=draw(st.sampled_from(block_sizes)),
+            dtype=draw(st.sampled_from(dtypes)),
+            kv_dtype=draw(st.sampled_from(kv_dtypes)),
+            window=draw(st.sampled_from([0, 0, 1, 7, 33])) if caps.sliding_window else 0,
+            softcap=draw(st.sampled_from([0.0, 2.0])) if caps.softcap else 0.0,
+            sinks=draw(st.booleans()) if caps.sinks else False,
+            seed=draw(st.integers(0, 2**31 - 1)),
+        )
+
+    return draw_case(), (groups, head_dims, block_sizes, dtypes, kv_dtypes)
+
+
+def check_random_batches(backend: Backend, device: torch.device, size: str = "small",
+                         *, max_examples: int | None = None) -> CheckResult:
+    """Hypothesis-drawn batches within the backend's capabilities, each run as matches_reference.
+
+    Derandomized (the same examples every run, so pytest and ``paged check`` agree) and bounded;
+    on the CPU shrinking is off too, since every example may cost a Triton interpreter run.
+    """
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+
+    strategy, (groups, head_dims, block_sizes, dtypes, kv_dtypes) = random_cases(backend.capabilities, size)
+    if not dtypes or not kv_dtypes:
+        raise NotApplicable(["declares no dtype or cache format the suite draws from"])
+    # The simplest drawable case: if the backend refuses it (e.g. it cannot run on this device),
+    # every draw would be refused too; skip with its reasons instead.
+    baseline = Case(id="random_batches", query_lens=(1,), seq_lens=(1,), num_heads=groups[0],
+                    num_kv_heads=1, head_dim=head_dims[0], block_size=block_sizes[0],
+                    dtype=dtypes[0], kv_dtype=kv_dtypes[0])
+    reasons = backend.reasons(baseline.spec(device))
+    if reasons:
+        raise NotApplicable(reasons)
+    worst = [0.0]
+
+    @settings(
+        max_examples=max_examples or RANDOM_EXAMPLES[size],
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.explicit, Phase.generate) if size == "small" else tuple(Phase),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    @given(case=strategy)
+    def property_(case: Case) -> None:
+        assume(not backend.reasons(case.spec(device)))
+        worst[0] = max(worst[0], check_matches_reference(backend, case, device).max_error or 0.0)
+
+    try:
+        property_()
+    finally:
+        clear_workloads(RANDOM_BATCHES)  # each random example is used once
+    return CheckResult(max_error=worst[0], note=f"{max_examples or RANDOM_EXAMPLES[size]} random batches")
+
+
+# --------------------------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A check of one (backend, case): its function, the cases it applies to, extra skip reasons."""
+
+    name: str
+    func: Callable[[Backend, Case, torch.device], CheckResult]
+    applies: Callable[[Case], bool] = lambda case: True
+    #: Reasons beyond the case's spec, e.g. the spec with ``return_lse=True``.
+    reasons: Callable[[Backend, Case, torch.device], list[str]] = lambda backend, case, device: []
+
+
+#: Every per-case check, by name (the pytest test is ``test_<name>``).
+CHECKS: dict[str, Check] = {
+    c.name: c
+    for c in (
+        Check("matches_reference", check_matches_reference),
+        Check("lse_matches_reference", check_lse_matches_reference,
+              reasons=lambda b, case, device: b.reasons(case.spec(device, return_lse=True))),
+        Check("close_to_full_precision", check_close_to_full_precision,
+              applies=lambda case: case.kv_dtype != "auto"),
+        Check("write_then_read", check_write_then_read),
+        Check("batch_invariance", check_batch_invariance,
+              applies=lambda case: len(case.real_requests) >= 2),
+    )
+}
+#: The per-backend property test's name; its row in the report.
+RANDOM_BATCHES = "random_batches"
+
+
+def applicable_checks(case: Case) -> list[str]:
+    return [name for name, c in CHECKS.items() if c.applies(case)]
+
+
+def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, device: torch.device,
+        size: str = "small") -> CheckResult:
+    """Run one check of one backend (``case`` None for ``random_batches``).
+
+    Raises :class:`NotApplicable` with the backend's reasons (cannot run here, does not take a
+    case's option, does not claim the case's spec) and whatever the check raises on failure.
+    """
+    reasons = pool.unavailable(backend_name)
+    if not reasons and case is not None:
+        reasons = pool.option_reasons(backend_name, case.options)
+    if reasons:
+        raise NotApplicable(reasons)
+    backend = pool.get(backend_name, case.options if case is not None else ())
+    if case is None:
+        return check_random_batches(backend, device, size)
+    spec_reasons = backend.reasons(case.spec(device)) or CHECKS[check].reasons(backend, case, device)
+    if spec_reasons:
+        raise NotApplicable(spec_reasons)
+    return CHECKS[check].func(backend, case, device)

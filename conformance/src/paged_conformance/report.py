@@ -1,0 +1,219 @@
+"""The verdict matrix: backend × case, each cell pass / skip + reason / FAIL + max error.
+
+Both the pytest plugin and ``paged check`` fill a :class:`Matrix` with one :class:`Outcome` per
+(backend, case, check) and write it as Markdown and JSON. A cell fails if any of its checks
+failed, passes if any ran and none failed, and is skipped (with the backend's reason) otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Outcome", "Cell", "Matrix", "report_paths"]
+
+PASS, SKIP, FAIL = "pass", "skip", "fail"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """The result of one check of one backend on one case."""
+
+    backend: str
+    case: str
+    check: str
+    status: str  # "pass", "skip" or "fail"
+    #: The skip reason or the failure message (first line is the summary).
+    message: str = ""
+    max_error: float | None = None
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Cell:
+    status: str
+    #: Short text for tables: the max error of a failure, the reason of a skip.
+    detail: str
+    outcomes: list[Outcome]
+
+
+def _fmt_err(x: float | None) -> str:
+    if x is None:
+        return ""
+    return "inf/NaN" if math.isinf(x) or math.isnan(x) else f"{x:.1e}"
+
+
+def report_paths(base: str | Path) -> tuple[Path, Path]:
+    """``conformance-report`` (or ``.md`` / ``.json``) -> the Markdown and JSON paths."""
+    base = Path(base)
+    if base.suffix in (".md", ".json"):
+        base = base.with_suffix("")
+    return base.with_name(base.name + ".md"), base.with_name(base.name + ".json")
+
+
+class Matrix:
+    """Outcomes of a run, with the context needed to read them (size, device, backends)."""
+
+    def __init__(self, *, size: str, device: str, backends: dict[str, list[str]] | None = None,
+                 problems: list[str] | None = None):
+        self.size = size
+        self.device = device
+        #: Backend name -> reasons it cannot run here (empty: available), in column order.
+        self.backends: dict[str, list[str]] = dict(backends or {})
+        self.problems = list(problems or [])
+        self.outcomes: list[Outcome] = []
+        self._case_order: list[str] = []
+
+    def add(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        self.backends.setdefault(outcome.backend, [])
+        if outcome.case not in self._case_order:
+            self._case_order.append(outcome.case)
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def cases(self) -> list[str]:
+        return list(self._case_order)
+
+    @property
+    def failed(self) -> bool:
+        return any(o.status == FAIL for o in self.outcomes)
+
+    def counts(self) -> dict[str, int]:
+        cells = [self.cell(b, c) for b in self.backends for c in self.cases]
+        return {s: sum(1 for x in cells if x and x.status == s) for s in (PASS, SKIP, FAIL)}
+
+    def cell(self, backend: str, case: str) -> Cell | None:
+        outs = [o for o in self.outcomes if o.backend == backend and o.case == case]
+        if not outs:
+            return None
+        fails = [o for o in outs if o.status == FAIL]
+        if fails:
+            return Cell(FAIL, _fmt_err(fails[0].max_error), outs)
+        passes = [o for o in outs if o.status == PASS]
+        if passes:
+            errs = [o.max_error for o in passes if o.max_error is not None and o.check != "batch_invariance"]
+            return Cell(PASS, _fmt_err(max(errs)) if errs else "", outs)
+        return Cell(SKIP, outs[0].message, outs)
+
+    # ----------------------------------------------------------------------------- output
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "size": self.size,
+            "device": self.device,
+            "passed": not self.failed,
+            "counts": self.counts(),
+            "backends": {n: {"available": not r, "reasons": r} for n, r in self.backends.items()},
+            "problems": self.problems,
+            "matrix": {
+                b: {c: {"status": cell.status, "detail": cell.detail}
+                    for c in self.cases if (cell := self.cell(b, c)) is not None}
+                for b in self.backends
+            },
+            "results": [
+                {**dataclasses.asdict(o),
+                 "max_error": None if o.max_error is None or not math.isfinite(o.max_error) else o.max_error,
+                 "seconds": round(o.seconds, 3)}
+                for o in self.outcomes
+            ],
+        }
+
+    def _notes(self) -> tuple[dict[tuple[str, str], int], list[str]]:
+        """Footnote numbers per (backend, case) for skips and failures; one note per distinct
+        (backend, first line of the reason), so a backend skipped everywhere for one reason has
+        one note."""
+        numbers: dict[tuple[str, str], int] = {}
+        by_text: dict[tuple[str, str], int] = {}
+        lines: list[str] = []
+        for b in self.backends:
+            for c in self.cases:
+                cell = self.cell(b, c)
+                if cell is None or cell.status == PASS:
+                    continue
+                if cell.status == SKIP:
+                    text = cell.detail
+                else:
+                    first = next(o for o in cell.outcomes if o.status == FAIL)
+                    text = f"{first.check}: {first.message}"
+                key = (b, text.splitlines()[0] if text else "")
+                if key not in by_text:
+                    lines.append(f"{b}: {key[1]}")
+                    by_text[key] = len(lines)
+                numbers[(b, c)] = by_text[key]
+        return numbers, lines
+
+    def _label(self, backend: str, case: str, notes: dict[tuple[str, str], int], markdown: bool) -> str:
+        cell = self.cell(backend, case)
+        if cell is None:
+            return "-"
+        if cell.status == PASS:
+            return "pass"
+        n = notes[(backend, case)]
+        if cell.status == SKIP:
+            return f"skip [{n}]"
+        fail = "**FAIL**" if markdown else "FAIL"
+        return " ".join(x for x in (fail, cell.detail, f"[{n}]") if x)
+
+    def to_markdown(self) -> str:
+        notes, lines = self._notes()
+        c = self.counts()
+        out = [
+            "# Conformance report",
+            "",
+            f"Size **{self.size}** on **{self.device}**: {c[PASS]} passed, {c[FAIL]} failed, "
+            f"{c[SKIP]} skipped (backend × case). Every backend is compared with the float64 "
+            "reference; a cell is skipped only for the backend's own reason.",
+            "",
+            "| case | " + " | ".join(self.backends) + " |",
+            "|---|" + "---|" * len(self.backends),
+        ]
+        for case in self.cases:
+            out.append(f"| `{case}` | " + " | ".join(self._label(b, case, notes, True)
+                                                    for b in self.backends) + " |")
+        if lines:
+            out += ["", "## Notes", ""] + [f"{i}. {line}" for i, line in enumerate(lines, 1)]
+        unavailable = {b: r for b, r in self.backends.items() if r}
+        if unavailable:
+            out += ["", "## Unavailable backends", ""]
+            out += [f"- **{b}**: {'; '.join(r)}" for b, r in unavailable.items()]
+        if self.problems:
+            out += ["", "## Plugins that failed to load", ""] + [f"- {p}" for p in self.problems]
+        fails = [o for o in self.outcomes if o.status == FAIL]
+        if fails:
+            out += ["", "## Failures", ""]
+            for o in fails:
+                out += [f"### {o.backend} / {o.case} / {o.check}", "", "```", o.message.strip(), "```", ""]
+        return "\n".join(out).rstrip() + "\n"
+
+    def to_text(self) -> str:
+        """The matrix as a plain table for a terminal: cases down, backends across."""
+        notes, lines = self._notes()
+        header = ["case", *self.backends]
+        body = [[c, *(self._label(b, c, notes, False) for b in self.backends)] for c in self.cases]
+        widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(f"{x:<{w}}" for x, w in zip(cells, widths, strict=True)).rstrip()
+
+        rows = [line(header), line(["-" * w for w in widths]), *(line(r) for r in body)]
+        if lines:
+            rows += [""] + [f"[{i}] {text}" for i, text in enumerate(lines, 1)]
+        if self.problems:
+            rows += ["", "Plugins that failed to load:"] + [f"  {p}" for p in self.problems]
+        n = self.counts()
+        rows += ["", f"{n[PASS]} passed, {n[FAIL]} failed, {n[SKIP]} skipped "
+                     f"(size {self.size}, device {self.device})"]
+        return "\n".join(rows)
+
+    def write(self, base: str | Path) -> tuple[Path, Path]:
+        """Write ``<base>.md`` and ``<base>.json``; return their paths."""
+        md, js = report_paths(base)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(self.to_markdown())
+        js.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return md, js

@@ -1,0 +1,131 @@
+"""``paged check``: the conformance checks without pytest, with progress and a verdict table.
+
+It runs exactly what ``pytest --pyargs paged_conformance`` runs (the same cases, the same check
+functions, the same skip decisions), so the two agree on every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import TextIO
+
+import torch
+from paged_core import BackendNotFoundError, Registry
+
+from . import checks
+from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
+from .cases import cases as all_cases
+from .cases import default_device, default_size
+from .report import FAIL, PASS, SKIP, Matrix, Outcome
+from .tolerances import ConformanceFailure
+
+__all__ = ["main", "run"]
+
+
+def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device, size: str) -> Outcome:
+    case_id = case.id if case is not None else checks.RANDOM_BATCHES
+    start = time.perf_counter()
+    try:
+        result = checks.run(pool, backend, check, case, device, size)
+    except checks.NotApplicable as exc:
+        return Outcome(backend, case_id, check, SKIP, str(exc), seconds=time.perf_counter() - start)
+    except ConformanceFailure as exc:
+        return Outcome(backend, case_id, check, FAIL, str(exc), exc.max_error, time.perf_counter() - start)
+    except Exception as exc:  # a crash is a failure of that cell, never of the whole run
+        msg = f"[{backend}/{case_id}] {check} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        return Outcome(backend, case_id, check, FAIL, msg, None, time.perf_counter() - start)
+    return Outcome(backend, case_id, check, PASS, result.note, result.max_error, time.perf_counter() - start)
+
+
+def run(
+    backends: Sequence[str] | None = None,
+    *,
+    size: str | None = None,
+    case_filter: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    registry: Registry | None = None,
+    progress: TextIO | bool = True,
+) -> Matrix:
+    """Run every check of every selected backend on every selected case; return the matrix.
+
+    ``backends``: names (entries may be ``"a,b"``), default ``$PAGED_BACKENDS`` or every
+    registered backend. ``case_filter``: substrings of case ids (``random_batches`` included).
+    ``progress``: where to print one line per (backend, case): True for stderr, False for nowhere.
+    """
+    stream = sys.stderr if progress is True else progress or None
+    use_triton_interpreter_on_cpu()
+    size = size or default_size()
+    device = torch.device(device) if device is not None else default_device()
+    pool = BackendPool(parse_backend_names(backends), registry=registry)
+    selected = [c for c in all_cases(size) if not case_filter or any(f in c.id for f in case_filter)]
+    with_random = not case_filter or any(f in checks.RANDOM_BATCHES for f in case_filter)
+    matrix = Matrix(size=size, device=str(device),
+                    backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems())
+    total = len(pool.names) * (len(selected) + with_random)
+    done = 0
+
+    def say(backend: str, case_id: str, outs: list[Outcome]) -> None:
+        nonlocal done
+        done += 1
+        if stream is None:
+            return
+        statuses = {o.status for o in outs}
+        verdict = FAIL.upper() if FAIL in statuses else PASS if PASS in statuses else SKIP
+        secs = sum(o.seconds for o in outs)
+        detail = ""
+        if verdict == SKIP:
+            detail = outs[0].message.splitlines()[0][:80]
+        elif verdict == FAIL.upper():
+            detail = "; ".join(f"{o.check}" for o in outs if o.status == FAIL)
+        print(f"[{done:>{len(str(total))}}/{total}] {backend:<16} {case_id:<34} {verdict:<4} "
+              f"{secs:6.2f}s  {detail}".rstrip(), file=stream, flush=True)
+
+    for backend in pool.names:
+        unavailable = pool.unavailable(backend)
+        if unavailable:
+            # Every cell is skipped for the same reason: one progress line, not one per case.
+            for case in selected:
+                for check in checks.applicable_checks(case):
+                    matrix.add(Outcome(backend, case.id, check, SKIP, "; ".join(unavailable)))
+            if with_random:
+                matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, SKIP,
+                                   "; ".join(unavailable)))
+            done += len(selected) + with_random - 1
+            say(backend, "(every case)", [matrix.outcomes[-1]])
+            continue
+        for case in selected:
+            outs = [_one(pool, backend, check, case, device, size)
+                    for check in checks.applicable_checks(case)]
+            for o in outs:
+                matrix.add(o)
+            say(backend, case.id, outs)
+        if with_random:
+            o = _one(pool, backend, checks.RANDOM_BATCHES, None, device, size)
+            matrix.add(o)
+            say(backend, checks.RANDOM_BATCHES, [o])
+    return matrix
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``paged check`` (see ``paged_core._cli``): 0 if nothing failed, else 1."""
+    started = time.perf_counter()
+    try:
+        matrix = run(getattr(args, "backend", None), size=getattr(args, "size", None),
+                     case_filter=getattr(args, "case", None))
+    except BackendNotFoundError as exc:
+        print(f"paged check: {exc}", file=sys.stderr)
+        return 2
+    report = getattr(args, "report", None) or "conformance-report"
+    md, js = matrix.write(report)
+    if getattr(args, "json", False):
+        json.dump(matrix.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        print(matrix.to_text())
+        print(f"Report: {md} and {js} ({time.perf_counter() - started:.0f} s)")
+    return 1 if matrix.failed else 0

@@ -1,0 +1,40 @@
+"""The conformance tests: every registered backend × every case of ``cases.py``.
+
+``pytest --pyargs paged_conformance`` collects this module; the plugin (``plugin.py``)
+parametrizes ``paged_backend`` over the registry and ``paged_case`` over the cases each check
+applies to, and skips what a backend does not claim with the backend's own reasons. Each test
+is one check of ``checks.py``, the same function ``paged check`` runs.
+"""
+
+from __future__ import annotations
+
+
+def test_matches_reference(paged_backend, paged_case, conformance):
+    """Output within the dtype's tolerance of the float64 reference; every row written (out=
+    poisoned with NaN first); padding rows exact zeros."""
+    conformance.check("matches_reference", paged_backend, paged_case)
+
+
+def test_lse_matches_reference(paged_backend, paged_case, conformance):
+    """The log-sum-exp, for backends that return one: natural log, float32 [num_tokens, num_heads]."""
+    conformance.check("lse_matches_reference", paged_backend, paged_case)
+
+
+def test_close_to_full_precision(paged_backend, paged_case, conformance):
+    """A quantized cache's output within the stated bound of attention on full-precision K/V."""
+    conformance.check("close_to_full_precision", paged_backend, paged_case)
+
+
+def test_write_then_read(paged_backend, paged_case, conformance):
+    """backend.write stores each token at its slot_mapping slot and touches nothing else."""
+    conformance.check("write_then_read", paged_backend, paged_case)
+
+
+def test_batch_invariance(paged_backend, paged_case, conformance):
+    """Each request run alone equals its rows in the batch (bitwise if the backend promises it)."""
+    conformance.check("batch_invariance", paged_backend, paged_case)
+
+
+def test_random_batches(paged_backend, conformance):
+    """Hypothesis-drawn batches and shapes within the backend's capabilities match the reference."""
+    conformance.check("random_batches", paged_backend)

@@ -1,0 +1,221 @@
+"""The data of a case: random q/K/V, a paged cache full of context and garbage, the reference.
+
+Everything is drawn on the CPU from the case's seed (so the CPU and a GPU see the same numbers)
+and never zero. Blocks come from a shuffled pool with block 0 reserved (``BlockAllocator``), and
+a few spare blocks exist, so every request's blocks are non-contiguous and a kernel that reads
+a block it should not (block 0, a neighbour's, one past the table) picks up garbage. Slots that
+hold no token are filled with garbage too, not zeros: reading past ``seq_len`` shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import torch
+from paged_core import (
+    Backend,
+    BatchMeta,
+    BlockAllocator,
+    KVCache,
+    allocate_kv_cache,
+    reference_attention,
+    write_kv,
+)
+
+from .cases import Case
+from .tolerances import ConformanceFailure
+
+__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS"]
+
+#: Blocks in the pool beyond what the batch needs (plus the reserved block 0): garbage to catch
+#: reads through the wrong block id.
+SPARE_BLOCKS = 2
+
+
+def storage(cache: KVCache) -> dict[str, torch.Tensor]:
+    """The cache's tensors by name, fp8 as uint8 so they can be copied and compared bytewise."""
+    out = {"k": cache.k, "v": cache.v}
+    if cache.k_scale is not None:
+        out["k_scale"] = cache.k_scale
+    if cache.v_scale is not None:
+        out["v_scale"] = cache.v_scale
+    return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in out.items()}
+
+
+@dataclasses.dataclass
+class Workload:
+    """One case's inputs and expected outputs on one device. Treat every tensor as read-only."""
+
+    case: Case
+    device: torch.device
+    meta: BatchMeta
+    num_blocks: int
+    #: [num_tokens, num_heads, head_dim] in the case dtype (a strided view for q_layout="qkv_view").
+    q: torch.Tensor
+    #: [num_tokens, num_kv_heads, head_dim]: the step's new K/V (padding rows too: never written).
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    #: float32 [num_heads] or None.
+    sinks: torch.Tensor | None
+    #: The cache before the step: every request's earlier context, garbage everywhere else.
+    cache_before: KVCache
+    #: ``cache_before`` with the step written by ``paged_core.write_kv``, the trusted writer.
+    cache_after: KVCache
+    #: float64 [num_tokens, num_heads, head_dim]: the reference output on ``cache_after``.
+    ref_out: torch.Tensor
+    #: float64 [num_tokens, num_heads]: the reference log-sum-exp (natural log; -inf for padding).
+    ref_lse: torch.Tensor
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        return self.meta.query_start_loc_cpu.tolist()
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return list(self.case.seq_lens)
+
+    @property
+    def padding_rows(self) -> torch.Tensor:
+        """bool [num_tokens]: rows of padding requests (must come out as exact zeros)."""
+        rows = torch.zeros(self.case.num_tokens, dtype=torch.bool)
+        qsl = self.query_start_loc
+        for r in self.case.padding_requests:
+            rows[qsl[r] : qsl[r + 1]] = True
+        return rows
+
+    def rows_of(self, r: int) -> slice:
+        qsl = self.query_start_loc
+        return slice(qsl[r], qsl[r + 1])
+
+    def fresh_cache(self, backend: Backend) -> KVCache:
+        """A cache allocated by ``backend`` holding ``cache_before``'s contents."""
+        c = self.case
+        cache = backend.allocate(
+            self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
+            dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
+        )
+        src, dst = storage(self.cache_before), storage(cache)
+        for name, t in src.items():
+            if name not in dst or dst[name].shape != t.shape or dst[name].dtype != t.dtype:
+                got = "nothing" if name not in dst else f"{dst[name].dtype} {list(dst[name].shape)}"
+                raise ConformanceFailure(
+                    f"[{backend.name}/{c.id}] allocate() returned cache.{name} as {got}; the suite "
+                    f"fills caches in the NHD layout of paged_core.allocate_kv_cache "
+                    f"({t.dtype} {list(t.shape)})"
+                )
+            dst[name].copy_(t)
+        return cache
+
+
+def _garbage_(cache: KVCache, g: torch.Generator) -> None:
+    """Fill every slot (and scale) of ``cache`` with finite, non-zero garbage."""
+    for name, t in storage(cache).items():
+        shape = tuple(t.shape)
+        if name.endswith("scale"):
+            val = torch.rand(shape, generator=g) * 0.04 + 0.01
+        elif cache.kv_dtype == "int8":
+            val = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        elif cache.kv_dtype == "fp8":
+            val = (torch.randn(shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            val = val.view(torch.uint8)
+        else:
+            # Larger than the real keys: a kernel that attends to garbage is far off.
+            val = torch.randn(shape, generator=g) * 3
+        t.copy_(val.to(device=t.device, dtype=t.dtype))
+
+
+def _context_slots(meta: BatchMeta, case: Case) -> list[int]:
+    """The flat slots of every request's cached context (positions before this step's tokens)."""
+    table = meta.block_table.cpu().tolist()
+    bs = case.block_size
+    slots = []
+    for r, (q, s) in enumerate(zip(case.query_lens, case.seq_lens, strict=True)):
+        for pos in range(max(s - q, 0) if s else 0):
+            slots.append(table[r][pos // bs] * bs + pos % bs)
+    return slots
+
+
+# Workloads are reused by every check and backend of a case. pytest runs one check over all
+# backends and cases before the next check, so the CPU cache holds the whole small table
+# (a few MB); on a GPU a full-size workload is ~0.3 GB and recomputing one is cheap there.
+_CACHE: collections.OrderedDict[tuple[Case, torch.device], Workload] = collections.OrderedDict()
+_CACHE_ENTRIES = {"cpu": 64}
+_CACHE_ENTRIES_OTHER = 4
+
+
+def clear_workloads(case_id: str | None = None) -> None:
+    """Forget the cached workloads (of the cases called ``case_id`` only, if given)."""
+    for key in [k for k in _CACHE if case_id is None or k[0].id == case_id]:
+        del _CACHE[key]
+
+
+def build_workload(case: Case, device: torch.device | str) -> Workload:
+    """The data of ``case`` on ``device`` and its float64 reference, drawn once and cached."""
+    device = torch.device(device)
+    key = (case, device)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    wl = _CACHE[key] = _draw(case, device)
+    while len(_CACHE) > _CACHE_ENTRIES.get(device.type, _CACHE_ENTRIES_OTHER):
+        _CACHE.popitem(last=False)
+    return wl
+
+
+def _draw(case: Case, device: torch.device) -> Workload:
+    g = torch.Generator().manual_seed(case.seed)
+    hq, hkv, d, dt = case.num_heads, case.num_kv_heads, case.head_dim, case.dtype
+    n = case.num_tokens
+
+    shared = case.shared_prefix_blocks
+    needed = sum(math.ceil(s / case.block_size) - shared if s else 0 for s in case.seq_lens) + shared
+    num_blocks = needed + 1 + SPARE_BLOCKS  # + the reserved block 0
+    allocator = BlockAllocator(num_blocks, shuffle=True, seed=case.seed)
+    if shared:
+        prefix = allocator.allocate(shared)
+        tables = [prefix + allocator.allocate(math.ceil(s / case.block_size) - shared) if s else []
+                  for s in case.seq_lens]
+        meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
+                                    device=device)
+    else:
+        meta = BatchMeta.build(case.query_lens, case.seq_lens, block_size=case.block_size,
+                               allocator=allocator, device=device)
+
+    # Draw q, K, V first, from the seed alone: a case and its copy with another kv_dtype share
+    # them, which is what the quantized-vs-full-precision check compares.
+    if case.q_layout == "qkv_view":
+        qkv = torch.randn(n, hq + 2 * hkv, d, generator=g)
+        q = qkv.to(device=device, dtype=dt)[:, :hq]
+    elif case.q_layout == "contiguous":
+        q = torch.randn(n, hq, d, generator=g).to(device=device, dtype=dt)
+    else:
+        raise ValueError(f"case {case.id}: q_layout {case.q_layout!r}; accepted: contiguous, qkv_view")
+    context_lens = [max(s - q_, 0) for q_, s in zip(case.query_lens, case.seq_lens, strict=True)]
+    k_ctx = [torch.randn(c, hkv, d, generator=g) for c in context_lens]
+    v_ctx = [torch.randn(c, hkv, d, generator=g) for c in context_lens]
+    k_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
+    v_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
+    # Sinks around e^2 ~ 7: comparable to the softmax mass of short contexts, so ignoring them shows.
+    sinks = (torch.randn(hq, generator=g) + 2.0).to(device) if case.sinks else None
+
+    cache_before = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
+                                     kv_dtype=case.kv_dtype, device=device)
+    _garbage_(cache_before, g)
+    slots = torch.tensor(_context_slots(meta, case), dtype=torch.int64, device=device)
+    write_kv(cache_before, torch.cat(k_ctx).to(device=device, dtype=dt),
+             torch.cat(v_ctx).to(device=device, dtype=dt), slots)
+
+    cache_after = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
+                                    kv_dtype=case.kv_dtype, device=device)
+    for name, t in storage(cache_before).items():
+        storage(cache_after)[name].copy_(t)
+    write_kv(cache_after, k_new, v_new, meta.slot_mapping)
+
+    ref_out, ref_lse = reference_attention(
+        q, cache_after, meta, scale=case.scale, window=case.window, softcap=case.softcap, sinks=sinks,
+        compute_dtype=torch.float64, return_lse=True,
+    )
+    return Workload(case, device, meta, num_blocks, q, k_new, v_new, sinks, cache_before,
+                    cache_after, ref_out, ref_lse)

@@ -1,0 +1,125 @@
+"""The case table covers what the suite promises, and its data is what the cases say."""
+
+from __future__ import annotations
+
+import doctest
+import math
+
+import paged_conformance.cases
+import paged_conformance.tolerances
+import pytest
+import torch
+from paged_conformance.cases import SIZES, cases, default_size, get_case
+from paged_conformance.tolerances import ConformanceFailure, Tolerance, assert_close_to_reference
+from paged_conformance.workload import build_workload, clear_workloads
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_ids_are_unique_and_the_same_at_every_size(size):
+    ids = [c.id for c in cases(size)]
+    assert len(ids) == len(set(ids))
+    assert ids == [c.id for c in cases("small")]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_the_table_covers_the_promised_features(size):
+    table = cases(size)
+    mixed = get_case("mixed_prefill_and_decode-g4", size)
+    pairs = set(zip(mixed.query_lens, mixed.seq_lens, strict=True))
+    assert any(1 < q < s for q, s in pairs), "a mid-prefill chunk"
+    assert {(16, 16), (21, 21), (1, 70), (1, 130)} <= pairs, "prompts of 16 and 21, decodes at 70 and 130"
+    assert {c.group_size for c in table if c.id.startswith("mixed")} == {4, 3, 1}
+    assert {16, 32, 64, 256} <= {c.block_size for c in table}
+    assert {64, 96, 128, 256} <= {c.head_dim for c in table}
+    assert {c.kv_dtype for c in table} == {"auto", "int8", "fp8"}
+    assert {c.dtype for c in table} == {torch.float32, torch.float16, torch.bfloat16}
+    assert {dict(c.options).get("num_splits") for c in table} == {None, 1, 3, 8}
+    window = get_case("sliding_window", size)
+    assert 0 < window.window < max(window.query_lens), "a window shorter than the prefill chunk"
+    assert get_case("padding_rows", size).padding_requests
+    assert 5 in get_case("spec_verify_5", size).query_lens
+    assert 1 in get_case("first_token", size).seq_lens
+    decode = get_case("decode_only-long_and_short", size)
+    assert decode.decode_only and max(decode.seq_lens) >= 10 * min(decode.seq_lens)
+    assert any(c.softcap for c in table) and any(c.sinks for c in table)
+    assert any(c.q_layout == "qkv_view" for c in table)
+
+
+def test_full_size_is_gpu_sized():
+    case = get_case("mixed_prefill_and_decode-g4", "full")
+    assert (case.num_heads, case.num_kv_heads, case.head_dim) == (32, 8, 128)
+    assert case.num_reqs >= 32 and max(case.seq_lens) >= 2048
+
+
+def test_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PAGED_CONFORMANCE_SIZE", "full")
+    assert default_size() == "full"
+    monkeypatch.setenv("PAGED_CONFORMANCE_SIZE", "huge")
+    with pytest.raises(ValueError, match="accepted: small, full"):
+        default_size()
+
+
+@pytest.mark.parametrize("case_id", ["mixed_prefill_and_decode-g3", "padding_rows", "kv_fp8", "qkv_view"])
+def test_workload_is_random_paged_and_reproducible(case_id, cpu):
+    case = get_case(case_id, "small")
+    wl = build_workload(case, cpu)
+    table = wl.meta.block_table.tolist()
+    used = [b for r in case.real_requests for b in table[r][: math.ceil(case.seq_lens[r] / case.block_size)]]
+    assert 0 not in used, "block 0 is reserved"
+    assert len(used) == len(set(used))
+    assert used != sorted(used), "blocks are shuffled, not contiguous"
+    assert bool((wl.q != 0).all()) and bool((wl.k_new != 0).all())
+    assert wl.ref_out.dtype == torch.float64
+    assert not bool(wl.ref_out[wl.padding_rows].any())
+    if case.q_layout == "qkv_view":
+        assert not wl.q.is_contiguous()
+    # The same seed draws the same data; another kv_dtype shares q, K and V.
+    clear_workloads(case.id)
+    again = build_workload(case, cpu)
+    assert again is not wl and torch.equal(again.q, wl.q) and torch.equal(again.k_new, wl.k_new)
+
+
+def test_garbage_outside_the_context(cpu):
+    """Slots past each request's tokens hold non-zero garbage, so reading them shows."""
+    case = get_case("decode_only-long_and_short", "small")
+    wl = build_workload(case, cpu)
+    k = wl.cache_after.k.reshape(-1, case.num_kv_heads, case.head_dim)
+    assert bool((k != 0).all())
+
+
+def test_assert_close_reports_where_and_how_much():
+    ref = torch.zeros(5, 2, 4, dtype=torch.float64)
+    out = ref.clone().to(torch.float16)
+    out[3, 1, 2] = 0.25
+    out[0, 0, 0] = 0.01
+    with pytest.raises(ConformanceFailure) as err:
+        assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1e-3, 0),
+                                  query_start_loc=[0, 2, 5], seq_lens=[10, 3])
+    msg = str(err.value)
+    assert msg.startswith("[b/c] output differs from the float64 reference: max abs error 2.5e-01")
+    assert "request 1, head 1, row 3 (token 1 of 3, position 1 of seq_len 3)" in msg
+    assert "exceeded by 2 of 40 elements" in msg and "mean abs error" in msg
+    assert err.value.max_error == 0.25
+
+
+def test_assert_close_treats_nan_as_failure_and_masks_rows():
+    ref = torch.zeros(3, 1, 2, dtype=torch.float64)
+    out = torch.full((3, 1, 2), math.nan)
+    with pytest.raises(ConformanceFailure, match="max abs error inf"):
+        assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1, 1))
+    assert assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1, 1),
+                                     rows=torch.tensor([False, False, False])) == 0.0
+
+
+def test_equal_infinities_match():
+    lse = torch.tensor([[-math.inf, 1.0]])
+    assert assert_close_to_reference(lse, lse.double(), backend="b", case="c", what="lse",
+                                     tolerance=Tolerance(1e-6, 0)) == 0.0
+    with pytest.raises(ConformanceFailure, match="lse differs"):
+        assert_close_to_reference(torch.tensor([[0.0, 1.0]]), lse.double(), backend="b", case="c",
+                                  what="lse", tolerance=Tolerance(1e-6, 0))
+
+
+@pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances])
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0

@@ -1,0 +1,169 @@
+"""The suite is only worth what it catches: each broken backend fails exactly where its bug shows.
+
+Every broken backend (``broken_backends.py``) is the reference with one bug. For each, the check
+that should notice it must fail on exactly the cases that expose the bug, and pass on all the
+others (so the check is neither blind nor trigger-happy); the reference must pass everything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import broken_backends as bb
+import pytest
+import torch
+from paged_conformance import runner
+from paged_conformance.backends import BackendPool
+from paged_conformance.cases import Case, cases
+from paged_conformance.checks import CHECKS, NotApplicable, check_random_batches, run
+from paged_conformance.tolerances import ConformanceFailure
+from paged_core import Capabilities, ReferenceBackend
+
+SMALL = cases("small")
+
+
+def failing_cases(backend, check: str, device: torch.device) -> set[str]:
+    """Ids of the small cases on which ``check`` fails for ``backend``."""
+    failed = set()
+    for case in SMALL:
+        if not CHECKS[check].applies(case) or case.options:
+            continue
+        assert not backend.reasons(case.spec(device)), "broken backends claim what the reference claims"
+        try:
+            CHECKS[check].func(backend, case, device)
+        except ConformanceFailure as exc:
+            assert str(exc).startswith(f"[{backend.name}/{case.id}]"), str(exc)
+            failed.add(case.id)
+    return failed
+
+
+def everywhere(case: Case) -> bool:
+    return True
+
+
+def nowhere(case: Case) -> bool:
+    return False
+
+
+# (broken backend, check, the cases that expose its bug to that check)
+EXPOSED = [
+    # Every case has a query row whose next position is a real key or garbage.
+    (bb.CausalOffByOne, "matches_reference", everywhere),
+    (bb.WindowIgnored, "matches_reference", lambda c: c.window > 0),
+    (bb.ScaleIgnored, "matches_reference", lambda c: c.scale is not None),
+    # With one KV head "the next KV head" is the same one: only cases with several KV heads.
+    (bb.WrongKVHead, "matches_reference", lambda c: c.num_kv_heads > 1),
+    (bb.PaddingLeftNaN, "matches_reference", lambda c: bool(c.padding_requests)),
+    (bb.QuantSkipsScale, "matches_reference", lambda c: c.kv_dtype != "auto"),
+    (bb.QuantSkipsScale, "close_to_full_precision", everywhere),
+    (bb.RowsUnwritten, "matches_reference", everywhere),
+    (bb.Base2Lse, "lse_matches_reference", everywhere),
+    (bb.Base2Lse, "matches_reference", nowhere),
+    (bb.PaddingSlotsWritten, "write_then_read", lambda c: bool(c.padding_requests)),
+    (bb.PaddingSlotsWritten, "matches_reference", nowhere),
+    (bb.NotBatchInvariant, "batch_invariance", everywhere),
+    (bb.NotBatchInvariant, "matches_reference", nowhere),
+]
+
+
+@pytest.mark.parametrize(("cls", "check", "exposed"), EXPOSED,
+                         ids=[f"{cls.name}-{check}" for cls, check, _ in EXPOSED])
+def test_broken_backend_fails_exactly_where_exposed(cls, check, exposed, cpu):
+    want = {c.id for c in SMALL if CHECKS[check].applies(c) and not c.options and exposed(c)}
+    assert failing_cases(cls(validate=True), check, cpu) == want
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_reference_passes_every_check(check, cpu):
+    assert failing_cases(ReferenceBackend(validate=True), check, cpu) == set()
+
+
+def test_failure_says_where(cpu):
+    case = next(c for c in SMALL if c.id == "mixed_prefill_and_decode-g1")
+    with pytest.raises(ConformanceFailure) as err:
+        CHECKS["matches_reference"].func(bb.WrongKVHead(), case, cpu)
+    msg = str(err.value)
+    assert msg.startswith("[wrong-kv-head/mixed_prefill_and_decode-g1] output differs from the float64")
+    for part in ("max abs error", "request", "head", "row", "position", "tolerance", "mean abs error"):
+        assert part in msg
+    assert err.value.max_error > 0.1
+
+
+def test_padding_failure_names_padding_rows(cpu):
+    case = next(c for c in SMALL if c.id == "padding_rows")
+    with pytest.raises(ConformanceFailure, match=r"padding rows .* must be exact zeros.*request 3"):
+        CHECKS["matches_reference"].func(bb.PaddingLeftNaN(), case, cpu)
+
+
+def test_unwritten_rows_are_reported_as_such(cpu):
+    with pytest.raises(ConformanceFailure, match="not written"):
+        CHECKS["matches_reference"].func(bb.RowsUnwritten(), SMALL[0], cpu)
+
+
+@pytest.mark.parametrize("cls", [bb.CausalOffByOne, bb.WindowIgnored, bb.WrongKVHead,
+                                 bb.QuantSkipsScale, bb.PaddingLeftNaN], ids=lambda c: c.name)
+def test_random_batches_catch_it(cls, cpu):
+    with pytest.raises(ConformanceFailure):
+        check_random_batches(cls(validate=True), cpu, "small")
+
+
+def test_random_batches_pass_the_reference(cpu):
+    result = check_random_batches(ReferenceBackend(validate=True), cpu, "small")
+    assert result.max_error is not None and result.max_error < 1e-2
+
+
+def test_runner_reports_each_broken_backend(use_registry, tmp_path):
+    """The whole pipeline (registry -> runner -> matrix -> report) fails the broken backends."""
+    matrix = runner.run(case_filter=["sliding_window", "padding_rows", "kv_int8", "g1"], progress=False)
+    assert matrix.failed
+    verdict = {(b, c): matrix.cell(b, c).status for b in matrix.backends for c in matrix.cases}
+    assert all(verdict[("reference", c)] == "pass" for c in matrix.cases)
+    for backend, case in [
+        ("window-ignored", "sliding_window"), ("wrong-kv-head", "mixed_prefill_and_decode-g1"),
+        ("padding-nan", "padding_rows"), ("quant-skips-scale", "kv_int8"),
+        ("padding-slots-written", "padding_rows"), ("causal-off-by-one", "kv_int8"),
+    ]:
+        assert verdict[(backend, case)] == "fail", (backend, case)
+    assert verdict[("window-ignored", "padding_rows")] == "pass"
+    md, js = matrix.write(tmp_path / "report")
+    data = json.loads(js.read_text())
+    assert data["passed"] is False
+    assert data["matrix"]["window-ignored"]["sliding_window"]["status"] == "fail"
+    assert "**FAIL** 1.2e+00" in md.read_text()
+
+
+def test_a_claim_that_crashes_is_a_failure_not_a_skip(cpu, broken_registry):
+    """A backend that claims fp8 and then raises is failed: a claim is a promise."""
+
+    class ClaimsFp8(bb.Wrapping):
+        name = "claims-fp8"
+
+        def attend(self, q, cache, meta, **kw):
+            if cache.kv_dtype == "fp8":
+                raise NotImplementedError("fp8 is not implemented yet")
+            return super().attend(q, cache, meta, **kw)
+
+    broken_registry.add_plugin(bb.BackendsPlugin(ClaimsFp8), name="claims-fp8")
+    matrix = runner.run(["claims-fp8"], case_filter=["kv_fp8", "kv_int8"], registry=broken_registry,
+                        progress=False)
+    cell = matrix.cell("claims-fp8", "kv_fp8")
+    assert cell.status == "fail"
+    assert "NotImplementedError: fp8 is not implemented yet" in cell.outcomes[0].message
+    assert matrix.cell("claims-fp8", "kv_int8").status == "pass"
+
+
+def test_unclaimed_spec_is_skipped_with_the_backends_reason(cpu, broken_registry):
+    class OnlyHeadDim64(bb.Wrapping):
+        name = "only-head-dim-64"
+        capabilities = Capabilities(head_dims=frozenset({64}))
+
+    broken_registry.add_plugin(bb.BackendsPlugin(OnlyHeadDim64), name="only-head-dim-64")
+    matrix = runner.run(["only-head-dim-64"], case_filter=["head_dim"], registry=broken_registry,
+                        progress=False)
+    assert matrix.cell("only-head-dim-64", "head_dim_64").status == "pass"
+    skipped = matrix.cell("only-head-dim-64", "head_dim_96")
+    assert skipped.status == "skip"
+    assert skipped.detail == "head_dim 96 is not supported (accepted: 64)"
+    with pytest.raises(NotApplicable, match="head_dim 96 is not supported"):
+        run(BackendPool(["only-head-dim-64"], registry=broken_registry), "only-head-dim-64",
+            "matches_reference", next(c for c in SMALL if c.id == "head_dim_96"), cpu)
