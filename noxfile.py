@@ -43,11 +43,13 @@ def tests(session: nox.Session) -> None:
     if not _has_cuda(session):
         session.env["TRITON_INTERPRET"] = "1"
     session.run("paged", "list")
-    session.run(
-        "pytest", "tests", "conformance/tests",
-        *[f"plugins/{p}/tests" for p in PLUGINS if (ROOT / "plugins" / p / "tests").exists()],
-        "--doctest-modules", "core/src/paged_core", *session.posargs,
-    )
+    # One pytest per test tree: each has its own conftest.py, and pytest's default import mode
+    # cannot hold two top-level modules called conftest in one run.
+    session.run("pytest", "tests", "--doctest-modules", "core/src/paged_core", *session.posargs)
+    session.run("pytest", "conformance/tests", *session.posargs)
+    for p in PLUGINS:
+        if (ROOT / "plugins" / p / "tests").exists():
+            session.run("pytest", f"plugins/{p}/tests", *session.posargs)
     # The suite itself, on every installed backend, writing conformance-report.md/.json.
     session.run("pytest", "--pyargs", "paged_conformance", *session.posargs)
 
