@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from paged_core import merge_states as merge_states_torch  # noqa: E402  (the PyTorch path on CPU tensors)
+from paged_triton_splitkv import launch as split_launch  # noqa: E402
 from paged_triton_splitkv.launch import (  # noqa: E402
     cascade_attention,
     choose_num_splits,
@@ -291,6 +292,63 @@ def test_decode_rejects_bad_arguments():
 
 def test_choose_num_splits_on_cpu_is_one():
     assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
+
+
+def test_choose_num_splits_targets_one_program_per_sm(monkeypatch):
+    monkeypatch.setattr(split_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(split_launch.torch.cuda, "current_device", lambda: 0)
+    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 5  # ceil(132 / 32)
+    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 17
+    assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 2
+    assert choose_num_splits(64, 8, 4096, 16, "cuda:0") == 1  # 512 pairs already fill the GPU
+    assert choose_num_splits(1, 1, 131072, 16, "cuda:0") == 32  # capped
+    assert choose_num_splits(1, 8, 1000, 16, "cuda:0") == 3  # >= 256 tokens per split
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "merged"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "kw"),
+    [
+        (torch.float32, None, dict(window=40, softcap=5.0, sinks=True)),
+        (torch.float32, None, dict()),
+        (torch.bfloat16, None, dict(sinks=True)),
+        (torch.float16, torch.int8, dict()),
+    ],
+    ids=["fp32-all", "fp32", "bf16-sinks", "fp16-int8"],
+)
+def test_single_split_writes_output_directly(monkeypatch, direct, dtype, kv_dtype, kw):
+    """One split: the kernel's own epilogue (sinks, lse, padding rows) equals the merge path."""
+    monkeypatch.setattr(split_launch, "DIRECT_SINGLE_SPLIT", direct)
+    q, kc, vc, ks, vs, sl, bt = decode_case([150, 30, 0, 255], hq=6, hkv=2, dtype=dtype, kv_dtype=kv_dtype,
+                                            seed=23)  # fmt: skip
+    kw = dict(kw)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.linspace(-1.0, 3.0, 6, dtype=torch.float32)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5, k_scale=ks, v_scale=vs, **kw)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].to(DEVICE)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=1, **kw)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, f"direct={direct}")
+    assert_lse_close(lse, ref_lse, tol=1e-3 if dtype == torch.float32 else 2e-2)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+    # Without lse and sinks the direct epilogue is bit-identical to merging one part.
+    if not kw:
+        plain, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=1, with_lse=False)
+        monkeypatch.setattr(split_launch, "DIRECT_SINGLE_SPLIT", not direct)
+        other, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=1, with_lse=False)
+        assert torch.equal(plain, other)
+
+
+def test_fixed_kernel_config_bypasses_the_autotuner():
+    q, kc, vc, _, _, sl, bt = decode_case([70, 130], hq=4, hkv=1, seed=29)
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt,
+                                 scale=HEAD_DIM**-0.5)
+    for splits in (1, 3):
+        out, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=splits,
+                            kernel_config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+        assert_close(out, ref, torch.float32, f"fixed config, splits={splits}")
 
 
 # --------------------------------------------------------------------------------------------

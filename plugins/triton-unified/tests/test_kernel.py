@@ -6,6 +6,7 @@ Triton is imported); shapes are kept small so the module runs in well under a mi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -236,6 +237,51 @@ def test_quantized_cache(kv_dtype, dtype):
     batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
                        kv_dtype=kv_dtype)  # fmt: skip
     assert_close_to_reference(batch, dtype, scale=0.125)
+
+
+def _config(batch, **switches):
+    num_q_heads, head_dim = batch["q"].shape[1:]
+    base = default_config(num_q_heads=num_q_heads, num_kv_heads=batch["k_cache"].shape[2], head_dim=head_dim)
+    return dataclasses.replace(base, **switches)
+
+
+# Every code-path switch of LaunchConfig, off: the previous implementation of each stays exact.
+OLD_PATHS = {"fuse_classes": False, "decode_direct": False, "quant_fp16": False, "fold_scale": False}
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["bf16", "int8", "fp8"])
+def test_old_code_paths(kv_dtype):
+    """Two launches with the tile plan, codes converted to q's dtype, scores scaled first."""
+    batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                       kv_dtype=kv_dtype)  # fmt: skip
+    assert_close_to_reference(batch, torch.bfloat16, scale=0.125, config=_config(batch, **OLD_PATHS))
+    decode = make_batch([(1, 33), (1, 70)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=torch.bfloat16, kv_dtype=kv_dtype)  # fmt: skip
+    assert_close_to_reference(decode, torch.bfloat16, scale=0.125, config=_config(decode, **OLD_PATHS))
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "two-launches"])
+def test_mixed_batch_with_separate_large_config(fuse):
+    # Several large and small tiles per class, different key steps per class, padding requests.
+    batch = make_batch([(40, 50), (1, 0), (3, 3), (1, 20), (17, 90)], num_q_heads=4, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=torch.float32)  # fmt: skip
+    config = LaunchConfig(block_q_small=8, block_q_large=16, block_n=16, num_warps=4, num_stages=1,
+                          large_block_n=32, fuse_classes=fuse)  # fmt: skip
+    assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_quantized_fast_path_edge_ranges(dtype):
+    """fp16 dots on codes: q beyond fp16's range (bf16) is shifted by a power of two, and V
+    scales far below fp16's normal range still give exact results."""
+    batch = make_batch(MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+                       kv_dtype=torch.int8)  # fmt: skip
+    # p * scale would be fp16 subnormals (fp16 outputs themselves must stay normal).
+    batch["v_scale"] = batch["v_scale"] * (1e-6 if dtype == torch.bfloat16 else 1e-3)
+    big = 1e6 if dtype == torch.bfloat16 else 1e3
+    batch["q"] = (batch["q"].float() * big).to(dtype)  # 1e6 overflows fp16
+    sinks = torch.zeros(4, dtype=torch.float32, device=DEVICE)
+    assert_close_to_reference(batch, dtype, scale=0.125 / big, sinks=sinks)
 
 
 def test_padding_requests_are_exact_zeros():

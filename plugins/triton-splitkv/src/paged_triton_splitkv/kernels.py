@@ -155,14 +155,55 @@ def _store_partial(
     tl.store(part_lse_ptr + token * stride_plt + head * stride_plh, lse, mask=row_valid)
 
 
+@triton.jit
+def _store_final(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], q's dtype
+    lse_ptr,  # [num_tokens, num_q_heads] float32 (STORE_LSE only)
+    sinks_ptr,  # [num_q_heads] float32 (HAS_SINKS only), natural-log logit without a value
+    m_i, l_i, acc,
+    token,  # [BLOCK_M] int64
+    head,  # [BLOCK_M]
+    row_valid,  # [BLOCK_M] bool
+    offs_d, d_mask,
+    stride_ot, stride_oh, stride_od,
+    stride_olt, stride_olh,
+    HAS_SINKS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """The one-split epilogue: what merge_states would make of a single part, written directly.
+
+    Same rules as the merge: a row with no visible key gets zeros and lse = -inf (sinks or not);
+    otherwise the sink joins the denominator once.
+    """
+    has_keys = l_i > 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.math.exp2(m_i - m_fin)  # m_i = -inf (no keys): 0, and acc is 0 anyway
+        l_i = tl.where(has_keys, l_i * rescale + tl.math.exp2(sink - m_fin), 0.0)
+        acc = acc * rescale[:, None]
+        m_i = m_fin
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    # acc * (1 / l) as in _store_partial: without sinks this is bit-identical to merging one part.
+    out = acc * (1.0 / l_safe)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
+    if STORE_LSE:
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+        tl.store(lse_ptr + token * stride_olt + head * stride_olh, lse, mask=row_valid)
+
+
 # --------------------------------------------------------------------------------------------
 # Split kernel: (request, query tile, KV head, split) -> partial out + lse.
 # --------------------------------------------------------------------------------------------
 
-# BLOCK_N 64-128 with 2-3 stages keeps ~2 tiles of K/V in flight per program (cp.async), which
-# is what a memory-bound loop needs; 4 warps suffice for 16-row tiles. Compiled offline for sm_90
-# (bf16, d 128, GROUP 4): 64/4w/2st uses 39 KB shared memory and 90 registers, 128/4w/3st 139 KB
-# (one program per SM). Not yet timed on the H200.
+# BLOCK_N 64-128 with 2-4 stages keeps ~2-3 tiles of K/V in flight per program (cp.async), which
+# is what a memory-bound loop needs when one program per SM carries the whole bandwidth (few
+# long requests); 4 warps suffice for 16-row tiles. Compiled offline for sm_90 (bf16, d 128,
+# GROUP 4): 64/4w/2st uses 39 KB shared memory and 90 registers, 128/4w/3st 139 KB.
 if _INTERPRET:
     # One fixed config under the interpreter: autotuning there only multiplies the run time.
     # 32 spans two 16-token blocks and is smaller than a 64-token block: both gather paths.
@@ -171,13 +212,14 @@ else:
     _SPLIT_CONFIGS = [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bn, w, st in [
-            (32, 4, 2),
+            (32, 4, 3),
             (64, 4, 2),
             (64, 4, 3),
+            (64, 4, 4),
+            (64, 8, 3),
             (128, 4, 2),
             (128, 4, 3),
             (128, 8, 2),
-            (256, 8, 2),
         ]
     ]
     if not _AUTOTUNE:
@@ -185,9 +227,12 @@ else:
 
 
 # The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
-# batch-invariant mode needs the same config for a request alone and in any batch.
+# batch-invariant mode needs the same config for a request alone and in any batch. DIRECT_OUT
+# (one split) is in it, but the launcher never uses it in that mode (blocks_per_split).
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
-@triton.autotune(configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q"])
+@triton.autotune(
+    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"]
+)
 @triton.jit
 def split_kv_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
@@ -200,6 +245,9 @@ def split_kv_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32 (HAS_QSL only; else request r is token r)
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] float32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] float32
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], q's dtype (DIRECT_OUT only)
+    out_lse_ptr,  # [num_tokens, num_q_heads] float32 (DIRECT_OUT and STORE_LSE only)
+    sinks_ptr,  # [num_q_heads] float32 (DIRECT_OUT and HAS_SINKS only)
     scale,  # float, softmax scale
     softcap,  # float (USE_SOFTCAP only)
     window,  # int (USE_WINDOW only): keys > pos - window are visible
@@ -217,6 +265,8 @@ def split_kv_attention_kernel(
     stride_btr, stride_btb,
     stride_pos, stride_pot, stride_poh, stride_pod,
     stride_pls, stride_plt, stride_plh,
+    stride_ot, stride_oh, stride_od,
+    stride_olt, stride_olh,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per tile (1 for decode)
@@ -233,10 +283,14 @@ def split_kv_attention_kernel(
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # one split: write the final out (and lse) instead of a partial
+    HAS_SINKS: tl.constexpr,  # DIRECT_OUT only
+    STORE_LSE: tl.constexpr,  # DIRECT_OUT only
     BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
 ):
     """One program: BLOCK_Q queries of one request x the GROUP heads of one KV head, against the
-    keys of one split; writes that split's normalized partial output and natural-log LSE."""
+    keys of one split; writes that split's normalized partial output and natural-log LSE, or,
+    with DIRECT_OUT (a single split), the final output: no workspace and no merge launch."""
     tl.static_assert(BLOCK_M >= BLOCK_Q * GROUP_PAD)
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs at least 16 rows
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
@@ -332,13 +386,19 @@ def split_kv_attention_kernel(
             QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
         )
 
-    # int64: with blocks_per_split, thousands of splits x a large batch overflow int32 offsets.
-    split64 = split.to(tl.int64)
-    _store_partial(
-        part_out_ptr + split64 * stride_pos, part_lse_ptr + split64 * stride_pls,
-        m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
-        stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
-    )
+    if DIRECT_OUT:
+        _store_final(
+            out_ptr, out_lse_ptr, sinks_ptr, m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
+            stride_ot, stride_oh, stride_od, stride_olt, stride_olh, HAS_SINKS, STORE_LSE,
+        )
+    else:
+        # int64: with blocks_per_split, thousands of splits x a large batch overflow int32 offsets.
+        split64 = split.to(tl.int64)
+        _store_partial(
+            part_out_ptr + split64 * stride_pos, part_lse_ptr + split64 * stride_pls,
+            m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
+            stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
+        )
 
 
 # --------------------------------------------------------------------------------------------

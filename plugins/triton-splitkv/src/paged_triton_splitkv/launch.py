@@ -36,13 +36,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-# choose_num_splits: about 2 resident programs per SM hides the latency of one program's
-# loads behind the other's; 256 tokens (16 blocks of 16) per split keeps the fixed cost of a
-# program (loading q, writing a partial, merging it) small against its K/V traffic; beyond 32
-# splits the merge's reads start to show for short contexts.
-_PROGRAMS_PER_SM = 2
+# choose_num_splits: about one program per SM. Measured on the H200 (Triton 3.6, bf16, 32/8
+# heads, d 128): 4 x 32768 was best at 4-8 splits, 1 x 131072 at 16, 16 x 8192 at 1-2, i.e.
+# ~1 program per SM (132 SMs); more splits only add merge traffic and per-program overhead.
+# 256 tokens (16 blocks of 16) per split keeps the fixed cost of a program (loading q, writing
+# a partial, merging it) small against its K/V traffic; beyond 32 splits the merge's reads start
+# to show for short contexts. Module-level so a tuning script can compare (2 was the old value).
+_PROGRAMS_PER_SM = 1
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+# A single split writes the final output itself (no float32 workspace, no merge launch).
+# False: always write a partial and merge (the previous behaviour; for timing comparisons).
+DIRECT_SINGLE_SPLIT = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits that fills the GPU for a decode batch (host ints only, no sync).
 
-    Targets about two programs per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
+    Targets about one program per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
     at least 256 tokens (and a whole block) per split, caps at 32. Returns 1 on a non-CUDA
     device or when the (request, KV head) pairs already fill the GPU.
 
@@ -234,6 +239,7 @@ def split_decode_attention(
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     blocks_per_split: int | None = None,
+    kernel_config: dict | None = None,
 ) -> torch.Tensor:
     """Flash-Decoding over a paged KV cache for a decode-only batch; fills and returns ``out``.
 
@@ -250,7 +256,11 @@ def split_decode_attention(
     (s+1)*K*block_size)`` of every request, so a request's output is bit-identical alone or in
     any batch (``num_splits`` then defaults to ``ceil(max_seq_len / (K*block_size))``; a larger
     value just adds empty splits, e.g. to keep one CUDA-graph grid). Otherwise each request's
-    visible range is cut into ``num_splits`` (default: ``choose_num_splits``) near-equal parts.
+    visible range is cut into ``num_splits`` (default: ``choose_num_splits``) near-equal parts;
+    one such part is written straight to ``out`` (no merge launch).
+
+    ``kernel_config`` (e.g. ``{"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}``) bypasses the
+    autotuner: for tuning scripts and benchmarks.
 
     >>> import torch
     >>> q = torch.zeros(1, 4, 64); kc = torch.zeros(2, 16, 1, 64); o = torch.empty_like(q)
@@ -289,12 +299,23 @@ def split_decode_attention(
 
     if num_tokens == 0:
         return out
+    # Direct output for one split. Not in blocks_per_split mode: there a request alone may need
+    # one split and in a batch several, and its bits must not depend on which epilogue ran.
+    if num_splits == 1 and blocks_per_split is None and DIRECT_SINGLE_SPLIT:
+        _launch_split(
+            q, k_cache, v_cache, k_scale, v_scale, None, None,
+            seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
+            window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=1,
+            direct=(out, lse, sinks), kernel_config=kernel_config,
+        )
+        return out
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
     _launch_split(
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
         seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
         window=window, key_start=0, num_splits=num_splits, tokens_per_split=tokens_per_split, max_query_len=1,
+        kernel_config=kernel_config,
     )
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
@@ -306,8 +327,8 @@ def _launch_split(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
+    part_out: torch.Tensor | None,
+    part_lse: torch.Tensor | None,
     *,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -319,8 +340,11 @@ def _launch_split(
     num_splits: int,
     tokens_per_split: int,
     max_query_len: int,
+    direct: tuple | None = None,
+    kernel_config: dict | None = None,
 ) -> None:
-    """Launch the split kernel; arguments already checked. Writes part_out / part_lse."""
+    """Launch the split kernel; arguments already checked. Writes part_out / part_lse, or with
+    ``direct=(out, lse or None, sinks or None)`` (one split) the final out / lse."""
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     num_reqs = block_table.shape[0]
@@ -334,13 +358,26 @@ def _launch_split(
         block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
     num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
-    split_kv_attention_kernel[grid](
+    if direct is not None:
+        out, out_lse, sinks = direct
+        # Unused pointers still need a tensor; the constexpr switches keep them untouched.
+        part_out, part_lse = out, out_lse if out_lse is not None else q
+    else:
+        out, out_lse, sinks = q, None, None
+    out_lse_t = out_lse if out_lse is not None else part_lse
+    kernel, fixed = split_kv_attention_kernel, {}
+    if kernel_config is not None:
+        kernel, fixed = split_kv_attention_kernel.fn, dict(kernel_config)  # the jitted kernel, no tuning
+    kernel[grid](
         q_ptr=q,
         block_table_ptr=block_table,
         seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc if query_start_loc is not None else seq_lens,
         part_out_ptr=part_out,
         part_lse_ptr=part_lse,
+        out_ptr=out,
+        out_lse_ptr=out_lse_t,
+        sinks_ptr=sinks if sinks is not None else out_lse_t,
         scale=float(scale),
         softcap=float(softcap),
         window=int(window),
@@ -352,9 +389,12 @@ def _launch_split(
         num_q_tiles=num_q_tiles,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
         stride_btr=block_table.stride(0), stride_btb=block_table.stride(1),
-        stride_pos=part_out.stride(0), stride_pot=part_out.stride(1),
-        stride_poh=part_out.stride(2), stride_pod=part_out.stride(3),
-        stride_pls=part_lse.stride(0), stride_plt=part_lse.stride(1), stride_plh=part_lse.stride(2),
+        **dict(zip(("stride_pos", "stride_pot", "stride_poh", "stride_pod"),
+                   part_out.stride() if direct is None else (0, 0, 0, 0), strict=True)),
+        **dict(zip(("stride_pls", "stride_plt", "stride_plh"),
+                   part_lse.stride() if direct is None else (0, 0, 0), strict=True)),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
+        stride_olt=out_lse_t.stride(0), stride_olh=out_lse_t.stride(1),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -363,7 +403,11 @@ def _launch_split(
         FIXED_SPLITS=tokens_per_split > 0,
         USE_SOFTCAP=softcap > 0.0,
         USE_WINDOW=window > 0,
+        DIRECT_OUT=direct is not None,
+        HAS_SINKS=sinks is not None,
+        STORE_LSE=out_lse is not None,
         **_kv_args(q, k_cache, v_cache, k_scale, v_scale),
+        **fixed,
     )
 
 

@@ -94,6 +94,34 @@ def _tanh(x):
 
 
 @triton.jit
+def _int8_to_fp16(codes):
+    """int8 codes -> exactly equal fp16 values with integer and half ops only (no I2F).
+
+    The byte b of code c (two's complement) XOR 0x80 is c + 128 in [0, 255]; zero-extended and
+    XORed into 0x6400 (fp16 1024, whose ulp is 1) that is fp16 1024 + 128 + c; XOR 0x6480 on the
+    zero-extended byte does both at once. One fp16 subtraction of 1152 leaves c exactly. Byte
+    extraction (PRMT), XOR and HSUB2 each handle two lanes per instruction.
+    """
+    b = codes.to(tl.uint8, bitcast=True).to(tl.uint16)  # zero-extension
+    biased = b ^ tl.full(b.shape, 0x6480, tl.uint16)  # a uint16 constant keeps the op 16-bit
+    return biased.to(tl.float16, bitcast=True) - 1152.0  # fp16 - weak Python float stays fp16
+
+
+@triton.jit
+def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr, QDOT16: tl.constexpr):
+    """A loaded K/V tile (values, int8 codes, or fp8 codes as uint8) in the dot dtype."""
+    if KV_QUANT == 2:
+        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
+        x = x.to(tl.float8e4nv, bitcast=True)
+    if QDOT16 and KV_QUANT == 1:
+        return _int8_to_fp16(x)
+    # Quantized codes convert exactly to fp16/bf16. e4m3 -> fp16 is a native cvt on sm_89+
+    # (cvt.rn.f16x2.e4m3x2: two codes per instruction); e4m3 -> bf16 is not, it goes through
+    # f16/f32, which is why QDOT16 runs quantized tiles in fp16.
+    return x.to(dot_dtype)
+
+
+@triton.jit
 def _attend_step(
     acc,  # float32 [BLOCK_M, HEAD_DIM_PAD]
     l_i,  # float32 [BLOCK_M]
@@ -104,7 +132,7 @@ def _attend_step(
     seq_len,
     window,
     softcap,
-    qk_scale,  # scale * log2(e), or scale / softcap when soft-capping
+    qk_scale,  # scale * log2(e), or scale / softcap when soft-capping (times q's pre-shift)
     num_blocks,
     max_blocks_per_req,
     block_table_row_ptr,  # int32 [max_blocks_per_req], this request's row
@@ -132,6 +160,8 @@ def _attend_step(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    QDOT16: tl.constexpr,  # quantized cache: fp16 dots, bit-trick int8 decode, V scale per tile
+    FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see the kernel's docstring)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -156,20 +186,28 @@ def _attend_step(
     # K^T: [HEAD_DIM_PAD, BLOCK_N]; masked to 0 because uninitialised cache memory may hold NaN.
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
     k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask, other=0)
-    if KV_QUANT == 2:
-        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
-        k = k.to(tl.float8e4nv, bitcast=True)
-    # Quantized codes convert exactly to the dot dtype; their per-key scale is applied to the
+    # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = k.to(q.dtype)
+    k = _codes_to_dot(k, q.dtype, KV_QUANT, QDOT16)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
+    # s * qk_scale - m is one FFMA (instead of a multiply here plus a subtraction there).
+    RAW: tl.constexpr = FOLD_SCALE and KV_QUANT == 0 and not USE_SOFTCAP
     if KV_QUANT != 0:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_offs, mask=key_ok, other=0.0)  # [BLOCK_N] float32
-        qk = qk * k_sc[None, :]
-    if USE_SOFTCAP:
+        if FOLD_SCALE:
+            # One multiply per score: the key scale and qk_scale combine per column first.
+            s = qk * (k_sc * qk_scale)[None, :]
+        else:
+            s = (qk * k_sc[None, :]) * qk_scale
+        if USE_SOFTCAP:
+            s = _tanh(s) * (softcap * 1.4426950408889634)
+    elif USE_SOFTCAP:
         s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+    elif RAW:
+        s = qk
     else:
         s = qk * qk_scale  # log2 units: exp2 below is exp of the natural logits
 
@@ -181,12 +219,20 @@ def _attend_step(
         visible = key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
 
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if RAW:
+        # The launcher sets FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of
+        # the scaled scores (and -inf stays -inf).
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps
     # exp2(-inf - (-inf)) = NaN out of alpha and p.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
-    p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+    if RAW:
+        p = tl.exp2(s * qk_scale - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+    else:
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
 
     # V: [BLOCK_N, HEAD_DIM_PAD]
@@ -194,17 +240,27 @@ def _attend_step(
     v = tl.load(
         v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0
     )
-    if KV_QUANT == 2:
-        v = v.to(tl.float8e4nv, bitcast=True)
-    v = v.to(q.dtype)
+    v = _codes_to_dot(v, q.dtype, KV_QUANT, QDOT16)
+    acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_offs, mask=key_ok, other=0.0)  # [BLOCK_N]
-        p = p * v_sc[None, :]
-    # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also runs
-    # on tensor cores; accumulation stays in float32.
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
+        if QDOT16:
+            # p @ (codes * s) == (p * s) @ codes, but p * s in fp16 can sink into subnormals for
+            # small scales. Dividing by the tile's largest scale keeps p * s / s_max in [0, 1]
+            # (the same range, and rounding, as plain probabilities in an fp16 flash kernel);
+            # s_max multiplies the [BLOCK_M, HEAD_DIM] product once.
+            vs_max = tl.max(tl.abs(v_sc), 0)
+            vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+            pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(q.dtype), v, input_precision=DOT_PRECISION)
+            acc += pv * vs_max
+        else:
+            p = p * v_sc[None, :]
+            acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
+    else:
+        # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also
+        # runs on tensor cores; accumulation stays in float32.
+        acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -222,26 +278,27 @@ def _attention_configs():
 
 # (BLOCK_N, num_warps, num_stages) per shape class, about eight each: the tuning cost is paid
 # on the first call of every class. Decode tiles (16-32 rows) are bandwidth-bound: wide key steps
-# and deep pipelines keep enough bytes in flight. Prefill tiles (64-128 rows) are compute-bound:
-# more warps for the larger MMA, fewer stages because each stage holds larger K/V tiles.
+# and deep pipelines keep enough bytes in flight (H200, decode 64 x 4096 bf16: 128/4w/2st 0.269 ms,
+# 64/2w/2st 0.276, 32/4w/2st 0.293). Prefill tiles (64-128 rows) are compute-bound: more warps
+# for the larger MMA, fewer stages because each stage holds larger K/V tiles.
 _DECODE_CONFIGS = {
     (32, 4, 3),
-    (32, 4, 4),
+    (64, 2, 2),
     (64, 4, 2),
     (64, 4, 3),
     (64, 4, 4),
-    (64, 8, 3),
     (128, 4, 2),
+    (128, 4, 3),
     (128, 8, 2),
 }
 _PREFILL_CONFIGS = {
-    (32, 4, 2),
     (32, 4, 3),
     (64, 4, 2),
     (64, 4, 3),
     (64, 8, 2),
     (64, 8, 3),
     (128, 8, 2),
+    (128, 8, 3),
     (32, 8, 3),
 }
 
@@ -259,14 +316,26 @@ def keep(config, block_m, head_dim_pad):
 
 
 # The configs PAGED_AUTOTUNE=0 runs: one per shape class.
-_DEFAULT_DECODE = (64, 4, 3)
+_DEFAULT_DECODE = (128, 4, 2)
 _DEFAULT_PREFILL = (64, 8, 2)
+
+
+# Tilings of one launch (the TILING constexpr).
+TILING_PLAN = 0  # tiles of one size class, found through the tile plan's prefix sums
+TILING_DIRECT = 1  # decode-shaped batch: one tile per request, no tile plan launch or search
+TILING_FUSED = 2  # both size classes in one launch: large tiles first, then the small ones
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
-    block_m = args["BLOCK_Q"] * args["GROUP_PAD"]
+    # A fused launch is timed by its large tiles (compute-bound prefill); its small tiles run
+    # with BLOCK_N_SMALL from the launcher.
+    block_q = args["BLOCK_Q_LARGE"] if args["TILING"] == TILING_FUSED else args["BLOCK_Q"]
+    block_m = block_q * args["GROUP_PAD"]
     kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
+    if args["TILING"] == TILING_FUSED and args["HEAD_DIM_PAD"] >= 256:
+        # Both classes' pipelined K/V buffers share the launch's shared memory.
+        kept = [c for c in kept if c.num_stages <= 2]
     if not AUTOTUNE:
         default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
         kept = [c for c in kept if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or kept[:1]
@@ -278,111 +347,74 @@ def _autotune(fn):
         return fn
     return triton.autotune(
         configs=_attention_configs(),
-        # The tile shape, the cache layout and the KV format decide the best config; tensor
-        # dtypes are added to the key by the autotuner itself. Request counts and lengths are
-        # not in the key (each new value would re-tune), nor is "decode-only": BLOCK_Q already
-        # separates decode-shaped tiles from prefill tiles, and one config per tile class keeps
-        # a request's result independent of the batch it is in (batch invariance).
-        key=["BLOCK_Q", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT"],
+        # The tile shape, the cache layout, the KV format and the code path decide the best
+        # config; tensor dtypes are added to the key by the autotuner itself. Request counts and
+        # lengths are not in the key (each new value would re-tune), nor is "decode-only":
+        # BLOCK_Q already separates decode-shaped tiles from prefill tiles, and one config per
+        # tile class keeps a request's result independent of the batch it is in.
+        key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
+             "QDOT16", "FOLD_SCALE"],
         prune_configs_by={"early_config_prune": _prune},
     )(fn)
 
 
-@_autotune
-# Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
-# kernel for each combination as batches change; none of them feeds address alignment.
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req"])
-def unified_attention_kernel(
-    q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], q's dtype, last dim contiguous
-    k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
-    v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
-    sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
-    lse_ptr,  # float32 [num_tokens, num_q_heads] (written only if HAS_LSE)
-    query_start_loc_ptr,  # int32 [num_reqs + 1]
-    seq_lens_ptr,  # int32 [num_reqs]
-    block_table_ptr,  # int32 [num_reqs, max_blocks_per_req]
-    tile_end_ptr,  # int32 [num_reqs], inclusive prefix sum of this launch's tiles per request
-    num_tokens,
-    num_reqs,
-    num_blocks,
-    max_blocks_per_req,
-    scale,
-    softcap,
-    window,
-    stride_q_t,
-    stride_q_h,
-    stride_k_b,
-    stride_k_s,
-    stride_k_h,
-    stride_v_b,
-    stride_v_s,
-    stride_v_h,
-    stride_ks_b,
-    stride_ks_s,
-    stride_ks_h,
-    stride_vs_b,
-    stride_vs_s,
-    stride_vs_h,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    stride_bt_r,
-    stride_bt_b,
-    GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
-    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_Q * GROUP_PAD rows
-    BLOCK_N: tl.constexpr,  # keys per loop step (may span several cache blocks)
-    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
-    USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-    UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
-):
-    """One program: BLOCK_Q query tokens of one request, all GROUP query heads of one KV head."""
-    tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
-    tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
-    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+@triton.jit
+def _tile_program(
+    tile,  # index of this program's tile within its size class
+    kv_head,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
+    num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+    stride_q_t, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
+    KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
 
-    # Heaviest tiles first: the last tiles of a causal prefill see the most keys, and running
-    # them early evens out the tail of the launch. The empty programs of the over-sized grid
-    # then come first and exit at once.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
-
-    # Find the request owning this tile: the first r with tile_end[r] > tile.
-    lo = num_reqs * 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        after = tl.load(tile_end_ptr + mid) > tile
-        hi = tl.where(after, mid, hi)
-        lo = tl.where(after, lo, mid + 1)
-    req = lo
-    if req >= num_reqs:
-        return  # past the batch's last tile
-    tile_begin = tl.load(tile_end_ptr + req - 1, mask=req > 0, other=0)
-    local_tile = tile - tile_begin
+    No early ``return`` here: in a fused launch this runs inside a branch, and a callee with
+    several exits could not be inlined into it. A tile past the batch runs empty loops and
+    masked stores instead.
+    """
+    if FROM_PLAN:
+        # Find the request owning this tile: the first r with tile_end[r] > tile.
+        lo = num_reqs * 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            after = tl.load(tile_end_ptr + mid) > tile
+            hi = tl.where(after, mid, hi)
+            lo = tl.where(after, lo, mid + 1)
+        in_batch = lo < num_reqs  # False: past the batch's last tile
+        req = tl.minimum(lo, num_reqs - 1)
+        tile_begin = tl.load(tile_end_ptr + req - 1, mask=req > 0, other=0)
+        local_tile = tile - tile_begin
+    else:
+        in_batch = tile < num_reqs
+        req = tile
+        local_tile = tile * 0
 
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
+    tile_ok = in_batch & (local_tile * BLOCK_Q < q_len)
 
     offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [BLOCK_M], BLOCK_M = BLOCK_Q * GROUP_PAD
     q_idx = local_tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the request
     head_in_group = offs_m % GROUP_PAD
     head = kv_head * GROUP + head_in_group  # [BLOCK_M] query head of each row
     token = q_begin + q_idx  # [BLOCK_M] row of q / out
-    row_ok = (q_idx < q_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
+    # A tile past the batch gets no rows (a where, not `scalar & tensor`: the interpreter
+    # cannot mask with the result of the latter).
+    rows_len = tl.where(tile_ok, q_len, 0)
+    row_ok = (q_idx < rows_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
     q_pos = context_len + q_idx  # [BLOCK_M] position of each row's query
 
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -397,6 +429,15 @@ def unified_attention_kernel(
         qk_scale = scale / softcap
     else:
         qk_scale = scale * 1.4426950408889634
+    if QDOT16:
+        # Quantized caches run their dots in fp16 (see _codes_to_dot). bf16 q is exact in fp16
+        # as long as it stays in fp16's range: scale q by a power of two (exact) so that
+        # max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
+        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        exponent = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(exponent - 13, 0), 100)
+        q = (q.to(tl.float32) * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
 
     # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
     # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
@@ -404,6 +445,7 @@ def unified_attention_kernel(
     first_pos = context_len + local_tile * BLOCK_Q
     last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
     key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
+    key_end = tl.where(tile_ok, key_end, 0)  # no keys for a tile past the batch
     if USE_WINDOW:
         lo_key = tl.maximum(first_pos - window + 1, 0)
         full_lo = tl.maximum(last_pos - window + 1, 0)
@@ -432,6 +474,7 @@ def unified_attention_kernel(
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
             offs_d, d_mask,
             MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     # Bulk of the context: no causal or window mask to compute.
@@ -444,6 +487,7 @@ def unified_attention_kernel(
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
             offs_d, d_mask,
             MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     # The causal diagonal, masked.
@@ -456,10 +500,11 @@ def unified_attention_kernel(
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
             offs_d, d_mask,
             MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
-    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(0) = 1):
+    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
     # such rows (padding requests) write zeros and lse = -inf, sinks or not.
     seen = l_i > 0.0
     if HAS_SINKS:
@@ -479,3 +524,136 @@ def unified_attention_kernel(
     if HAS_LSE:
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
+
+
+@_autotune
+# Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
+# kernel for each combination as batches change; none of them feeds address alignment.
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req", "num_large_tiles"]
+)
+def unified_attention_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], q's dtype, last dim contiguous
+    k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
+    v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
+    sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
+    lse_ptr,  # float32 [num_tokens, num_q_heads] (written only if HAS_LSE)
+    query_start_loc_ptr,  # int32 [num_reqs + 1]
+    seq_lens_ptr,  # int32 [num_reqs]
+    block_table_ptr,  # int32 [num_reqs, max_blocks_per_req]
+    tile_end_ptr,  # int32 [num_reqs], inclusive prefix sum of this launch's (small) tiles per request
+    tile_end_large_ptr,  # int32 [num_reqs], the same for large tiles (read only if TILING_FUSED)
+    num_tokens,
+    num_reqs,
+    num_blocks,
+    max_blocks_per_req,
+    num_kv_heads,  # read only if TILING_FUSED (its grid is flat)
+    num_large_tiles,  # TILING_FUSED: upper bound on the large tiles; the first programs take them
+    scale,
+    softcap,
+    window,
+    stride_q_t,
+    stride_q_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
+    stride_bt_r,
+    stride_bt_b,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_Q: tl.constexpr,  # query tokens per (small) tile; BLOCK_Q * GROUP_PAD rows
+    BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (TILING_FUSED only)
+    BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (TILING_FUSED only)
+    TILING: tl.constexpr,  # TILING_PLAN / TILING_DIRECT / TILING_FUSED (see launch.py)
+    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
+    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: fp16 dots and bit-trick int8 decode
+    FOLD_SCALE: tl.constexpr,  # qk_scale folded into the exp2 FFMA (needs scale > 0)
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
+    BLOCK_N: tl.constexpr,  # keys per loop step (of the large tiles if TILING_FUSED); autotuned
+):
+    """One program: a tile of query tokens of one request x all GROUP query heads of one KV head.
+
+    TILING_PLAN / TILING_DIRECT: grid (tiles, kv heads), one size class (BLOCK_Q). Heaviest tiles
+    first: the last tiles of a causal prefill see the most keys, and running them early evens
+    out the tail of the launch (the empty programs of the over-sized grid come first and exit).
+    TILING_FUSED: a flat grid, KV head fastest, so that the large tiles of every head are
+    scheduled before any small one: the first ``num_large_tiles * num_kv_heads`` programs take
+    the large tiles (heaviest first), the rest the small ones. Both tile shapes are constexpr,
+    so each branch compiles its own loop; one launch means the decode tiles fill the SMs that
+    the prefill tail leaves idle instead of waiting behind it in a second launch.
+    """
+    tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+
+    if TILING == 2:
+        tl.static_assert(BLOCK_N_SMALL >= 16, "tl.dot needs at least 16 keys")
+        pid = tl.program_id(0)
+        kv_head = pid % num_kv_heads
+        t = pid // num_kv_heads
+        if t < num_large_tiles:
+            _tile_program(
+                num_large_tiles - 1 - t, kv_head,
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+                query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_large_ptr,
+                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+                stride_q_t, stride_q_h,
+                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+                stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+                GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q_LARGE, BLOCK_N,
+                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+                UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            _tile_program(
+                t - num_large_tiles, kv_head,
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+                query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
+                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+                stride_q_t, stride_q_h,
+                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+                stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+                GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N_SMALL,
+                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+                UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        _tile_program(
+            tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1),
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+            query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
+            num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+            stride_q_t, stride_q_h,
+            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+            stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+            GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
+            TILING == 0, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+            UPCAST, DOT_PRECISION,
+        )  # fmt: skip

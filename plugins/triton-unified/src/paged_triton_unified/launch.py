@@ -13,7 +13,14 @@ import numbers
 import torch
 from triton.runtime.autotuner import Autotuner
 
-from .kernels import INTERPRET, tile_plan_kernel, unified_attention_kernel
+from .kernels import (
+    INTERPRET,
+    TILING_DIRECT,
+    TILING_FUSED,
+    TILING_PLAN,
+    tile_plan_kernel,
+    unified_attention_kernel,
+)
 
 __all__ = [
     "BLOCK_M_LARGE",
@@ -50,14 +57,32 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
 
 
+# Keys per step of the decode tiles inside a fused launch when the autotuner picks the config
+# (it tunes the large tiles' BLOCK_N; the small tiles are bandwidth-bound and like wide steps).
+FUSED_BLOCK_N_SMALL = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """How the launcher tiles a batch.
 
     Requests with at most ``block_q_small`` new tokens (decodes, short verification blocks) run
-    in one launch with ``block_q_small``-token tiles; longer ones, if the batch has any, in a
-    second launch with ``block_q_large``-token tiles. ``block_n``/``num_warps``/``num_stages``
-    fix the kernel config; ``None`` lets the autotuner choose (on the GPU).
+    with ``block_q_small``-token tiles; longer ones, if the batch has any, with
+    ``block_q_large``-token tiles. ``block_n``/``num_warps``/``num_stages`` fix the kernel config
+    (``None``: the autotuner chooses, on the GPU); ``large_*`` override them for the large tiles
+    (``None``: the same as the small ones).
+
+    Code-path switches (each selects between two exact implementations; the defaults are the
+    faster ones as far as measured, the others stay for timing and as a fallback):
+
+    - ``fuse_classes``: a batch with both classes runs in ONE launch (large tiles first, then
+      the small ones fill the SMs the prefill tail leaves idle); False: two launches back to back.
+    - ``decode_direct``: a batch where every request fits one small tile skips the tile-plan
+      launch and the binary search (tile = request); False: always plan.
+    - ``quant_fp16``: int8/fp8 caches with fp16/bf16 q run both dots in fp16 with a bit-trick
+      int8 decode (no I2F) and the native e4m3->f16 conversion; False: convert codes to q's dtype.
+    - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
+      of a multiply and a subtraction); False: scale every score first.
     """
 
     block_q_small: int
@@ -65,6 +90,13 @@ class LaunchConfig:
     block_n: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    large_block_n: int | None = None
+    large_num_warps: int | None = None
+    large_num_stages: int | None = None
+    fuse_classes: bool = True
+    decode_direct: bool = True
+    quant_fp16: bool = True
+    fold_scale: bool = True
 
 
 def _next_power_of_2(n: int) -> int:
@@ -319,48 +351,70 @@ def unified_attention(
     vs_strides = vs.stride() if kv_quant else (0, 0, 0)
     lse_strides = lse.stride() if lse is not None else (0, 0)
 
-    # Requests longer than one small tile get their own launch with large tiles, so a long
-    # prefill reaches tensor-core rates without 128-row tiles for the decodes next to it.
+    # Requests longer than one small tile get large tiles, so a long prefill reaches tensor-core
+    # rates without 128-row tiles for the decodes next to it.
     split = max_query_len > bq_small
-    tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
-    tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device) if split else tile_end_small
-    tile_plan_kernel[(1,)](
-        query_start_loc_ptr=query_start_loc,
-        tile_end_small_ptr=tile_end_small,
-        tile_end_large_ptr=tile_end_large,
-        num_reqs=num_reqs,
-        BLOCK_Q_SMALL=bq_small,
-        BLOCK_Q_LARGE=bq_large,
-        SPLIT=split,
-        BLOCK_R=min(_TILE_PLAN_BLOCK_R, max(16, _next_power_of_2(num_reqs))),
-    )
+    if not split and config.decode_direct:
+        # Every request fits one small tile: tile r is request r, no plan needed.
+        tiling = TILING_DIRECT
+        tile_end_small = tile_end_large = seq_lens  # never read
+    else:
+        tiling = TILING_FUSED if (split and config.fuse_classes) else TILING_PLAN
+        tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
+        tile_end_large = (
+            torch.empty(num_reqs, dtype=torch.int32, device=q.device) if split else tile_end_small
+        )
+        tile_plan_kernel[(1,)](
+            query_start_loc_ptr=query_start_loc,
+            tile_end_small_ptr=tile_end_small,
+            tile_end_large_ptr=tile_end_large,
+            num_reqs=num_reqs,
+            BLOCK_Q_SMALL=bq_small,
+            BLOCK_Q_LARGE=bq_large,
+            SPLIT=split,
+            BLOCK_R=min(_TILE_PLAN_BLOCK_R, max(16, _next_power_of_2(num_reqs))),
+        )
 
     # Upper bounds on the tile counts from host ints only: sum(ceil(q_len / B)) over requests
     # <= num_tokens // B + (number of requests). Programs past the last real tile exit at once.
-    launches = []
-    if split:
-        launches.append((bq_small, tile_end_small, num_reqs))
-        num_large = min(num_reqs, num_tokens // (bq_small + 1))
-        launches.append((bq_large, tile_end_large, num_tokens // bq_large + num_large))
-    else:
-        launches.append((bq_small, tile_end_small, num_tokens // bq_small + num_reqs))
+    num_large = min(num_reqs, num_tokens // (bq_small + 1)) if split else 0
+    large_bound = num_tokens // bq_large + num_large
+    small_bound = num_reqs if split else num_tokens // bq_small + num_reqs
+    if tiling == TILING_DIRECT:
+        small_bound = num_reqs
 
+    kernel = unified_attention_kernel
+    fixed_small = fixed_large = {}
     if config.block_n is not None:
-        kernel = unified_attention_kernel
         if isinstance(kernel, Autotuner):
             kernel = kernel.fn  # the jitted kernel under the autotuner
-        fixed = {
+        fixed_small = {
             "BLOCK_N": config.block_n,
             "num_warps": config.num_warps or 4,
             "num_stages": config.num_stages or 2,
         }
-    else:
-        kernel, fixed = unified_attention_kernel, {}
+        fixed_large = {
+            "BLOCK_N": config.large_block_n or fixed_small["BLOCK_N"],
+            "num_warps": config.large_num_warps or fixed_small["num_warps"],
+            "num_stages": config.large_num_stages or fixed_small["num_stages"],
+        }
 
-    for block_q, tile_end, num_tiles in launches:
-        if num_tiles == 0:
+    # (grid, tile_end, BLOCK_Q, fixed config, BLOCK_N_SMALL) per launch.
+    if tiling == TILING_FUSED:
+        block_n_small = config.block_n or FUSED_BLOCK_N_SMALL
+        launches = [((num_kv_heads * (large_bound + small_bound),), bq_small, fixed_large, block_n_small)]
+    elif split:
+        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16),
+                    ((large_bound, num_kv_heads), bq_large, fixed_large, 16)]
+    else:
+        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
+
+    q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
+    for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
+        if grid[0] == 0:
             continue
-        kernel[(num_tiles, num_kv_heads)](
+        large_launch = tiling != TILING_FUSED and i == 1
+        kernel[grid](
             q_ptr=q,
             k_cache_ptr=k_cache,
             v_cache_ptr=v_cache,
@@ -372,11 +426,14 @@ def unified_attention(
             query_start_loc_ptr=query_start_loc,
             seq_lens_ptr=seq_lens,
             block_table_ptr=block_table,
-            tile_end_ptr=tile_end,
+            tile_end_ptr=tile_end_large if large_launch else tile_end_small,
+            tile_end_large_ptr=tile_end_large,
             num_tokens=num_tokens,
             num_reqs=num_reqs,
             num_blocks=num_blocks,
             max_blocks_per_req=block_table.shape[1],
+            num_kv_heads=num_kv_heads,
+            num_large_tiles=large_bound,
             scale=float(scale),
             softcap=float(softcap) if softcap else 1.0,
             window=window,
@@ -406,7 +463,14 @@ def unified_attention(
             HEAD_DIM_PAD=head_dim_pad,
             BLOCK_SIZE=block_size,
             BLOCK_Q=block_q,
+            BLOCK_Q_LARGE=bq_large,
+            BLOCK_N_SMALL=block_n_small,
+            TILING=tiling,
             KV_QUANT=kv_quant,
+            # fp32 q keeps its own dtype: fp16 operands would round it.
+            QDOT16=bool(kv_quant and config.quant_fp16 and q_is_16bit),
+            # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
+            FOLD_SCALE=bool(config.fold_scale and scale > 0),
             USE_WINDOW=window > 0,
             USE_SOFTCAP=softcap > 0,
             HAS_SINKS=sinks is not None,

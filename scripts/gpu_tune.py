@@ -1,0 +1,306 @@
+"""One GPU call: old vs new code paths of the Triton kernels, CUDA-graph replay times + a check.
+
+A development aid (the numbers in docs/benchmarks.md come from ``paged bench``):
+    python scripts/gpu_tune.py            # everything, ~4-5 minutes with compiles
+    python scripts/gpu_tune.py quant split  # only some sections
+    TRITON_INTERPRET=1 python scripts/gpu_tune.py --smoke   # CPU: tiny shapes, checks only
+
+Every variant runs a FIXED kernel config (no autotuning: one compile per variant), prints one
+line ``section | variant | ms | % of floor (or TFLOP/s) | max rel err``, and is checked against
+``paged_core.reference_attention`` (float32) on a few of its requests; ``BAD`` flags a relative
+error above 2e-2. Floors: bytes of K/V (+ scales) read / 4.55 TB/s (the read ceiling measured
+on this H200); prefill is reported in TFLOP/s (causal FLOPs, 4 * D * Hq per visible pair).
+A section stops adding variants once the whole run passes ``DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+# --smoke: run every variant once on tiny shapes on the CPU (interpreter) to check the script
+# and the numerics before spending a GPU call. Must be decided before Triton is imported.
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
+from paged_triton_splitkv import launch as split_launch  # noqa: E402
+from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention  # noqa: E402
+from paged_triton_unified.launch import LaunchConfig, unified_attention  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+BW = 4.55e12  # read floor measured on this H200 (streaming-read kernel)
+HQ, HKV, D, BS = (8, 2, 64, 16) if SMOKE else (32, 8, 128, 16)  # Qwen3-8B attention
+SCALE = D**-0.5
+DEADLINE_S = 290.0
+T0 = time.time()
+
+# The previous behaviour of every switch (LaunchConfig code paths).
+OLD = {"fuse_classes": False, "decode_direct": False, "quant_fp16": False, "fold_scale": False}
+NEW = {"fuse_classes": True, "decode_direct": True, "quant_fp16": True, "fold_scale": True}
+
+
+def graph_ms(fn) -> float:
+    if SMOKE:
+        fn()
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+
+
+# --------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    meta: BatchMeta
+    cache: KVCache
+    q: torch.Tensor
+    nbytes: int  # K/V (+ scale) bytes the batch must read
+    flops: int  # causal FLOPs
+    check_reqs: list[int]
+
+
+def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None) -> Case:
+    if SMOKE:  # the first, middle and last request, at most 40 tokens each
+        keep = sorted({0, len(qlens) // 2, len(qlens) - 1})
+        qlens = [min(qlens[r], 20 + 7 * i) for i, r in enumerate(keep)]
+        slens = [max(q, min(slens[r], 40 + 9 * i)) for i, (q, r) in enumerate(zip(qlens, keep, strict=True))]
+        check_reqs = None
+    meta = BatchMeta.build(qlens, slens, block_size=BS, device=DEV, seed=seed)
+    nb = int(meta.block_table.max()) + 1
+    cache = allocate_kv_cache(nb, BS, HKV, D, dtype=torch.bfloat16, device=DEV, kv_dtype=kv_dtype)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if kv_dtype == "auto":
+        cache.k.normal_(generator=g), cache.v.normal_(generator=g)
+    elif kv_dtype == "int8":
+        for t in (cache.k, cache.v):
+            codes = torch.randint(-127, 128, t.shape, generator=g, device=DEV, dtype=torch.int16)
+            t.copy_(codes.to(torch.int8))
+    else:  # fp8 e4m3: normal codes spread over the format's range
+        for t in (cache.k, cache.v):
+            t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
+    if cache.k_scale is not None:
+        for t in (cache.k_scale, cache.v_scale):
+            t.copy_(torch.rand(t.shape, generator=g, device=DEV) * 0.02 + 1e-3)
+    q = torch.randn(sum(qlens), HQ, D, generator=g, device=DEV).to(torch.bfloat16)
+    elem = 2 if kv_dtype == "auto" else 1
+    per_token = 2 * HKV * D * elem + (2 * HKV * 4 if kv_dtype != "auto" else 0)
+    nbytes = sum(slens) * per_token
+    flops = 4 * D * HQ * sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
+    if check_reqs is None:
+        check_reqs = sorted({0, len(qlens) // 2, len(qlens) - 1})
+    return Case(meta, cache, q, nbytes, flops, check_reqs)
+
+
+def max_rel_err(case: Case, out: torch.Tensor) -> float:
+    """float32 reference on the check requests only (a compact copy of their blocks)."""
+    meta, cache = case.meta, case.cache
+    qlens, slens = meta.host()
+    qsl = meta.query_start_loc.tolist()
+    table = meta.block_table.tolist()
+    used = [table[r][: math.ceil(slens[r] / BS)] for r in case.check_reqs]
+    uniq = sorted({b for t in used for b in t})
+    remap = {b: i for i, b in enumerate(uniq)}
+    idx = torch.tensor(uniq, dtype=torch.long, device=DEV)
+    sub = KVCache(
+        k=cache.k.index_select(0, idx), v=cache.v.index_select(0, idx), kv_dtype=cache.kv_dtype,
+        k_scale=None if cache.k_scale is None else cache.k_scale.index_select(0, idx),
+        v_scale=None if cache.v_scale is None else cache.v_scale.index_select(0, idx),
+        dtype=cache.dtype,
+    )
+    reqs = case.check_reqs
+    sub_meta = BatchMeta.from_lists([qlens[r] for r in reqs], [slens[r] for r in reqs],
+                                    [[remap[b] for b in t] for t in used], block_size=BS, device=DEV)
+    rows = torch.tensor([i for r in case.check_reqs for i in range(qsl[r], qsl[r + 1])], device=DEV)
+    ref = reference_attention(case.q.index_select(0, rows), sub, sub_meta, scale=SCALE,
+                              compute_dtype=torch.float32)
+    got = out.index_select(0, rows).float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def report(section: str, name: str, case: Case, fn, out: torch.Tensor, *, tflops: bool = False) -> None:
+    if time.time() - T0 > DEADLINE_S:
+        print(f"{section:8s} | {name:58s} | skipped (deadline)", flush=True)
+        return
+    try:
+        out.fill_(float("nan"))
+        ms = graph_ms(fn)
+        err = max_rel_err(case, out)
+    except Exception as exc:  # out of resources, compile errors: report and go on
+        first = (str(exc).splitlines() or [""])[0][:90]
+        print(f"{section:8s} | {name:58s} | {type(exc).__name__}: {first}", flush=True)
+        return
+    if tflops:
+        perf = f"{case.flops / ms / 1e9:6.1f} TFLOP/s"
+    else:
+        perf = f"{100 * case.nbytes / BW * 1e3 / ms:5.1f}% of floor ({case.nbytes / BW * 1e3:.3f} ms)"
+    flag = "  BAD" if not err <= 2e-2 else ""
+    elapsed = time.time() - T0
+    print(f"{section:8s} | {name:58s} | {ms:7.4f} ms | {perf} | err {err:.1e}{flag}  [{elapsed:5.0f}s]",
+          flush=True)
+
+
+def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig):
+    m, c = case.meta, case.cache
+    return lambda: unified_attention(
+        case.q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+        block_table=m.block_table, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, scale=SCALE,
+        k_scale=c.k_scale, v_scale=c.v_scale, config=cfg)
+
+
+def cfg(small=(128, 4, 2), large=(64, 8, 2), bq_large=32, **switches) -> LaunchConfig:
+    return LaunchConfig(block_q_small=4, block_q_large=bq_large, block_n=small[0], num_warps=small[1],
+                        num_stages=small[2], large_block_n=large[0], large_num_warps=large[1],
+                        large_num_stages=large[2], **switches)
+
+
+def tag(small=None, large=None, bq_large=None) -> str:
+    parts = []
+    if small:
+        parts.append("small {}/w{}/st{}".format(*small))
+    if large:
+        parts.append("large {}/w{}/st{}".format(*large))
+    if bq_large:
+        parts.append(f"BLOCK_M {bq_large * 4}")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+def section_decode() -> None:
+    case = make_case([1] * 64, [4096] * 64)
+    out = torch.empty_like(case.q)
+    for name, sw, small in [
+        ("old (plan launch, scale per score)", OLD, (128, 4, 2)),
+        ("new (direct tiles, folded scale)", NEW, (128, 4, 2)),
+        ("new", NEW, (64, 2, 2)),
+        ("new", NEW, (64, 4, 3)),
+        ("new", NEW, (128, 4, 3)),
+    ]:
+        fn = unified(case, out, cfg(small, **sw))
+        report("decode", f"64x4096 bf16 {name} {tag(small)}", case, fn, out)
+    del case
+
+
+def section_quant() -> None:
+    for kv in ("int8", "fp8"):
+        case = make_case([1] * 64, [4096] * 64, kv_dtype=kv)
+        out = torch.empty_like(case.q)
+        variants = [("old (codes->bf16)", OLD, (128, 4, 2)),
+                    ("old (codes->bf16)", OLD, (64, 4, 2)),
+                    ("new (fp16 dots)", NEW, (128, 4, 2)), ("new (fp16 dots)", NEW, (64, 4, 2)),
+                    ("new (fp16 dots)", NEW, (64, 4, 3)), ("new (fp16 dots)", NEW, (64, 8, 2))]
+        if kv == "int8":
+            variants += [("new (fp16 dots)", NEW, (128, 8, 2)), ("new (fp16 dots)", NEW, (32, 4, 3))]
+        for name, sw, small in variants:
+            fn = unified(case, out, cfg(small, **sw))
+            report("quant", f"64x4096 {kv} {name} {tag(small)}", case, fn, out)
+        del case
+
+
+def section_prefill() -> None:
+    case = make_case([2048] * 8, [2048] * 8, check_reqs=[0, 7])
+    out = torch.empty_like(case.q)
+    for name, sw, large, bq in [
+        ("old (2 launches, scale per score)", OLD, (64, 8, 2), 32),
+        ("fold only", {**OLD, "fold_scale": True}, (64, 8, 2), 32),
+        ("new (fused, fold)", NEW, (64, 8, 2), 32),
+        ("new", NEW, (64, 8, 3), 32),
+        ("new", NEW, (128, 8, 2), 32),
+        ("new", NEW, (64, 4, 2), 16),
+        ("new", NEW, (64, 4, 3), 16),
+        ("new", NEW, (128, 4, 2), 16),
+    ]:
+        report("prefill", f"8x2048 {name} {tag(None, large, bq)}", case,
+               unified(case, out, cfg((64, 4, 2), large, bq, **sw)), out, tflops=True)
+    del case
+
+
+def section_mixed() -> None:
+    qlens = [512, 512] + [1] * 30
+    slens = [1024, 1536] + [1990 + i for i in range(30)]
+    case = make_case(qlens, slens, check_reqs=[0, 1, 2, 31])
+    out = torch.empty_like(case.q)
+    for name, sw, small, large, bq in [
+        ("old (2 launches)", OLD, (128, 4, 2), (64, 8, 2), 32),
+        ("2 launches, fold", {**OLD, "fold_scale": True}, (128, 4, 2), (64, 8, 2), 32),
+        ("2 launches, fold", {**OLD, "fold_scale": True}, (128, 4, 2), (64, 4, 2), 16),
+        ("new (1 fused launch)", NEW, (64, 8, 2), (64, 8, 2), 32),
+        ("new (1 fused launch)", NEW, (64, 4, 2), (64, 4, 2), 16),
+        ("new (1 fused launch)", NEW, (128, 4, 2), (64, 4, 2), 16),
+        ("new (1 fused launch)", NEW, (32, 4, 2), (64, 4, 2), 16),
+    ]:
+        # Fused: the launch runs num_warps/num_stages of `large`; `small` gives only BLOCK_N.
+        report("mixed", f"2x512+30 {name} {tag(small, large, bq)}", case,
+               unified(case, out, cfg(small, large, bq, **sw)), out)
+    del case
+
+
+def section_split() -> None:
+    sms = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    for b, n in [(4, 32768), (1, 131072), (16, 8192)]:
+        case = make_case([1] * b, [n] * b, check_reqs=[0])
+        out = torch.empty_like(case.q)
+        split_launch._PROGRAMS_PER_SM = 2
+        old_auto = choose_num_splits(b, HKV, n, BS, DEV)
+        split_launch._PROGRAMS_PER_SM = 1
+        new_auto = choose_num_splits(b, HKV, n, BS, DEV)
+        variants = [(f"old auto ({old_auto} splits, merged)", old_auto, (64, 4, 2), False)]
+        for kc in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3)]:
+            variants.append((f"new auto ({new_auto} splits)", new_auto, kc, True))
+        if b == 16:
+            variants += [("1 split merged (old epilogue)", 1, (64, 4, 3), False),
+                         ("1 split direct", 1, (64, 4, 3), True), ("1 split direct", 1, (128, 4, 2), True)]
+        else:
+            for s in sorted({max(1, new_auto // 2), new_auto * 2} - {new_auto}):
+                variants.append((f"{s} splits", s, (64, 4, 3), True))
+        for name, splits, kc, direct in variants:
+            split_launch.DIRECT_SINGLE_SPLIT = direct
+            kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
+            fn = lambda case=case, out=out, n=n, splits=splits, kcfg=kcfg: split_decode_attention(
+                case.q, case.cache.k, case.cache.v, out, seq_lens=case.meta.seq_lens,
+                block_table=case.meta.block_table, max_seq_len=n, scale=SCALE, num_splits=splits,
+                kernel_config=kcfg)
+            report("split", f"{b}x{n} {name} {kc[0]}/w{kc[1]}/st{kc[2]} ({sms} SMs)", case, fn, out)
+        split_launch.DIRECT_SINGLE_SPLIT = True
+        del case
+
+
+SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
+            "mixed": section_mixed, "split": section_split}
+
+
+def main(argv: list[str]) -> int:
+    device = "CPU interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
+    print(f"# {device} triton {triton.__version__} torch {torch.__version__}", flush=True)
+    chosen = [a for a in argv if a != "--smoke"] or ["quant", "prefill", "mixed", "split", "decode"]
+    for name in chosen:
+        SECTIONS[name]()
+        torch.cuda.empty_cache()
+    print(f"# total {time.time() - T0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
