@@ -9,6 +9,8 @@ tensors, and runs the full ``BatchMeta`` validation when validation is on.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Any, ClassVar
 
@@ -16,7 +18,7 @@ import torch
 
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
-from ._errors import InputError, UnsupportedSpecError
+from ._errors import InputError, PagedError, UnsupportedSpecError
 from ._spec import AttentionSpec, Capabilities, dtype_name
 
 __all__ = ["Backend", "validation_enabled"]
@@ -97,8 +99,18 @@ class Backend:
         )
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        """Write the step's new K/V rows into ``cache`` at ``meta.slot_mapping`` (-1: skipped)."""
-        write_kv(cache, k, v, meta.slot_mapping)
+        """Write the step's new K/V rows into ``cache`` at ``meta.slot_mapping`` (-1: skipped).
+
+        With validation on, the batch is validated against the cache first, so a slot past the
+        pool is a :class:`BatchMetaError`; with it off, such a slot is skipped (never written).
+        """
+        batch = self._batch_of(meta)
+        if not isinstance(cache, KVCache):
+            raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
+        batch.check_structure()
+        if self.validate:
+            batch.validate(num_blocks=cache.num_blocks)
+        write_kv(cache, k, v, batch.slot_mapping)
 
     # ----------------------------------------------------------------------------- attention
     def plan(self, meta: BatchMeta) -> Any:
@@ -132,12 +144,11 @@ class Backend:
         result is ``(out, lse)``, ``lse`` float32 ``[num_tokens, num_heads]`` in natural log
         (``-inf`` for rows that see no key).
         """
-        batch = meta if isinstance(meta, BatchMeta) else getattr(meta, "meta", None)
-        if not isinstance(batch, BatchMeta):
-            raise InputError(
-                f"meta is a {type(meta).__name__}; accepted: a BatchMeta or the result of {self.name}.plan(meta)"
-            )
+        batch = self._batch_of(meta)
         self._check_inputs(q, cache, batch, window, softcap, sinks, out)
+        if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
+                                  or not math.isfinite(scale)):
+            raise InputError(f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float")
         spec = AttentionSpec(
             num_heads=q.shape[1],
             num_kv_heads=cache.num_kv_heads,
@@ -162,10 +173,17 @@ class Backend:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         if scale is None:
             scale = q.shape[2] ** -0.5
-        self._forward(
-            q, cache, meta, out=out, lse=lse, scale=float(scale), window=int(window),
-            softcap=float(softcap), sinks=sinks,
-        )
+        try:
+            self._forward(
+                q, cache, meta, out=out, lse=lse, scale=float(scale), window=int(window),
+                softcap=float(softcap), sinks=sinks,
+            )
+        except ValueError as exc:
+            # A backend's own launcher refused the arguments (they raise plain ValueError, as
+            # vendor code does): keep the promise that every refusal is a PagedError.
+            if isinstance(exc, PagedError):
+                raise
+            raise InputError(f"backend {self.name!r} refused the call: {exc}") from exc
         return (out, lse) if return_lse else out
 
     def _forward(
@@ -185,6 +203,15 @@ class Backend:
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------- checks
+    def _batch_of(self, meta: Any) -> BatchMeta:
+        """The BatchMeta of ``meta`` (a BatchMeta or a plan with a ``meta`` attribute)."""
+        batch = meta if isinstance(meta, BatchMeta) else getattr(meta, "meta", None)
+        if not isinstance(batch, BatchMeta):
+            raise InputError(
+                f"meta is a {type(meta).__name__}; accepted: a BatchMeta or the result of {self.name}.plan(meta)"
+            )
+        return batch
+
     @staticmethod
     def _check_inputs(q, cache, meta, window, softcap, sinks, out) -> None:
         """Host-only checks (no sync, a few microseconds): shapes, dtypes, devices, strides."""
@@ -195,7 +222,11 @@ class Backend:
             )
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
+        if not isinstance(meta.slot_mapping, torch.Tensor) or meta.slot_mapping.dim() == 0:
+            meta.check_structure()  # raises the BatchMetaError that names the field
         n, hq, d = q.shape
+        if hq == 0:
+            raise InputError(f"q is {_shape(q)}, with no heads; accepted: num_heads >= 1")
         if n != meta.num_tokens:
             raise InputError(
                 f"q has {n} rows but the batch has {meta.num_tokens} query tokens; accepted: "
@@ -224,6 +255,8 @@ class Backend:
             )
         for name, t in (("cache.k", cache.k), ("meta.seq_lens", meta.seq_lens),
                         ("meta.block_table", meta.block_table), ("meta.query_start_loc", meta.query_start_loc)):
+            if not isinstance(t, torch.Tensor):
+                meta.check_structure()  # raises the BatchMetaError that names the field
             if t.device != q.device:
                 raise InputError(f"{name} is on {t.device} but q is on {q.device}; accepted: one device")
         if meta.block_table.dtype != torch.int32 or meta.seq_lens.dtype != torch.int32:
@@ -231,9 +264,11 @@ class Backend:
                 f"block_table is {dtype_name(meta.block_table.dtype)} and seq_lens is "
                 f"{dtype_name(meta.seq_lens.dtype)}; accepted: int32 for both"
             )
-        if not isinstance(window, int) or window < 0:
+        meta.check_structure()  # host-only: shapes, dtypes and host ints, never a device read
+        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 0:
             raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
-        if softcap < 0:
+        if (not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap)
+                or softcap < 0):
             raise InputError(f"softcap is {softcap!r}; accepted: 0 (off) or a positive float")
         if sinks is not None and (
             not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,) or sinks.dtype != torch.float32

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._errors import BatchMetaError
+from ._errors import BatchMetaError, InputError
 
 __all__ = ["BatchMeta", "BlockAllocator"]
 
@@ -43,8 +43,8 @@ class BlockAllocator:
     def __init__(
         self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True
     ):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InputError(f"num_blocks must be at least 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         free = list(range(1 if reserve_zero and num_blocks > 1 else 0, num_blocks))
         if shuffle:
@@ -58,7 +58,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise ValueError(
+            raise BatchMetaError(
                 f"out of KV blocks: asked for {n}, {len(self._free)} free of {self.num_blocks}; "
                 "allocate a larger cache"
             )
@@ -67,6 +67,27 @@ class BlockAllocator:
 
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(blocks)
+
+
+def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int) -> None:
+    """The per-request list checks shared by the builders."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise BatchMetaError(f"block_size is {block_size!r}; accepted: a positive int")
+    if len(query_lens) != len(seq_lens):
+        raise BatchMetaError(
+            f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; "
+            "give one of each per request"
+        )
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if not isinstance(q, int) or not isinstance(s, int) or isinstance(q, bool) or isinstance(s, bool):
+            raise BatchMetaError(f"request {r}: query_len {q!r} and seq_len {s!r} must be ints")
+        if q < 0 or s < 0:
+            raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s} must be >= 0")
+        if s and q > s:
+            raise BatchMetaError(
+                f"request {r}: query_len {q} is larger than seq_len {s}; the new tokens are "
+                "part of the context, so accepted: query_len <= seq_len (or seq_len 0 for padding)"
+            )
 
 
 @dataclasses.dataclass
@@ -97,6 +118,8 @@ class BatchMeta:
     query_start_loc_cpu: torch.Tensor | None = None
     #: int32 [num_reqs] on the CPU, or None: a host mirror for backends that plan on the host.
     seq_lens_cpu: torch.Tensor | None = None
+    # The fields check_structure() last accepted: every layer of a step shares one BatchMeta.
+    _checked: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -185,19 +208,7 @@ class BatchMeta:
         >>> meta.num_reqs, meta.num_tokens, meta.max_seq_len, meta.decode_only
         (2, 4, 70, False)
         """
-        if len(query_lens) != len(seq_lens):
-            raise BatchMetaError(
-                f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; "
-                "give one of each per request"
-            )
-        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
-            if q < 0 or s < 0:
-                raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s} must be >= 0")
-            if s and q > s:
-                raise BatchMetaError(
-                    f"request {r}: query_len {q} is larger than seq_len {s}; the new tokens are "
-                    "part of the context, so accepted: query_len <= seq_len (or seq_len 0 for padding)"
-                )
+        _check_lengths(query_lens, seq_lens, block_size)
         nblocks = [math.ceil(s / block_size) for s in seq_lens]
         if allocator is None:
             allocator = BlockAllocator(num_blocks or sum(nblocks) + 1, seed=seed)
@@ -218,6 +229,18 @@ class BatchMeta:
         table_width: int | None = None,
     ) -> BatchMeta:
         """Build a batch from per-request lists and explicit per-request block lists."""
+        _check_lengths(query_lens, seq_lens, block_size)
+        if len(block_tables) != len(seq_lens):
+            raise BatchMetaError(
+                f"block_tables has {len(block_tables)} entries but seq_lens has {len(seq_lens)}; "
+                "give one block list per request"
+            )
+        for r, (s, t) in enumerate(zip(seq_lens, block_tables, strict=True)):
+            if s and math.ceil(s / block_size) > len(t):
+                raise BatchMetaError(
+                    f"request {r}: seq_len {s} needs {math.ceil(s / block_size)} blocks of {block_size} "
+                    f"but its block list has {len(t)}; accepted: ceil(seq_len / block_size) blocks"
+                )
         width = max([len(t) for t in block_tables] + [table_width or 1])
         table = torch.zeros(len(block_tables), width, dtype=torch.int32)
         for r, t in enumerate(block_tables):
@@ -271,20 +294,35 @@ class BatchMeta:
         )
 
     # ----------------------------------------------------------------------------- validate
-    def validate(self, *, num_blocks: int | None = None) -> BatchMeta:
-        """Check every invariant; raise :class:`BatchMetaError` naming request, field and values.
+    def check_structure(self) -> BatchMeta:
+        """The host-only part of :meth:`validate`: types, dtypes, shapes, devices, host ints.
 
-        Copies the metadata to the host (a sync): call it while debugging or behind
-        ``PAGED_VALIDATE=1``, not on the hot path. ``num_blocks`` (the cache's) enables the check
-        that every block id a request uses exists. Returns ``self`` so it chains.
+        Reads no device value, so it costs microseconds and never syncs; ``Backend.forward`` runs
+        it on every call, validation on or off, so a malformed batch is a :class:`BatchMetaError`
+        rather than an error from deep inside a kernel launcher.
         """
+        fields = (self.num_reqs, self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
+                  self.block_size, self.max_query_len, self.max_seq_len, self.query_start_loc_cpu,
+                  self.seq_lens_cpu)
+        last = self._checked
+        if last is not None and all(a is b for a, b in zip(fields, last, strict=True)):
+            return self
         R = self.num_reqs
+        if not isinstance(R, int) or isinstance(R, bool) or R < 0:
+            raise BatchMetaError(f"num_reqs is {R!r}; accepted: an int >= 0")
         self._check_tensor("query_start_loc", self.query_start_loc, torch.int32, (R + 1,))
         self._check_tensor("seq_lens", self.seq_lens, torch.int32, (R,))
+        if not isinstance(self.slot_mapping, torch.Tensor) or self.slot_mapping.dim() == 0:
+            found = (self._desc(self.slot_mapping) if isinstance(self.slot_mapping, torch.Tensor)
+                     else f"a {type(self.slot_mapping).__name__}")
+            raise BatchMetaError(f"slot_mapping is {found}; accepted: int64 [num_tokens]")
         self._check_tensor("slot_mapping", self.slot_mapping, torch.int64, (self.num_tokens,))
-        if self.block_table.dtype != torch.int32 or self.block_table.dim() != 2 or self.block_table.shape[0] != R:
+        if (not isinstance(self.block_table, torch.Tensor) or self.block_table.dtype != torch.int32
+                or self.block_table.dim() != 2 or self.block_table.shape[0] != R):
+            found = (self._desc(self.block_table) if isinstance(self.block_table, torch.Tensor)
+                     else f"a {type(self.block_table).__name__}")
             raise BatchMetaError(
-                f"block_table is {self._desc(self.block_table)}; accepted: int32 [num_reqs={R}, max_blocks_per_req]"
+                f"block_table is {found}; accepted: int32 [num_reqs={R}, max_blocks_per_req]"
             )
         for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
             t = getattr(self, name)
@@ -293,16 +331,48 @@ class BatchMeta:
                     f"{name} is on {t.device} but seq_lens is on {self.device}; every BatchMeta "
                     "tensor must be on the device of q"
                 )
-        if self.block_size < 1:
-            raise BatchMetaError(f"block_size is {self.block_size}; accepted: a positive int")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise BatchMetaError(f"block_size is {self.block_size!r}; accepted: a positive int")
+        for name in ("max_query_len", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise BatchMetaError(
+                    f"{name} is {v!r}; accepted: a host int >= 0 (not a device tensor: reading one syncs)"
+                )
+        for name, shape in (("query_start_loc_cpu", (R + 1,)), ("seq_lens_cpu", (R,))):
+            mirror = getattr(self, name)
+            if mirror is not None:
+                self._check_tensor(name, mirror, torch.int32, shape)
+        # The very objects checked (held, so an identity is never reused): assigning any field
+        # a new tensor or host int makes the next call check again.
+        self._checked = fields
+        return self
 
-        qsl = self.query_start_loc.tolist()
-        sl = self.seq_lens.tolist()
+    def validate(self, *, num_blocks: int | None = None) -> BatchMeta:
+        """Check every invariant; raise :class:`BatchMetaError` naming request, field and values.
+
+        Copies the metadata to the host (a sync): call it while debugging or behind
+        ``PAGED_VALIDATE=1``, not on the hot path. ``num_blocks`` (the cache's) enables the check
+        that every block id a request uses exists. Returns ``self`` so it chains.
+
+        The checks run as vector ops over the host copy; only the first offending request is
+        then walked in Python to word the message (docs/reliability.md has the cost).
+        """
+        self.check_structure()
+        R, N, bs = self.num_reqs, self.num_tokens, self.block_size
+        width = self.block_table.shape[1]
+        # One device-to-host copy (one sync) of every field, split on the host.
+        flat = torch.cat([self.query_start_loc.long(), self.seq_lens.long(),
+                          self.block_table.long().flatten(), self.slot_mapping]).cpu()
+        qsl_t, sl_t, table, slots = flat.split([R + 1, R, R * width, N])
+        table = table.view(R, width)
+        qsl = qsl_t.tolist()
+        sl = sl_t.tolist()
         if qsl[0] != 0:
             raise BatchMetaError(f"query_start_loc[0] is {qsl[0]}; accepted: 0")
-        if qsl[-1] != self.num_tokens:
+        if qsl[-1] != N:
             raise BatchMetaError(
-                f"query_start_loc[{R}] is {qsl[-1]} but slot_mapping has {self.num_tokens} rows; "
+                f"query_start_loc[{R}] is {qsl[-1]} but slot_mapping has {N} rows; "
                 "accepted: the last offset equals the number of query tokens"
             )
         for mirror, dev, name in (
@@ -314,54 +384,32 @@ class BatchMeta:
                     f"{name} is {mirror.tolist()} but {name.removesuffix('_cpu')} is {dev}; accepted: "
                     "a host mirror equal to its device tensor (rebuild the host mirror)"
                 )
-        width = self.block_table.shape[1]
-        table = self.block_table.tolist()
-        slots = self.slot_mapping.tolist()
-        bs = self.block_size
-        max_q = 0
-        for r in range(R):
-            q, s = qsl[r + 1] - qsl[r], sl[r]
-            if q < 0:
-                raise BatchMetaError(
-                    f"request {r}: query_start_loc decreases ({qsl[r]} -> {qsl[r + 1]}); "
-                    "accepted: non-decreasing offsets"
-                )
-            if s < 0:
-                raise BatchMetaError(f"request {r}: seq_lens[{r}] is {s}; accepted: >= 0")
-            if s and q > s:
-                raise BatchMetaError(
-                    f"request {r}: query_len {q} is larger than seq_lens[{r}] = {s}; accepted: "
-                    "query_len <= seq_len (the new tokens are part of the context), or seq_len 0 for padding"
-                )
-            max_q = max(max_q, q)
-            nblk = math.ceil(s / bs)
-            if nblk > width:
-                raise BatchMetaError(
-                    f"request {r}: seq_lens[{r}] = {s} needs {nblk} blocks of {bs} but block_table "
-                    f"has {width} columns; accepted: a table at least ceil(max_seq_len / block_size) wide"
-                )
-            if num_blocks is not None:
-                for j in range(nblk):
-                    b = table[r][j]
-                    if not 0 <= b < num_blocks:
-                        raise BatchMetaError(
-                            f"request {r}: block_table[{r}, {j}] = {b} is outside the cache; "
-                            f"accepted: block ids 0 .. {num_blocks - 1}"
-                        )
-            for i in range(q):
-                row = qsl[r] + i
-                if s == 0:
-                    want = -1
-                else:
-                    pos = s - q + i
-                    want = table[r][pos // bs] * bs + pos % bs
-                if slots[row] != want:
-                    raise BatchMetaError(
-                        f"request {r}: slot_mapping[{row}] is {slots[row]} but the block table puts "
-                        f"its token (position {s - q + i if s else 'padding'}) at slot {want}; "
-                        "accepted: block_table[r, pos // block_size] * block_size + pos % block_size, "
-                        "or -1 for padding requests"
-                    )
+        qlen = qsl_t[1:] - qsl_t[:-1]
+        nblk = torch.div(sl_t + bs - 1, bs, rounding_mode="floor")  # ceil for s >= 0
+        bad = ((qlen < 0) | (sl_t < 0) | ((sl_t > 0) & (qlen > sl_t)) | (nblk > width)
+               | (qsl_t[1:] > N))
+        if num_blocks is not None and width:
+            used = torch.arange(width)[None, :] < nblk[:, None]
+            bad |= (used & ((table < 0) | (table >= num_blocks))).any(dim=1)
+        first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else R
+        # Requests before `first` pass the checks above, so their rows are a well-formed prefix
+        # 0 .. qsl[first] of slot_mapping and their positions index inside the table.
+        rows_end = qsl[first]
+        if rows_end > 0:
+            req = torch.repeat_interleave(torch.arange(first), qlen[:first])  # [rows_end]
+            s_row, q_row = sl_t[req], qlen[req]
+            pos = s_row - q_row + (torch.arange(rows_end) - qsl_t[req])
+            if width:
+                blk = table[req, (pos // bs).clamp(0, width - 1)]
+                want = torch.where(s_row == 0, -1, blk * bs + pos % bs)
+            else:
+                want = torch.full((rows_end,), -1, dtype=torch.long)
+            wrong = (slots[:rows_end] != want).nonzero()
+            if wrong.numel():
+                first = int(req[int(wrong[0, 0])])
+        if first < R:
+            self._raise_for_request(first, qsl, sl, table[first].tolist(), slots, num_blocks)
+        max_q = int(qlen.max()) if R else 0
         if self.max_query_len < max_q:
             raise BatchMetaError(
                 f"max_query_len is {self.max_query_len} but request lengths reach {max_q}; "
@@ -373,6 +421,58 @@ class BatchMeta:
                 "accepted: the maximum or an upper bound"
             )
         return self
+
+    def _raise_for_request(self, r, qsl, sl, row, slots, num_blocks) -> None:
+        """Word the error of request ``r``, which the vector checks found to break an invariant."""
+        N, bs, width = self.num_tokens, self.block_size, len(row)
+        q, s = qsl[r + 1] - qsl[r], sl[r]
+        if q < 0:
+            raise BatchMetaError(
+                f"request {r}: query_start_loc decreases ({qsl[r]} -> {qsl[r + 1]}); "
+                "accepted: non-decreasing offsets"
+            )
+        if s < 0:
+            raise BatchMetaError(f"request {r}: seq_lens[{r}] is {s}; accepted: >= 0")
+        if s and q > s:
+            raise BatchMetaError(
+                f"request {r}: query_len {q} is larger than seq_lens[{r}] = {s}; accepted: "
+                "query_len <= seq_len (the new tokens are part of the context), or seq_len 0 for padding"
+            )
+        if qsl[r + 1] > N:
+            raise BatchMetaError(
+                f"request {r}: query_start_loc[{r + 1}] is {qsl[r + 1]}, past the {N} rows of "
+                "slot_mapping; accepted: non-decreasing offsets ending at the number of query tokens"
+            )
+        nblk = math.ceil(s / bs)
+        if nblk > width:
+            raise BatchMetaError(
+                f"request {r}: seq_lens[{r}] = {s} needs {nblk} blocks of {bs} but block_table "
+                f"has {width} columns; accepted: a table at least ceil(max_seq_len / block_size) wide"
+            )
+        if num_blocks is not None:
+            for j in range(nblk):
+                b = row[j]
+                if not 0 <= b < num_blocks:
+                    raise BatchMetaError(
+                        f"request {r}: block_table[{r}, {j}] = {b} is outside the cache; "
+                        f"accepted: block ids 0 .. {num_blocks - 1}"
+                    )
+        for i in range(q):
+            rw = qsl[r] + i
+            if s == 0:
+                want = -1
+            else:
+                pos = s - q + i
+                want = row[pos // bs] * bs + pos % bs
+            got = int(slots[rw])
+            if got != want:
+                raise BatchMetaError(
+                    f"request {r}: slot_mapping[{rw}] is {got} but the block table puts "
+                    f"its token (position {s - q + i if s else 'padding'}) at slot {want}; "
+                    "accepted: block_table[r, pos // block_size] * block_size + pos % block_size, "
+                    "or -1 for padding requests"
+                )
+        raise BatchMetaError(f"request {r} breaks an invariant of BatchMeta")  # pragma: no cover
 
     @staticmethod
     def _desc(t: torch.Tensor) -> str:

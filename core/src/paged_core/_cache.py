@@ -109,6 +109,7 @@ def allocate_kv_cache(
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if not isinstance(val, int) or val < 1:
             raise InputError(f"{name} is {val!r}; accepted: a positive int")
+    device = _check_device(device)
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
@@ -128,6 +129,26 @@ def allocate_kv_cache(
         dtype=dtype,
         _spill=spill,
     )
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a torch.device that exists here, or an InputError saying what does."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(
+            f"device {device!r} is not a device ({exc}); accepted: 'cpu', 'cuda', 'cuda:0', ..."
+        ) from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InputError(
+                f"device {device!r} was asked for but this machine has no usable CUDA GPU "
+                "(torch.cuda.is_available() is False); accepted: 'cpu', or run on a GPU machine"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise InputError(f"device {device!r} does not exist; accepted: cuda:0 .. cuda:{count - 1}")
+    return dev
 
 
 def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +199,8 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
     leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1.
     """
+    if not isinstance(cache, KVCache):
+        raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
     if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
             or slot_mapping.dtype not in (torch.int64, torch.int32)):
         found = (f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
@@ -186,6 +209,11 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     n = slot_mapping.shape[0]
     want = (n, cache.num_kv_heads, cache.head_dim)
     for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(
+                f"{name} is a {type(t).__name__}; accepted: a tensor [num_tokens={n}, "
+                f"num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}]"
+            )
         if tuple(t.shape) != want:
             raise InputError(
                 f"{name} has shape {list(t.shape)}; accepted: [num_tokens={n}, "

@@ -294,12 +294,13 @@ def test_choose_num_splits_on_cpu_is_one():
     assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
 
 
-def test_choose_num_splits_targets_one_program_per_sm(monkeypatch):
+def test_choose_num_splits_targets_two_programs_per_sm(monkeypatch):
     monkeypatch.setattr(split_launch, "_sm_count", lambda index: 132)
     monkeypatch.setattr(split_launch.torch.cuda, "current_device", lambda: 0)
-    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 5  # ceil(132 / 32)
-    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 17
-    assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 2
+    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 9  # ceil(264 / 32)
+    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # ceil(264 / 8) = 33, capped
+    assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 3
+    assert choose_num_splits(32, 8, 4096, 16, "cuda:0") == 1  # 256 pairs: one per SM already
     assert choose_num_splits(64, 8, 4096, 16, "cuda:0") == 1  # 512 pairs already fill the GPU
     assert choose_num_splits(1, 1, 131072, 16, "cuda:0") == 32  # capped
     assert choose_num_splits(1, 8, 1000, 16, "cuda:0") == 3  # >= 256 tokens per split

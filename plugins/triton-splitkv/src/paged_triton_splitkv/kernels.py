@@ -143,7 +143,8 @@ def _store_partial(
     stride_plt, stride_plh,
 ):
     """Write out normalized within this key range and its natural-log LSE (-inf, zeros if empty)."""
-    has_keys = l_i > 0.0
+    # != rather than >: a NaN sum (NaN in this request's q or K) must stay NaN, not become 0.
+    has_keys = l_i != 0.0
     inv_l = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
@@ -175,7 +176,8 @@ def _store_final(
     Same rules as the merge: a row with no visible key gets zeros and lse = -inf (sinks or not);
     otherwise the sink joins the denominator once.
     """
-    has_keys = l_i > 0.0
+    # != rather than >: a NaN sum (NaN in this request's q or K) must stay NaN, not become 0.
+    has_keys = l_i != 0.0
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E
         m_fin = tl.maximum(m_i, sink)
@@ -587,8 +589,9 @@ def merge_states_kernel(
         w = tl.exp(tl.load(lse_base + s * stride_pls) - m_safe)
         o = tl.load(out_base + s * stride_pos, mask=d_mask, other=0.0).to(tl.float32)
         denom += w
-        # An empty part may hold anything (a caller's NaN); w == 0 must not let it through.
-        acc += tl.where(w > 0.0, w * o, 0.0)
+        # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
+        # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.
+        acc += tl.where(w != 0.0, w * o, 0.0)
     if HAS_SINKS:
         # The sink joins the denominator exactly once, here, after all parts.
         denom += tl.exp(sink - m_safe)

@@ -42,7 +42,7 @@ _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # 256 tokens (16 blocks of 16) per split keeps the fixed cost of a program (loading q, writing
 # a partial, merging it) small against its K/V traffic; beyond 32 splits the merge's reads start
 # to show for short contexts. Module-level so a tuning script can compare (2 was the old value).
-_PROGRAMS_PER_SM = 1
+_PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # A single split writes the final output itself (no float32 workspace, no merge launch).
@@ -201,7 +201,7 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits that fills the GPU for a decode batch (host ints only, no sync).
 
-    Targets about one program per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
+    Targets about two programs per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
     at least 256 tokens (and a whole block) per split, caps at 32. Returns 1 on a non-CUDA
     device or when the (request, KV head) pairs already fill the GPU.
 
@@ -212,9 +212,13 @@ def choose_num_splits(
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    target = _PROGRAMS_PER_SM * _sm_count(index)
+    sms = _sm_count(index)
+    target = _PROGRAMS_PER_SM * sms
     pairs = max(1, num_reqs * num_kv_heads)
-    if pairs >= target:
+    # Split only when the (request, KV head) pairs cannot give every SM a program: on the H200
+    # at 4,096 and 32,768 tokens the unified kernel won from 32 requests x 8 KV heads (256
+    # pairs, 2 per SM) on, the split kernel below it (docs/benchmarks.md, the crossover sweep).
+    if pairs >= sms:
         return 1
     by_occupancy = triton.cdiv(target, pairs)
     by_length = max(1, max_seq_len // max(_MIN_TOKENS_PER_SPLIT, block_size))

@@ -81,6 +81,8 @@ class LaunchConfig:
       launch and the binary search (tile = request); False: always plan.
     - ``quant_fp16``: int8/fp8 caches with fp16/bf16 q run both dots in fp16 with a bit-trick
       int8 decode (no I2F) and the native e4m3->f16 conversion; False: convert codes to q's dtype.
+      None (default): fp8 only. Measured on the H200 (64 x 4,096 decode, CUDA graph): fp8 0.281
+      vs 0.306 ms with it, int8 0.301 vs 0.271 ms, so int8 keeps the bf16 path.
     - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
       of a multiply and a subtraction); False: scale every score first.
     """
@@ -95,7 +97,7 @@ class LaunchConfig:
     large_num_stages: int | None = None
     fuse_classes: bool = True
     decode_direct: bool = True
-    quant_fp16: bool = True
+    quant_fp16: bool | None = None
     fold_scale: bool = True
 
 
@@ -468,7 +470,8 @@ def unified_attention(
             TILING=tiling,
             KV_QUANT=kv_quant,
             # fp32 q keeps its own dtype: fp16 operands would round it.
-            QDOT16=bool(kv_quant and config.quant_fp16 and q_is_16bit),
+            QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
+                                                     else kv_quant == 2)),
             # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
             FOLD_SCALE=bool(config.fold_scale and scale > 0),
             USE_WINDOW=window > 0,

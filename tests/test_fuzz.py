@@ -1,0 +1,467 @@
+"""Hypothesis drives the public API with random valid and invalid inputs (issue 9).
+
+Valid inputs must give the float64 reference's answer; invalid ones must raise one of our
+documented errors (``paged_core.PagedError``: ``BatchMetaError``, ``InputError``,
+``UnsupportedSpecError``), never an ``IndexError``, a ``RuntimeError`` from deep inside torch,
+an ``AttributeError``/``TypeError``, or a crash. Covered: ``BatchMeta.build`` / ``from_lists`` /
+``validate``, ``allocate_kv_cache``, ``write_kv``, and ``Backend.forward`` with ``validate=True``
+on the reference and on triton-unified (Triton's CPU interpreter without a GPU).
+
+Examples are bounded (tiny shapes, ``FUZZ_EXAMPLES`` per test, derandomized so CI is stable);
+``PAGED_FUZZ_EXAMPLES=500 PAGED_FUZZ_RANDOM=1`` explores further.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from paged_core import (  # noqa: E402
+    AttentionSpec,
+    BatchMeta,
+    BatchMetaError,
+    InputError,
+    PagedError,
+    UnsupportedSpecError,
+    allocate_kv_cache,
+    dequantize_kv,
+    quantize_kv,
+    reference_attention,
+    registry,
+    write_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUZZ_EXAMPLES = int(os.environ.get("PAGED_FUZZ_EXAMPLES", "50"))
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=os.environ.get("PAGED_FUZZ_RANDOM") != "1",
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def outcome(fn, *args, **kwargs):
+    """``("ok", result)`` or ``("error", PagedError)``; anything else fails the test right here."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except PagedError as exc:
+        return "error", exc
+    except Exception as exc:  # the point of this module: name the leak and where it came from
+        pytest.fail(
+            f"{getattr(fn, '__qualname__', fn)} leaked {type(exc).__name__} (not a PagedError): {exc}\n"
+            + "".join(traceback.format_exception(exc)[-6:])
+        )
+
+
+def expect_error(kind, fn, *args, **kwargs):
+    status, res = outcome(fn, *args, **kwargs)
+    assert status == "error", f"{kind}: accepted, expected a PagedError"
+    return res
+
+
+# ------------------------------------------------------------------------------ builders
+ints = st.one_of(st.integers(-3, 40), st.sampled_from([0, 1, -(2**31)]))
+bad_scalars = st.sampled_from([1.5, "3", None, True])
+
+
+@FUZZ
+@given(
+    qlens=st.lists(st.one_of(ints, bad_scalars), max_size=5),
+    slens=st.lists(st.one_of(ints, bad_scalars), max_size=5),
+    block_size=st.one_of(st.sampled_from([1, 4, 16]), st.sampled_from([0, -4, 2.0, "16", None])),
+    use_lists=st.booleans(),
+    table_slack=st.integers(-2, 1),
+)
+def test_builders(qlens, slens, block_size, use_lists, table_slack):
+    """build / from_lists: a valid BatchMeta (which then validates) or a BatchMetaError."""
+    # 2**31 new tokens or context would build a 2**31-entry slot_mapping: valid, not the point.
+    qlens = [min(x, 40) if isinstance(x, int) else x for x in qlens]
+    slens = [min(x, 40) if isinstance(x, int) else x for x in slens]
+    if use_lists:
+        # Block lists of about the right length (table_slack < 0: too short), ids 1, 2, ...
+        tables, nxt = [], 1
+        for s in slens:
+            valid = isinstance(s, int) and isinstance(block_size, int) and block_size > 0 and s >= 0
+            need = math.ceil(s / block_size) if valid else 1
+            n = max(0, need + table_slack)
+            tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        status, meta = outcome(BatchMeta.from_lists, qlens, slens, tables, block_size=block_size)
+        num_blocks = nxt
+    else:
+        status, meta = outcome(BatchMeta.build, qlens, slens, block_size=block_size)
+        num_blocks = None
+    if status == "ok":
+        assert meta.num_reqs == len(slens)
+        outcome_v, err = outcome(meta.validate, num_blocks=num_blocks)
+        assert outcome_v == "ok", f"a built BatchMeta fails validate(): {err}"
+    else:
+        assert isinstance(meta, BatchMetaError), f"{type(meta).__name__}: {meta}"
+
+
+@FUZZ
+@given(
+    num_blocks=st.one_of(st.integers(-1, 6), st.sampled_from([1.0, "4", None])),
+    block_size=st.one_of(st.sampled_from([1, 16]), st.sampled_from([0, -1, 2.5])),
+    num_kv_heads=st.one_of(st.integers(0, 3), st.just(None)),
+    head_dim=st.one_of(st.sampled_from([8, 64]), st.sampled_from([0, -8, 8.0])),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, "bf16"]),
+    kv_dtype=st.sampled_from(["auto", "int8", "fp8", "fp4", None, 8]),
+    device=st.sampled_from(["cpu", "cuda", "cuda:7", "nonsense", 3.5]),
+)
+def test_allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, kv_dtype, device):
+    status, cache = outcome(allocate_kv_cache, num_blocks, block_size, num_kv_heads, head_dim,
+                            dtype=dtype, kv_dtype=kv_dtype, device=device)
+    if status == "ok":
+        assert tuple(cache.k.shape) == (num_blocks, block_size, num_kv_heads, head_dim)
+        assert cache.kv_dtype == kv_dtype and cache.dtype == dtype
+    else:
+        assert isinstance(cache, InputError), f"{type(cache).__name__}: {cache}"
+
+
+# ------------------------------------------------------------------------------ write_kv
+@FUZZ
+@given(
+    kv_dtype=st.sampled_from(["auto", "int8", "fp8"]),
+    slots=st.lists(st.one_of(st.integers(-3, 40), st.sampled_from([2**31 - 1, 2**40, -(2**40)])),
+                   max_size=6, unique=True),
+    bad=st.sampled_from(["none", "none", "k-shape", "v-heads", "k-dtype", "k-list", "slots-float",
+                         "slots-2d", "slots-list", "cache-tuple", "slots-int32"]),
+    seed=st.integers(0, 2**16),
+)
+def test_write_kv(kv_dtype, slots, bad, seed):
+    nb, bs, h, d = 4, 8, 2, 16  # 32 slots
+    cache = allocate_kv_cache(nb, bs, h, d, dtype=torch.float32, kv_dtype=kv_dtype, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    before = [t.clone() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
+    n = len(slots)
+    k = torch.randn(n, h, d, generator=gen).to(DEVICE)
+    v = torch.randn(n, h, d, generator=gen).to(DEVICE)
+    sm = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    target = cache
+    if bad == "k-shape":
+        k = k[:, :, :8]
+    elif bad == "v-heads":
+        v = torch.randn(n, h + 1, d).to(DEVICE)
+    elif bad == "k-dtype":
+        k = k.double()
+    elif bad == "k-list":
+        k = k.tolist()
+    elif bad == "slots-float":
+        sm = sm.float()
+    elif bad == "slots-2d":
+        sm = sm[:, None]
+    elif bad == "slots-list":
+        sm = list(slots)
+    elif bad == "cache-tuple":
+        target = (cache.k, cache.v)
+    elif bad == "slots-int32":
+        sm = sm.clamp(-(2**31), 2**31 - 1).int()  # accepted: int32 slots
+    status, err = outcome(write_kv, target, k, v, sm)
+    if bad not in ("none", "slots-int32"):
+        assert status == "error" and isinstance(err, InputError), f"{bad}: {status} {err}"
+        return
+    assert status == "ok", err
+    after = [t for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
+    written = {s: i for i, s in enumerate(sm.tolist()) if 0 <= s < nb * bs}
+    keep = torch.ones(nb * bs, dtype=torch.bool)
+    keep[list(written)] = False
+    for t0, t1 in zip(before, after, strict=True):
+        b0 = t0.view(torch.uint8) if t0.dtype == torch.float8_e4m3fn else t0
+        b1 = t1.view(torch.uint8) if t1.dtype == torch.float8_e4m3fn else t1
+        b0, b1 = b0.reshape(nb * bs, *b0.shape[2:]), b1.reshape(nb * bs, *b1.shape[2:])
+        assert torch.equal(b0[keep.to(DEVICE)], b1[keep.to(DEVICE)]), "write_kv wrote outside its slots"
+    kd, vd = cache.dequantized()
+    for src, got in ((k, kd), (v, vd)):
+        want = src if kv_dtype == "auto" else dequantize_kv(*quantize_kv(src, kv_dtype))
+        for s, row in written.items():
+            assert torch.equal(got.reshape(nb * bs, h, d)[s], want[row])
+
+
+# ------------------------------------------------------------------------------ forward
+@st.composite
+def problems(draw):
+    """A valid attention problem: (q, cache, meta, forward kwargs), tiny."""
+    reqs = []
+    for _ in range(draw(st.integers(0, 4))):
+        s = draw(st.integers(0, 40))
+        q = draw(st.integers(0, min(s, 5))) if s else draw(st.integers(0, 2))
+        reqs.append((q, s))
+    bs = draw(st.sampled_from([8, 16]))
+    hq, hkv = draw(st.sampled_from([(4, 1), (4, 2), (2, 2)]))
+    d = draw(st.sampled_from([32, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+    kv_dtype = draw(st.sampled_from(["auto", "auto", "int8", "fp8"]))
+    seed = draw(st.integers(0, 2**16))
+    kw = {}
+    if draw(st.booleans()):
+        kw["window"] = draw(st.integers(1, 12))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([5.0, 30.0]))
+    if draw(st.booleans()):
+        kw["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.sampled_from([0.05, 0.3]))
+
+    qlens, slens = [q for q, _ in reqs], [s for _, s in reqs]
+    nblk = [math.ceil(s / bs) for s in slens]
+    num_blocks = sum(nblk) + 3
+    meta = BatchMeta.build(qlens, slens, block_size=bs, num_blocks=num_blocks, seed=seed).to(DEVICE)
+    cache = allocate_kv_cache(num_blocks, bs, hkv, d, dtype=dtype, kv_dtype=kv_dtype, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    tables = [t[:n] for t, n in zip(meta.block_table.tolist(), nblk, strict=True)]
+    full = BatchMeta.from_lists(slens, slens, tables, block_size=bs).to(DEVICE)
+    n = full.num_tokens
+    write_kv(cache, torch.randn(n, hkv, d, generator=gen).to(dtype).to(DEVICE),
+             torch.randn(n, hkv, d, generator=gen).to(dtype).to(DEVICE), full.slot_mapping)
+    q = torch.randn(meta.num_tokens, hq, d, generator=gen).to(dtype).to(DEVICE)
+    return q, cache, meta, kw
+
+
+def _replace(meta, **fields):
+    import dataclasses
+
+    new = dataclasses.replace(meta, **fields)
+    if "seq_lens" in fields and isinstance(new.seq_lens, torch.Tensor):
+        new.seq_lens_cpu = new.seq_lens.cpu()
+    if "query_start_loc" in fields and isinstance(new.query_start_loc, torch.Tensor):
+        new.query_start_loc_cpu = new.query_start_loc.cpu()
+    return new
+
+
+def mutate(kind, q, cache, meta, kw):
+    """Apply one invalid change; return (q, cache, meta, kw), or None if it does not apply here."""
+    qlens, slens = meta.host()
+    R, N = meta.num_reqs, meta.num_tokens
+    nblk = [math.ceil(s / meta.block_size) for s in slens]
+    used = [(r, j) for r in range(R) for j in range(nblk[r])]
+    if kind == "q-float64":
+        q = q.double()
+    elif kind == "q-int32":
+        q = q.to(torch.int32)
+    elif kind == "q-rank2":
+        q = q[:, 0]
+    elif kind == "q-extra-row":
+        q = torch.cat([q, torch.zeros(1, *q.shape[1:], dtype=q.dtype, device=q.device)])
+    elif kind == "q-heads-not-multiple":
+        if cache.num_kv_heads == 1:
+            return None
+        q = torch.cat([q, q[:, :1]], dim=1)
+    elif kind == "q-head_dim":
+        q = q[..., : q.shape[-1] // 2].contiguous()
+    elif kind == "q-last-stride":
+        q = torch.stack([q, q], dim=-1)[..., 0]
+    elif kind == "q-not-a-tensor":
+        q = q.tolist()
+    elif kind == "q-meta-device":
+        q = q.to("meta")
+    elif kind == "cache-kv-heads":
+        cache = allocate_kv_cache(cache.num_blocks, cache.block_size, 3, cache.head_dim,
+                                  dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=DEVICE)
+    elif kind == "cache-tuple":
+        cache = (cache.k, cache.v)
+    elif kind == "meta-dict":
+        meta = {"seq_lens": meta.seq_lens}
+    elif kind == "seq_lens-int64":
+        meta = _replace(meta, seq_lens=meta.seq_lens.long())
+    elif kind == "block_table-int64":
+        meta = _replace(meta, block_table=meta.block_table.long())
+    elif kind == "query_start_loc-int64":
+        meta = _replace(meta, query_start_loc=meta.query_start_loc.long())
+    elif kind == "slot_mapping-int32":
+        meta = _replace(meta, slot_mapping=meta.slot_mapping.int())
+    elif kind == "seq_lens-list":
+        meta = _replace(meta, seq_lens=slens)
+    elif kind == "max_seq_len-tensor":
+        meta = _replace(meta, max_seq_len=torch.tensor(meta.max_seq_len))
+    elif kind == "max_query_len-negative":
+        meta = _replace(meta, max_query_len=-1)
+    elif kind == "block_size-zero":
+        meta = _replace(meta, block_size=0)
+    elif kind == "negative-seq_len":
+        if not R:
+            return None
+        meta = _replace(meta, seq_lens=meta.seq_lens.clone().index_fill_(0, torch.tensor([R - 1]), -5))
+    elif kind == "q_len-over-seq_len":
+        r = next((r for r in range(R) if qlens[r] >= 2 and slens[r]), None)
+        if r is None:
+            return None
+        sl = meta.seq_lens.clone()
+        sl[r] = qlens[r] - 1
+        meta = _replace(meta, seq_lens=sl)
+    elif kind == "narrow-table":
+        if not used or meta.block_table.shape[1] < 1:
+            return None
+        meta = _replace(meta, block_table=meta.block_table[:, :-1].contiguous())
+    elif kind in ("block-past-pool", "block-negative", "block-int32-max"):
+        if not used:
+            return None
+        r, j = used[len(used) // 2]
+        bt = meta.block_table.clone()
+        bt[r, j] = {"block-past-pool": cache.num_blocks, "block-negative": -1,
+                    "block-int32-max": 2**31 - 1}[kind]
+        meta = _replace(meta, block_table=bt)
+    elif kind == "qsl-decreasing":
+        if R < 2 or qlens[0] == 0:
+            return None
+        qsl = meta.query_start_loc.clone()
+        qsl[1] = qsl[2] + 1
+        meta = _replace(meta, query_start_loc=qsl)
+    elif kind == "max_query_len-small":
+        if max(qlens, default=0) < 1:
+            return None
+        meta = _replace(meta, max_query_len=max(qlens) - 1)
+    elif kind == "slot-mismatch":
+        if not N:
+            return None
+        sm = meta.slot_mapping.clone()
+        sm[N // 2] += 1 if sm[N // 2] >= 0 else 5
+        meta = _replace(meta, slot_mapping=sm)
+    elif kind.startswith("window-"):
+        kw = {**kw, "window": {"window-negative": -1, "window-float": 1.5, "window-str": "4",
+                                "window-bool": True, "window-none": None}[kind]}
+    elif kind.startswith("softcap-"):
+        kw = {**kw, "softcap": {"softcap-negative": -1.0, "softcap-str": "x", "softcap-nan": math.nan,
+                                 "softcap-inf": math.inf, "softcap-none": None}[kind]}
+    elif kind.startswith("sinks-"):
+        hq = q.shape[1]
+        kw = {**kw, "sinks": {"sinks-list": [0.0] * hq, "sinks-float64": torch.zeros(hq, dtype=torch.float64),
+                               "sinks-shape": torch.zeros(hq + 1), "sinks-int": 3}[kind]}
+    elif kind.startswith("scale-"):
+        kw = {**kw, "scale": {"scale-str": "0.1", "scale-nan": math.nan, "scale-inf": math.inf}[kind]}
+    elif kind == "out-shape":
+        kw = {**kw, "out": torch.empty(q.shape[0], q.shape[1], q.shape[2] + 1, dtype=q.dtype)}
+    else:
+        raise AssertionError(kind)
+    return q, cache, meta, kw
+
+
+INVALID = [
+    "q-float64", "q-int32", "q-rank2", "q-extra-row", "q-heads-not-multiple", "q-head_dim",
+    "q-last-stride", "q-not-a-tensor", "q-meta-device", "cache-kv-heads", "cache-tuple", "meta-dict",
+    "seq_lens-int64", "block_table-int64", "query_start_loc-int64", "slot_mapping-int32",
+    "seq_lens-list", "max_seq_len-tensor", "max_query_len-negative", "block_size-zero",
+    "negative-seq_len", "q_len-over-seq_len", "narrow-table", "block-past-pool", "block-negative",
+    "block-int32-max", "qsl-decreasing", "max_query_len-small", "slot-mismatch",
+    "window-negative", "window-float", "window-str", "window-bool", "window-none",
+    "softcap-negative", "softcap-str", "softcap-nan", "softcap-inf", "softcap-none",
+    "sinks-list", "sinks-float64", "sinks-shape", "sinks-int", "scale-str", "scale-nan", "scale-inf",
+    "out-shape",
+]
+# Valid variations that must still give the reference's answer.
+VALID = ["none", "none", "q-strided-rows", "loose-upper-bounds", "wide-table", "out-given", "lse"]
+
+FORWARD_BACKENDS = ["reference", "triton-unified"]
+
+
+def _get(name):
+    reasons = registry.unavailable(name) if name in registry.names() else [f"{name} is not installed"]
+    if reasons:
+        pytest.skip(f"{name}: {'; '.join(reasons)}")
+    return registry.get(name, validate=True)
+
+
+@pytest.mark.parametrize("name", FORWARD_BACKENDS)
+@FUZZ
+@given(problem=problems(), variant=st.sampled_from(VALID))
+def test_forward_valid_matches_reference(name, problem, variant):
+    backend = _get(name)
+    q, cache, meta, kw = problem
+    kw = dict(kw)
+    if variant == "q-strided-rows":  # last dim contiguous, rows and heads strided: accepted
+        q = torch.cat([q, q], dim=1)[:, : q.shape[1]]
+    elif variant == "loose-upper-bounds":
+        meta = _replace(meta, max_query_len=meta.max_query_len + 3, max_seq_len=meta.max_seq_len + 17)
+    elif variant == "wide-table":
+        pad = torch.zeros(meta.num_reqs, 2, dtype=torch.int32, device=DEVICE)
+        meta = _replace(meta, block_table=torch.cat([meta.block_table, pad], dim=1))
+    elif variant == "out-given":
+        kw["out"] = torch.full_like(q, float("nan"))
+    elif variant == "lse":
+        kw["return_lse"] = True
+    spec = AttentionSpec(num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads, head_dim=q.shape[2],
+                         block_size=cache.block_size, dtype=q.dtype, kv_dtype=cache.kv_dtype,
+                         window=kw.get("window", 0), softcap=kw.get("softcap", 0.0),
+                         sinks="sinks" in kw, device=q.device.type, decode_only=meta.decode_only,
+                         return_lse=bool(kw.get("return_lse")))
+    status, res = outcome(backend.forward, q, cache, meta, **kw)
+    if backend.reasons(spec):
+        assert status == "error" and isinstance(res, UnsupportedSpecError), (status, res)
+        return
+    assert status == "ok", f"valid input refused: {res}"
+    out, lse = res if kw.get("return_lse") else (res, None)
+    ref_kw = {k: v for k, v in kw.items() if k in ("scale", "window", "softcap", "sinks")}
+    want, want_lse = reference_attention(q, cache, meta, compute_dtype=torch.float64, return_lse=True,
+                                         **ref_kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    if out.numel():
+        err = (out.double() - want).abs().max().item()
+        assert err <= TOL[q.dtype] * max(want.abs().max().item(), 1.0), f"max error {err:.3g}"
+    if lse is not None and lse.numel():
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        if finite.any():
+            assert (lse.double()[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("name", FORWARD_BACKENDS)
+@FUZZ
+@given(problem=problems(), kind=st.sampled_from(INVALID))
+def test_forward_invalid_raises_paged_errors(name, problem, kind):
+    backend = _get(name)
+    changed = mutate(kind, *problem)
+    if changed is None:  # the mutation needs a request this batch does not have
+        return
+    q, cache, meta, kw = changed
+    err = expect_error(kind, backend.forward, q, cache, meta, **kw)
+    assert isinstance(err, (BatchMetaError, InputError, UnsupportedSpecError)), f"{kind}: {err!r}"
+    assert str(err), f"{kind}: empty message"
+
+
+STRUCTURAL = [k for k in INVALID if k not in (
+    "negative-seq_len", "q_len-over-seq_len", "narrow-table", "block-past-pool", "block-negative",
+    "block-int32-max", "qsl-decreasing", "max_query_len-small", "slot-mismatch")]
+
+
+@pytest.mark.parametrize("name", FORWARD_BACKENDS)
+@FUZZ
+@given(problem=problems(), kind=st.sampled_from(STRUCTURAL))
+def test_forward_structural_errors_need_no_validation(name, problem, kind):
+    """Wrong types, dtypes, shapes and arguments are refused with validation off too (host checks)."""
+    backend = _get(name)
+    backend.validate = False
+    changed = mutate(kind, *problem)
+    if changed is None:
+        return
+    expect_error(kind, backend.forward, *changed[:3], **changed[3])
+
+
+@FUZZ
+@given(problem=problems(), kind=st.sampled_from(INVALID + ["none"] * 6))
+def test_validate_agrees_with_the_mutation(problem, kind):
+    """validate(): accepts every built batch, refuses every value-level corruption with a BatchMetaError."""
+    q, cache, meta, kw = problem
+    if kind == "none":
+        assert outcome(meta.validate, num_blocks=cache.num_blocks)[0] == "ok"
+        return
+    changed = mutate(kind, q, cache, meta, kw)
+    if changed is None or changed[2] is meta or not hasattr(changed[2], "validate"):
+        return  # the mutation is not in the metadata
+    status, err = outcome(changed[2].validate, num_blocks=cache.num_blocks)
+    assert status == "error" and isinstance(err, BatchMetaError), f"{kind}: {status} {err}"
+    if kind in ("negative-seq_len", "q_len-over-seq_len", "block-past-pool", "block-negative",
+                "block-int32-max", "qsl-decreasing", "slot-mismatch", "narrow-table"):
+        assert "request " in str(err), f"{kind}: the message names no request: {err}"
