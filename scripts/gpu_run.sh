@@ -28,4 +28,8 @@ timeout "${CHECK_S:-150}" paged check --size full --backend flashinfer --report 
   --case spec_verify --case first_token --case softcap --case sliding_window \
   > "$OUT/check-flashinfer.txt" 2> "$OUT/check-flashinfer.err"
 echo "check rc=$?"
+
+timeout "${GRAPH_S:-50}" python3 -m pytest -q -p no:cacheprovider plugins/flashinfer/tests -k "graph or capture" \
+  > "$OUT/flashinfer-graph.txt" 2>&1
+echo "flashinfer graph tests rc=$?"; tail -3 "$OUT/flashinfer-graph.txt"
 tail -4 "$OUT/sanitize.txt"; tail -25 "$OUT/check-flashinfer.txt"; sed -n 1,60p "$OUT/bench.txt"
