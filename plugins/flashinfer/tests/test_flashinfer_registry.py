@@ -193,3 +193,21 @@ def test_explicit_plan_needs_all_parameters_and_a_cuda_batch():
         b.plan(meta, num_heads=8)
     with pytest.raises(ValueError, match="CUDA batches only"):
         b.plan(meta, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("heads", "window", "mixed", "path"),
+    [
+        ((32, 8), 0, "batch_attention", "batch_attention"),
+        ((24, 8), 0, "batch_attention", "batch_attention"),
+        # MHA mixed batches failed conformance through BatchAttention on the H200: prefill wrapper.
+        ((32, 32), 0, "batch_attention", "prefill"),
+        ((32, 8), 64, "batch_attention", "prefill"),  # BatchAttention has no sliding window
+        ((32, 8), 0, "prefill", "prefill"),
+    ],
+)
+def test_mixed_batch_path(heads, window, mixed, path):
+    plan = prepare_plan(BatchMeta.build([5, 1, 1], [40, 70, 9], block_size=16))
+    params = fib._Params(num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16,
+                         window=window, softcap=0.0, scale=128**-0.5)
+    assert FlashInferBackend(mixed=mixed)._path(plan, params) == path

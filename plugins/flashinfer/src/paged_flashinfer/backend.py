@@ -394,7 +394,11 @@ class FlashInferBackend(Backend):
     def _path(self, plan: FlashInferPlan, params: _Params) -> str:
         if plan.batch_class == "decode":
             return "decode"
-        if plan.batch_class == "mixed" and self.mixed == "batch_attention" and params.window == 0:
+        # BatchAttention has no sliding window; and with one query head per KV head (MHA) it
+        # failed the conformance case mixed_prefill_and_decode-g1 on the H200 (FlashInfer 0.7.4,
+        # 2026-11-29; g4 and g3 passed), so MHA mixed batches take the prefill wrapper.
+        if (plan.batch_class == "mixed" and self.mixed == "batch_attention" and params.window == 0
+                and params.num_heads != params.num_kv_heads):
             return "batch_attention"
         return "prefill"
 
