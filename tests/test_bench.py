@@ -290,3 +290,38 @@ def test_a_case_that_cannot_be_built_is_reported_and_the_rest_run(tmp_path, fake
     assert status["decode"] == "ok" and status["cascade"] == "ok"
     assert status["prefill"].startswith("error: building the case failed")
     assert "does not fit" in status["prefill"]
+
+
+class CascadeOptionBackend(_Counting):
+    """Correct; takes a ``cascade`` option, as triton-splitkv does."""
+
+    name = "fake-cascade"
+    built_with: list = []
+
+    def __init__(self, *, cascade: bool = False, validate=None):
+        super().__init__(validate=validate)
+        type(self).built_with.append(cascade)
+
+    def _compute(self, q, cache, plan, out, scale) -> None:
+        out.copy_(reference_attention(q, cache, plan, scale=scale))
+
+
+def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    CascadeOptionBackend.built_with = []
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register):
+            register(CascadeOptionBackend.name, CascadeOptionBackend)
+            register(PlanningBackend.name, PlanningBackend)
+
+    reg = Registry()
+    reg.add_plugin(Plugin(), name="cascade-fakes")
+    out = tmp_path / "b.json"
+    _bench.main(_args("--cases", "cascade", "--backend", "fake-cascade,fake-planning", "--no-baselines",
+                      "--json", str(out)), registry=reg)
+    rows = json.loads(out.read_text())["rows"]
+    labels = {r["label"]: r["status"] for r in rows}
+    assert labels == {"fake-cascade": "ok", "fake-planning": "ok", "fake-cascade (cascade)": "ok"}
+    assert True in CascadeOptionBackend.built_with  # the extra row really used cascade=True

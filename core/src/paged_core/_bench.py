@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import os
@@ -992,6 +993,23 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
             case_rows.append(row)
             _progress(f"[{i + 1}/{len(cases)}] {case.id:<16} {case.shape:<14} {name:<24} "
                       + (f"{row.ms:.4f} ms" if row.status == "ok" else row.status[:140]))
+        if case.kind == "cascade":
+            # Cascade attention is opt-in (it reads the block table once per step in plan()):
+            # time it as an extra row for every backend whose constructor offers it.
+            for name in backends:
+                if "cascade" not in inspect.signature(type(backends[name]).__init__).parameters:
+                    continue
+                try:
+                    variant = registry.get(name, cascade=True)
+                except Exception as exc:
+                    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name,
+                              f"{name} (cascade)", True, status=f"error: {_short(exc)}")
+                else:
+                    row = _run_backend(cfg, case, data, name, variant, tol)
+                    row.label = f"{name} (cascade)"
+                case_rows.append(row)
+                _progress(f"[{i + 1}/{len(cases)}] {case.id:<16} {case.shape:<14} {row.label:<24} "
+                          + (f"{row.ms:.4f} ms" if row.status == "ok" else row.status[:140]))
         if baselines and case.uniform:
             for row in _sdpa_rows(cfg, case, data, baselines, tol):
                 case_rows.append(row)
