@@ -1,0 +1,42 @@
+"""The workspace's distributions fit together: extras name real plugins at their versions."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _project(path: pathlib.Path) -> dict:
+    return tomllib.loads(path.read_text())["project"]
+
+
+def _plugins() -> dict[str, dict]:
+    return {p.parent.name: _project(p) for p in sorted((ROOT / "plugins").glob("*/pyproject.toml"))}
+
+
+def test_every_extra_names_an_existing_plugin_at_its_version():
+    core = _project(ROOT / "core" / "pyproject.toml")
+    versions = {proj["name"]: proj["version"] for proj in _plugins().values()}
+    for extra, reqs in core["optional-dependencies"].items():
+        for req in reqs:
+            name, _, pin = re.match(r"([A-Za-z0-9_.-]+)\s*(==\s*(\S+))?", req).groups()
+            if not name.startswith("paged-"):
+                continue
+            assert name in versions, f"extra {extra!r} names {name}, which is not a plugin of this repo"
+            assert pin == versions[name], f"extra {extra!r} pins {name}=={pin}, the plugin is {versions[name]}"
+
+
+def test_every_plugin_is_in_the_all_extra_and_registers_its_folder_name():
+    core = _project(ROOT / "core" / "pyproject.toml")
+    all_extra = {re.split(r"[=<> ]", r)[0] for r in core["optional-dependencies"]["all"]}
+    for folder, proj in _plugins().items():
+        assert proj["name"] == f"paged-{folder}", "folder, distribution suffix and registry key are one word"
+        assert proj["name"] in all_extra
+        assert folder in proj["entry-points"]["paged_core"], f"{proj['name']} registers no {folder!r} entry point"
+        assert f"paged-core=={_project(ROOT / 'core' / 'pyproject.toml')['version']}" in proj["dependencies"]
