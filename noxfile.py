@@ -7,6 +7,7 @@ multi-GB CUDA build on a CPU machine). ``nox -s tests`` is what CI runs.
 from __future__ import annotations
 
 import pathlib
+import tomllib
 
 import nox
 
@@ -23,7 +24,20 @@ nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
 
+def _with_local_deps(plugins: list[str]) -> list[str]:
+    """``plugins`` plus the plugins of this repo they depend on (triton-splitkv needs triton-unified)."""
+    out = list(plugins)
+    for p in plugins:
+        deps = tomllib.loads((ROOT / "plugins" / p / "pyproject.toml").read_text())["project"]["dependencies"]
+        for dep in deps:
+            name = dep.split("=")[0].split("<")[0].split(">")[0].strip()
+            if name.startswith("paged-") and name[len("paged-"):] in PLUGINS and name[len("paged-"):] not in out:
+                out.append(name[len("paged-"):])
+    return out
+
+
 def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
+    plugins = _with_local_deps(plugins)
     session.install(TORCH, TRITON, *TEST_DEPS)
     plain = [p for p in plugins if p not in VENDOR_PLUGINS]
     args = ["-e", "core", "-e", "conformance"]
