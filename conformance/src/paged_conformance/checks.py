@@ -58,6 +58,7 @@ __all__ = [
     "applicable_checks",
     "check_batch_invariance",
     "check_close_to_full_precision",
+    "check_cuda_graph_replay",
     "check_lse_matches_reference",
     "check_matches_reference",
     "check_random_batches",
@@ -372,6 +373,67 @@ def random_cases(caps: Capabilities, size: str):
     return draw_case(), (groups, head_dims, block_sizes, dtypes, kv_dtypes)
 
 
+#: Cases the CUDA-graph check runs on: a decode batch, a mixed batch, padding (graph-padded).
+GRAPH_CASES = frozenset({"decode_only-long_and_short", "mixed_prefill_and_decode-g4", "padding_rows"})
+
+
+def _graph_reasons(backend: Backend, case: Case, device: torch.device) -> list[str]:
+    reasons = []
+    if not backend.capabilities.cuda_graphs:
+        reasons.append(f"{backend.name} does not claim CUDA-graph safety (capabilities.cuda_graphs)")
+    if torch.device(device).type != "cuda":
+        reasons.append("CUDA graphs need a CUDA device")
+    return reasons
+
+
+def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """Plan outside, capture ``forward`` in a CUDA graph, replay it on new q: equal to eager.
+
+    What an engine does for decode steps; a backend that syncs with the host, allocates, or
+    reads host state inside ``forward`` fails the capture or replays stale results.
+    """
+    reasons = _graph_reasons(backend, case, device)
+    if reasons:
+        raise NotApplicable(reasons)
+    wl = build_workload(case, device)
+    cache = _step(backend, wl)
+    kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
+    plan = backend.plan(wl.meta)
+    static_q = wl.q.clone()
+    static_out = _poisoned(wl)
+    backend.forward(static_q, cache, plan, out=static_out, **kw)  # compiles / autotunes, not captured
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        backend.forward(static_q, cache, plan, out=static_out, **kw)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            backend.forward(static_q, cache, plan, out=static_out, **kw)
+    except Exception as exc:
+        raise ConformanceFailure(
+            f"[{backend.name}/{case.id}] forward could not be captured in a CUDA graph although the "
+            f"backend claims cuda_graphs: {type(exc).__name__}: {exc}", max_error=math.inf,
+        ) from exc
+    new_q = torch.randn(tuple(wl.q.shape), generator=torch.Generator().manual_seed(case.seed + 1))
+    static_q.copy_(new_q.to(device=device, dtype=wl.q.dtype))
+    static_out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    eager = backend.forward(static_q.clone(), cache, backend.plan(wl.meta), **kw)
+    _assert_padding_zero(static_out, wl, backend.name, "replayed output")
+    _assert_rows_written(static_out, wl, backend.name)
+    err = assert_close_to_reference(
+        static_out, eager.double(), backend=backend.name, case=case.id,
+        what="CUDA-graph replay on new q (vs an eager call)",
+        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err)
+
+
+
 def check_random_batches(backend: Backend, device: torch.device, size: str = "small",
                          *, max_examples: int | None = None) -> CheckResult:
     """Hypothesis-drawn batches within the backend's capabilities, each run as matches_reference.
@@ -438,6 +500,8 @@ CHECKS: dict[str, Check] = {
         Check("write_then_read", check_write_then_read),
         Check("batch_invariance", check_batch_invariance,
               applies=lambda case: len(case.real_requests) >= 2),
+        Check("cuda_graph_replay", check_cuda_graph_replay,
+              applies=lambda case: case.id in GRAPH_CASES, reasons=_graph_reasons),
     )
 }
 #: The per-backend property test's name; its row in the report.

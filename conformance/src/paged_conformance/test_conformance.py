@@ -35,6 +35,12 @@ def test_batch_invariance(paged_backend, paged_case, conformance):
     conformance.check("batch_invariance", paged_backend, paged_case)
 
 
+def test_cuda_graph_replay(paged_backend, paged_case, conformance):
+    """For backends claiming CUDA-graph safety (GPU only): a captured forward replayed on new q
+    equals an eager call."""
+    conformance.check("cuda_graph_replay", paged_backend, paged_case)
+
+
 def test_random_batches(paged_backend, conformance):
     """Hypothesis-drawn batches and shapes within the backend's capabilities match the reference."""
     conformance.check("random_batches", paged_backend)
