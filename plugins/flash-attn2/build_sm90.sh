@@ -5,7 +5,7 @@
 #
 #   bash plugins/flash-attn2/build_sm90.sh [SDIST] [PREFIX]     # default PREFIX=/tmp/fa2
 #   export PYTHONPATH=$PREFIX:$PYTHONPATH
-#   python plugins/flash-attn2/tests/gpu_smoke.py [--bench]
+#   python plugins/flash-attn2/tests/smoke_flash_attn2_gpu.py [--bench]
 #
 # Knobs (environment):
 #   FA_HEAD_DIMS="128"        head-dim kernels to compile, from 32 64 96 128 192 256; a head dim d runs
