@@ -7,6 +7,7 @@ call never synchronises with the device and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -59,7 +60,36 @@ _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
 
 # Keys per step of the decode tiles inside a fused launch when the autotuner picks the config
 # (it tunes the large tiles' BLOCK_N; the small tiles are bandwidth-bound and like wide steps).
-FUSED_BLOCK_N_SMALL = 64
+# H200, mixed batch of 2 x 512-token chunks + 30 decodes, fused launch, 64-row large tiles:
+# 128 keys 0.167 ms, 64 keys 0.186 ms (scripts/gpu_tune.py, 2026-11-29).
+FUSED_BLOCK_N_SMALL = 128
+# Large tiles shrink from 128 to 64 rows when 128-row tiles would give fewer programs than this
+# many per SM: the same mixed batch ran in 0.167 ms with 64-row tiles and 0.20-0.23 ms with
+# 128-row ones (256 programs on 132 SMs), while prefill 8 x 2,048 (4,096 programs) keeps 128.
+MIN_LARGE_PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
+                      num_sms: int | None) -> int:
+    """Query tokens per large tile: ``block_q_large``, halved (down to 64 rows) when the batch's
+    large tiles could not give every SM ``MIN_LARGE_PROGRAMS_PER_SM`` programs.
+
+    >>> large_tile_tokens(num_tokens=1054, num_kv_heads=8, block_q_large=32, group_pad=4, num_sms=132)
+    16
+    >>> large_tile_tokens(num_tokens=16384, num_kv_heads=8, block_q_large=32, group_pad=4, num_sms=132)
+    32
+    """
+    if num_sms is None or block_q_large * group_pad <= 64:
+        return block_q_large
+    programs = (num_tokens // block_q_large) * num_kv_heads
+    if programs < MIN_LARGE_PROGRAMS_PER_SM * num_sms:
+        return max(1, block_q_large // 2)
+    return block_q_large
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +362,12 @@ def unified_attention(
     head_dim_pad = max(16, _next_power_of_2(head_dim))
     if config is None:
         config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if q.is_cuda and max_query_len > config.block_q_small:
+            # Only the default adapts to the batch: an explicit config is taken as given.
+            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            config = dataclasses.replace(config, block_q_large=large_tile_tokens(
+                num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
+                group_pad=group_pad, num_sms=_sm_count(index)))
     bq_small, bq_large = config.block_q_small, config.block_q_large
     if bq_small * group_pad < 16 or bq_large * group_pad < 16:
         _fail("config", config, f"block_q_small/large of at least {max(1, 16 // group_pad)} (16 tile rows)")
