@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from paged_core import (
@@ -194,14 +196,15 @@ def test_supported_spec_reasons_empty():
         return_lse=True,
     )
     assert ReferenceBackend().reasons(spec) == [] and ReferenceBackend().supports(spec)
-    assert (
-        Narrow().reasons(
-            AttentionSpec(
-                num_heads=8, num_kv_heads=8, head_dim=64, block_size=16, device="cuda", decode_only=True
-            )
-        )
-        == []
+    cuda_spec = AttentionSpec(
+        num_heads=8, num_kv_heads=8, head_dim=64, block_size=16, device="cuda", decode_only=True
     )
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        assert Narrow().reasons(cuda_spec) == []
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        assert Narrow().reasons(cuda_spec) == [
+            "the spec asks for a CUDA device, but none is visible (torch.cuda.is_available() is False)"
+        ]
     bad = AttentionSpec(num_heads=6, num_kv_heads=4, head_dim=64, block_size=16)
     assert "num_heads 6 is not a multiple of num_kv_heads 4" in ReferenceBackend().reasons(bad)
 
@@ -264,3 +267,36 @@ def test_validation_catches_bad_metadata(monkeypatch):
     # Validation off: no host checks; the reference masks the bad block instead of reading it.
     out = ReferenceBackend(validate=False).forward(q, cache, meta)
     assert not out.isnan().any()
+
+
+def test_a_plan_of_another_backend_is_accepted_by_a_backend_that_does_not_plan():
+    # forward() accepts "a BatchMeta or a plan with a .meta"; a backend without its own plan used
+    # to receive the foreign plan object in _forward and fail with an AttributeError.
+    import dataclasses as _dc
+
+    from paged_core import BatchMeta, ReferenceBackend
+
+    @_dc.dataclass
+    class ForeignPlan:
+        meta: BatchMeta
+        extra: int = 3
+
+    meta = BatchMeta.build([3, 1], [10, 40], block_size=16)
+    backend = ReferenceBackend()
+    cache = backend.allocate(8, 16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    backend.write(cache, torch.randn(4, 2, 8), torch.randn(4, 2, 8), meta)
+    q = torch.randn(4, 4, 8)
+    out, lse = backend.forward(q, cache, ForeignPlan(meta), return_lse=True)
+    want, want_lse = backend.forward(q, cache, meta, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("field", ["num_heads", "num_kv_heads", "head_dim", "block_size"])
+def test_attention_spec_refuses_non_positive_sizes(field):
+    # num_kv_heads=0 used to pass here and raise ZeroDivisionError in registry.explain()/select().
+    from paged_core import AttentionSpec, InputError
+
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    kw[field] = 0
+    with pytest.raises(InputError, match=f"AttentionSpec.{field} is 0; accepted: a positive int"):
+        AttentionSpec(**kw)

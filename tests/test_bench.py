@@ -325,3 +325,17 @@ def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeyp
     labels = {r["label"]: r["status"] for r in rows}
     assert labels == {"fake-cascade": "ok", "fake-planning": "ok", "fake-cascade (cascade)": "ok"}
     assert True in CascadeOptionBackend.built_with  # the extra row really used cascade=True
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--block-size", "0"), "--block-size"),
+    (("--heads", "0"), "--heads"),
+    (("--heads", "6", "--kv-heads", "4"), "not a multiple"),
+    (("--sweep-len", "abc"), "--sweep-len"),
+    (("--sweep-batches", "1,-2"), "--sweep-batches"),
+])
+def test_bad_shape_options_exit_2_with_the_option_named(fake_registry, capsys, argv, words):
+    # These used to end in a ZeroDivisionError/ValueError traceback, a silent default (heads 0)
+    # or an einsum error reported as a failed case.
+    assert _bench.main(_args("--cases", "decode", *argv), registry=fake_registry) == 2
+    assert words in capsys.readouterr().err

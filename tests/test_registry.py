@@ -177,6 +177,15 @@ def test_reload_rediscovers(fixture_plugins, monkeypatch):
     ],
 )
 def test_unknown_backend_message(fixture_plugins, name, needles):
+    # The fixture narrows PAGED_PLUGINS, so a first-party plugin installed in this environment is
+    # left out, not missing: its install advice is replaced (see the next test).
+    import importlib.metadata
+
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="paged_core")}
+    for n in {"triton-unified", "flashinfer"} & installed:
+        if name == n:
+            needles = [f"Unknown backend '{n}'.", f"Its plugin '{n}' is installed but PAGED_PLUGINS="]
+        needles = [x for x in needles if not x.startswith((f"Not installed: {n} (", f"{n} (pip install"))]
     with pytest.raises(BackendNotFoundError) as exc:
         Registry().get(name)
     msg = str(exc.value)
@@ -185,6 +194,20 @@ def test_unknown_backend_message(fixture_plugins, name, needles):
     assert isinstance(exc.value, LookupError)
     if name == "nope":
         assert "Did you mean" not in msg
+
+
+def test_unknown_backend_left_out_by_paged_plugins_is_not_called_missing(fixture_plugins, monkeypatch):
+    # It used to say "Installed: reference" and suggest pip-installing what is installed.
+    monkeypatch.setenv("PAGED_PLUGINS", "reference")
+    with pytest.raises(BackendNotFoundError) as exc:
+        Registry().get("fixture-good")
+    assert ("Its plugin 'fixture-good' is installed but PAGED_PLUGINS='reference' leaves it out: "
+            "add it to PAGED_PLUGINS, or unset PAGED_PLUGINS.") in str(exc.value)
+    with pytest.raises(BackendNotFoundError) as exc:
+        Registry().get("fixture-gooood")
+    msg = str(exc.value)
+    assert "Did you mean 'fixture-good'?" in msg
+    assert "Installed but left out by PAGED_PLUGINS='reference': " in msg and "fixture-good" in msg
 
 
 # ---------------------------------------------------------------------------------- specs

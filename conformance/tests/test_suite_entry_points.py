@@ -128,6 +128,17 @@ def test_paged_check_unknown_backend(use_registry, capsys):
     assert "Unknown backend 'nope'" in capsys.readouterr().err
 
 
+def test_paged_check_case_that_matches_nothing_is_a_usage_error(use_registry, tmp_path, capsys):
+    # It used to print an empty table and exit 0 (or crash with an IndexError when the first
+    # backend was unavailable): a typo must not look like a passing run.
+    for backends in (["--backend", "reference"], []):
+        rc = paged_main(["check", *backends, "--case", "padding_rowz", "--report", str(tmp_path / "r")])
+        err = capsys.readouterr().err
+        assert rc == 2
+        assert "no case id contains 'padding_rowz'" in err and "padding_rows" in err
+    assert not (tmp_path / "r.md").exists()
+
+
 def test_backend_without_options_skips_split_cases_with_a_reason(use_registry):
     matrix = runner.run(["reference"], case_filter=["split_3"], progress=False)
     cell = matrix.cell("reference", "split_3")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 import torch
-from paged_core import BackendNotFoundError, Registry
+from paged_core import InputError, PagedError, Registry
 
 from . import checks
 from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
@@ -64,6 +64,11 @@ def run(
     pool = BackendPool(parse_backend_names(backends), registry=registry)
     selected = [c for c in all_cases(size) if not case_filter or any(f in c.id for f in case_filter)]
     with_random = not case_filter or any(f in checks.RANDOM_BATCHES for f in case_filter)
+    if not selected and not with_random:
+        ids = [c.id for c in all_cases(size)] + [checks.RANDOM_BATCHES]
+        raise InputError(
+            f"no case id contains {' or '.join(map(repr, case_filter))}; case ids: {', '.join(ids)}"
+        )
     matrix = Matrix(size=size, device=str(device),
                     backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems())
     total = len(pool.names) * (len(selected) + with_random)
@@ -117,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         matrix = run(getattr(args, "backend", None), size=getattr(args, "size", None),
                      case_filter=getattr(args, "case", None))
-    except BackendNotFoundError as exc:
+    except PagedError as exc:  # an unknown backend or case: a usage error, not a failed check
         print(f"paged check: {exc}", file=sys.stderr)
         return 2
     report = getattr(args, "report", None) or "conformance-report"

@@ -35,6 +35,13 @@ def validation_enabled(validate: bool | None = None) -> bool:
     return os.environ.get("PAGED_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
 
 
+def _device_reasons(spec: AttentionSpec) -> list[str]:
+    """A spec for a device this machine does not have cannot be served, whatever is claimed."""
+    if spec.device_type == "cuda" and not torch.cuda.is_available():
+        return ["the spec asks for a CUDA device, but none is visible (torch.cuda.is_available() is False)"]
+    return []
+
+
 def _shape(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)} {list(t.shape)} on {t.device}"
 
@@ -71,7 +78,8 @@ class Backend:
         """
         cache = self.__dict__.setdefault("_reasons_cache", {})
         if spec not in cache:
-            cache[spec] = [*self.unavailable(), *self.capabilities.reasons(spec), *self.extra_reasons(spec)]
+            cache[spec] = [*self.unavailable(), *_device_reasons(spec), *self.capabilities.reasons(spec),
+                           *self.extra_reasons(spec)]
         return list(cache[spec])
 
     def supports(self, spec: AttentionSpec) -> bool:
@@ -173,6 +181,9 @@ class Backend:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         if scale is None:
             scale = q.shape[2] ** -0.5
+        if meta is not batch and type(self).plan is Backend.plan:
+            # Another backend's plan: a backend without its own plan expects the BatchMeta.
+            meta = batch
         try:
             self._forward(
                 q, cache, meta, out=out, lse=lse, scale=float(scale), window=int(window),

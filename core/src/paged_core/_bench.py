@@ -110,6 +110,20 @@ def _split(values: Sequence[str] | None) -> list[str]:
     return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
 
 
+def _positive_ints(option: str, values: Sequence[str] | None) -> list[int]:
+    """``--option 1,2`` as ints, or a PagedError naming the option (exit 2, not a traceback)."""
+    out = []
+    for v in _split(values):
+        try:
+            n = int(v)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise PagedError(f"{option} has {v!r}; accepted: positive ints separated by commas")
+        out.append(n)
+    return out
+
+
 @dataclasses.dataclass
 class Config:
     device: torch.device
@@ -150,19 +164,30 @@ def _config(args: argparse.Namespace) -> Config:
         raise PagedError(f"unknown case(s) {', '.join(unknown)}; accepted: {', '.join(CASE_IDS)}, all")
     if "all" in cases:
         cases = list(CASE_IDS)
+    for opt in ("heads", "kv_heads", "head_dim", "block_size"):
+        val = getattr(args, opt, None)
+        if val is not None and val < 1:
+            raise PagedError(f"--{opt.replace('_', '-')} is {val}; accepted: a positive int")
     if args.sweep_batches:
-        batches = [int(b) for b in _split([args.sweep_batches])]
+        batches = _positive_ints("--sweep-batches", [args.sweep_batches])
     elif tiny:
         batches = [1, 2, 4]
     elif quick:
         batches = [1, 4, 16, 64, 256]
     else:
         batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    sweep_lens = [int(x) for x in _split(args.sweep_len)] or ([64] if tiny else [4096])
+    sweep_lens = _positive_ints("--sweep-len", args.sweep_len) or ([64] if tiny else [4096])
+    heads = args.heads or (4 if tiny else 32)
+    kv_heads = args.kv_heads or (1 if tiny else 8)
+    if heads % kv_heads:
+        raise PagedError(
+            f"--heads {heads} is not a multiple of --kv-heads {kv_heads}; accepted: "
+            "heads = group_size * kv_heads"
+        )
     return Config(
         device=device,
-        heads=args.heads or (4 if tiny else 32),
-        kv_heads=args.kv_heads or (1 if tiny else 8),
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=args.head_dim or (64 if tiny else 128),
         block_size=args.block_size,
         dtype=_DTYPES[args.dtype],

@@ -83,13 +83,15 @@ class Registry:
         self._regs: dict[str, Registration] = {}
         self._problems: list[Problem] = []
         self._pm: pluggy.PluginManager | None = None
+        # Entry points installed but not loaded because of ``env_var`` (for "not found" messages).
+        self._skipped: list[str] = []
 
     # ----------------------------------------------------------------------------- loading
     def reload(self) -> None:
         """Forget everything and discover again on next use (after installing a plugin)."""
         with self._lock:
             self._loaded = False
-            self._regs, self._problems, self._pm = {}, [], None
+            self._regs, self._problems, self._pm, self._skipped = {}, [], None, []
 
     def add_plugin(self, plugin: Any, name: str | None = None) -> None:
         """Register a plugin object (a module or class with a ``register_backends`` hookimpl).
@@ -116,6 +118,7 @@ class Registry:
             names = sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
             for ep_name in names:
                 if allow is not None and ep_name not in allow:
+                    self._skipped.append(ep_name)
                     continue
                 try:
                     pm.load_setuptools_entrypoints(self.group, name=ep_name)
@@ -297,17 +300,25 @@ class Registry:
     def _not_found(self, name: str) -> str:
         installed = ", ".join(r.name for r in self._sorted()) or "none"
         msg = f"Unknown backend {name!r}. Installed: {installed}."
-        if name in FIRST_PARTY:
+        # Installed is not loaded: for a plugin that PAGED_PLUGINS left out, "pip install" is
+        # the wrong advice.
+        narrowed = f"{self.env_var}={os.environ.get(self.env_var, '')!r}"
+        if name in self._skipped:
+            msg += (f" Its plugin {name!r} is installed but {narrowed} leaves it out: add it to "
+                    f"{self.env_var}, or unset {self.env_var}.")
+        elif name in FIRST_PARTY:
             msg += f" To install it: {FIRST_PARTY[name]}."
         else:
             import difflib
 
-            close = difflib.get_close_matches(name, list(self._regs) + list(FIRST_PARTY), n=1)
+            close = difflib.get_close_matches(name, list(self._regs) + list(FIRST_PARTY) + self._skipped, n=1)
             if close:
                 msg += f" Did you mean {close[0]!r}?"
-            missing = [n for n in FIRST_PARTY if n not in self._regs]
+            missing = [n for n in FIRST_PARTY if n not in self._regs and n not in self._skipped]
             if missing:
                 msg += " Not installed: " + ", ".join(f"{n} ({FIRST_PARTY[n]})" for n in missing) + "."
+            if self._skipped:
+                msg += f" Installed but left out by {narrowed}: {', '.join(self._skipped)}."
         for p in self._problems:
             msg += f"\nPlugin problem: {p}"
         return msg

@@ -9,10 +9,13 @@ an answer a person can read.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Collection
 from typing import Literal
 
 import torch
+
+from ._errors import InputError
 
 __all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KVDtype", "ANY"]
 
@@ -61,6 +64,13 @@ class AttentionSpec:
     device: str = "cpu"
     decode_only: bool = False
     return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        # A zero here used to surface as a ZeroDivisionError from registry.explain()/select().
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+                raise InputError(f"AttentionSpec.{name} is {v!r}; accepted: a positive int")
 
     @property
     def group_size(self) -> int:

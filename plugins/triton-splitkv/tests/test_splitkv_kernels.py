@@ -461,3 +461,35 @@ def test_shared_prefix_blocks_ignores_padding_rows_and_caps_by_length():
     assert shared_prefix_blocks(bt, torch.tensor([64, 64, 0, 64], dtype=torch.int32), 16) == 3
     assert shared_prefix_blocks(bt, torch.tensor([64, 64, 0, 20], dtype=torch.int32), 16) == 1
     assert shared_prefix_blocks(bt, torch.zeros(4, dtype=torch.int32), 16) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The backend: plans across backends
+# --------------------------------------------------------------------------------------------
+
+
+def test_plans_are_interchangeable_between_the_triton_backends():
+    # forward() takes a BatchMeta or a plan of it. triton-unified used to fail on a SplitKVPlan
+    # ('SplitKVPlan' object has no attribute 'query_start_loc') and triton-splitkv on any plan
+    # object that is not its own.
+    import dataclasses
+
+    from paged_core import BatchMeta
+    from paged_triton_splitkv.backend import TritonSplitKVBackend
+    from paged_triton_unified.backend import TritonUnifiedBackend
+
+    @dataclasses.dataclass
+    class ForeignPlan:
+        meta: BatchMeta
+
+    meta = BatchMeta.build([3, 1, 1], [10, 40, 20], block_size=16, device=DEVICE)
+    unified, split = TritonUnifiedBackend(), TritonSplitKVBackend(num_splits=3)
+    cache = unified.allocate(8, 16, num_kv_heads=1, head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(5, 1, HEAD_DIM, generator=gen).to(DEVICE) for _ in range(2)]
+    unified.write(cache, *kv, meta)
+    q = torch.randn(5, 2, HEAD_DIM, generator=gen).to(DEVICE)
+    for backend in (unified, split):
+        want = backend.forward(q, cache, meta)
+        for plan in (split.plan(meta), unified.plan(meta), ForeignPlan(meta)):
+            torch.testing.assert_close(backend.forward(q, cache, plan), want, atol=1e-5, rtol=1e-5)

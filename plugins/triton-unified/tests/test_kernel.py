@@ -364,3 +364,24 @@ def test_validation_names_the_argument(change, message):
         kwargs["v_scale"] = torch.ones(cache.shape[:3], device=DEVICE)
     with pytest.raises(ValueError, match=message):
         unified_attention(q, cache, cache, torch.empty_like(q), **kwargs)
+
+
+def test_interpreter_set_after_import_is_a_reason_not_a_driver_error(monkeypatch):
+    # TRITON_INTERPRET=1 set after the kernels were defined used to pass the capability check and
+    # then fail inside Triton with "RuntimeError: 0 active drivers".
+    from paged_core import AttentionSpec, BatchMeta, UnsupportedSpecError
+    from paged_triton_unified import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
+    [reason] = backend_module.interpreter_reasons(spec)
+    assert "was set after the Triton kernels were imported" in reason
+    assert backend_module.interpreter_reasons(dataclasses.replace(spec, device="cuda")) == []
+    b = backend_module.TritonUnifiedBackend()
+    meta = BatchMeta.build([3, 1], [10, 40], block_size=16)
+    cache = b.allocate(8, 16, 2, 64, dtype=torch.float32)
+    with pytest.raises(UnsupportedSpecError, match="was set after"):
+        b.forward(torch.randn(4, 4, 64), cache, meta)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "set TRITON_INTERPRET=1" in backend_module.interpreter_reasons(spec)[0]

@@ -289,7 +289,8 @@ class FlashAttn2Backend(Backend):
         )
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
-        p = plan if isinstance(plan, FlashAttn2Plan) else self.plan(plan)
+        # A BatchMeta, or another backend's plan of one: plan it here (cheap, no host sync).
+        p = plan if isinstance(plan, FlashAttn2Plan) else self.plan(self._batch_of(plan))
         if q.shape[0] == 0:
             return
         res = _varlen_func()(**varlen_kwargs(

@@ -365,6 +365,7 @@ class FlashInferBackend(Backend):
     def _plan_for(self, meta: Any) -> FlashInferPlan:
         if isinstance(meta, FlashInferPlan):
             return meta
+        meta = self._batch_of(meta)  # a BatchMeta, or another backend's plan of one
         # A BatchMeta: plan implicitly, once per meta object. Keyed by id() with a weak
         # reference, so a new meta that reuses a dead one's id is not mistaken for it.
         key = id(meta)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, ClassVar
 
 from paged_core import Backend, BatchMeta, InputError
 from paged_core._spec import AttentionSpec
@@ -41,18 +40,13 @@ class TritonSplitKVBackend(Backend):
     - ``cascade``: detect a prefix shared by every request (the same physical blocks) in
       :meth:`plan` and read it once for the whole batch; ``plan(meta, shared_prefix_blocks=k)``
       declares it instead (no device read).
+    - ``blocks_per_split``: the split size of the ``batch_invariant`` mode (default 16 blocks).
+    - ``min_prefix_tokens``: a shared prefix (found or declared) shorter than this runs as a
+      normal batch, without the cascade pass (default 256 tokens).
     """
 
     name = "triton-splitkv"
     capabilities = dataclasses.replace(TritonUnifiedBackend.capabilities)
-    #: Option sets the conformance suite runs besides the defaults.
-    variants: ClassVar[dict[str, dict[str, Any]]] = {
-        "splits-1": {"num_splits": 1},
-        "splits-3": {"num_splits": 3},
-        "splits-8": {"num_splits": 8},
-        "batch-invariant": {"batch_invariant": True},
-        "cascade": {"cascade": True},
-    }
 
     def __init__(
         self,
@@ -106,8 +100,8 @@ class TritonSplitKVBackend(Backend):
         return SplitKVPlan(meta, prefix)
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
-        if isinstance(plan, BatchMeta):
-            plan = self.plan(plan)
+        if not isinstance(plan, SplitKVPlan):  # a BatchMeta, or another backend's plan of one
+            plan = self.plan(self._batch_of(plan))
         meta = plan.meta
         kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
         if plan.prefix_blocks and not window:

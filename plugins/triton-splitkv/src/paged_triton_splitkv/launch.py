@@ -36,12 +36,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-# choose_num_splits: about one program per SM. Measured on the H200 (Triton 3.6, bf16, 32/8
-# heads, d 128): 4 x 32768 was best at 4-8 splits, 1 x 131072 at 16, 16 x 8192 at 1-2, i.e.
-# ~1 program per SM (132 SMs); more splits only add merge traffic and per-program overhead.
+# choose_num_splits: about two programs per SM, and only for batches with fewer (request, KV
+# head) pairs than SMs. Measured on the H200 (Triton 3.6, bf16, 32/8 heads, d 128, CUDA-graph
+# replays, autotuned): 2 per SM gave 4 x 32768 in 0.150 ms (9 splits), 1 x 131072 in 0.150 ms
+# (32), 16 x 8192 in 0.144 ms (3); 1 per SM was no better with the autotuned 128-key steps and
+# clearly worse with 64-key ones (0.289 vs 0.194 ms for 4 x 32768, scripts/gpu_tune.py). From 256
+# pairs on, the unified kernel was as fast or faster (the crossover sweep in docs/benchmarks.md).
 # 256 tokens (16 blocks of 16) per split keeps the fixed cost of a program (loading q, writing
 # a partial, merging it) small against its K/V traffic; beyond 32 splits the merge's reads start
-# to show for short contexts. Module-level so a tuning script can compare (2 was the old value).
+# to show for short contexts. Module-level so a tuning script can compare.
 _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32

@@ -12,12 +12,20 @@ from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 __all__ = ["TritonUnifiedBackend", "interpreter_reasons"]
 
+# Triton picks interpreter or compiler when a kernel is defined (the import of .launch above),
+# not when it runs: setting TRITON_INTERPRET=1 later ends in "0 active drivers" on a CPU.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def interpreter_reasons(spec: AttentionSpec) -> list[str]:
     """Triton runs on the CPU only through its interpreter, which must be on before import."""
-    if spec.device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ["Triton runs on the CPU only under its interpreter: set TRITON_INTERPRET=1 (slow; for tests)"]
-    return []
+    if spec.device_type != "cpu" or _INTERPRETED:
+        return []
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported, and Triton reads it "
+                "when they are defined: set it before the first use of the backend (in the shell, or "
+                "at the top of the script)"]
+    return ["Triton runs on the CPU only under its interpreter: set TRITON_INTERPRET=1 (slow; for tests)"]
 
 
 class TritonUnifiedBackend(Backend):
