@@ -7,9 +7,9 @@ multi-GB CUDA build on a CPU machine). ``nox -s tests`` is what CI runs.
 from __future__ import annotations
 
 import pathlib
-import tomllib
 
 import nox
+import tomllib
 
 ROOT = pathlib.Path(__file__).parent
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())

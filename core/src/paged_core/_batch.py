@@ -106,7 +106,8 @@ class BatchMeta:
     seq_lens: torch.Tensor
     #: int32 [num_reqs, max_blocks_per_req]: physical block of each logical block of each request.
     block_table: torch.Tensor
-    #: int64 [num_tokens]: flat slot ``block * block_size + offset`` where each new token's K/V is written; -1 = not written.
+    #: int64 [num_tokens]: flat slot ``block * block_size + offset`` where each new token's K/V is
+    #: written; -1 = not written.
     slot_mapping: torch.Tensor
     #: Tokens per KV block; the slot arithmetic of ``slot_mapping`` and ``block_table`` uses it.
     block_size: int
@@ -155,7 +156,7 @@ class BatchMeta:
         qsl = self.query_start_loc_cpu if self.query_start_loc_cpu is not None else self.query_start_loc
         sl = self.seq_lens_cpu if self.seq_lens_cpu is not None else self.seq_lens
         qsl_l = qsl.tolist()
-        return [b - a for a, b in zip(qsl_l[:-1], qsl_l[1:])], sl.tolist()
+        return [b - a for a, b in zip(qsl_l[:-1], qsl_l[1:], strict=True)], sl.tolist()
 
     def to(self, device: torch.device | str) -> BatchMeta:
         """The same batch with its device tensors on ``device`` (host mirrors stay on the CPU)."""
@@ -247,7 +248,7 @@ class BatchMeta:
             if t:
                 table[r, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
         slots = []
-        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
             for i in range(q):
                 if s == 0:
                     slots.append(-1)

@@ -17,7 +17,6 @@ import sys
 import time
 
 import torch
-
 from paged_core import BatchMeta, BlockAllocator, allocate_kv_cache, reference_attention
 
 #: bf16 output vs a float32/float64 reference: bf16 keeps 8 bits of mantissa (~0.4 % of |o|,
@@ -46,7 +45,7 @@ def make_case(query_lens, seq_lens, *, num_heads=32, num_kv_heads=8, head_dim=12
 def pad_rows_of(meta: BatchMeta) -> torch.Tensor:
     """bool [num_tokens]: rows that belong to padding requests (seq_len 0)."""
     qlens, slens = meta.host()
-    return torch.tensor([s == 0 for q, s in zip(qlens, slens) for _ in range(q)], dtype=torch.bool,
+    return torch.tensor([s == 0 for q, s in zip(qlens, slens, strict=True) for _ in range(q)], dtype=torch.bool,
                         device=meta.device)
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import sys
 
+import paged_flashinfer
 import pytest
 import torch
-
-import paged_flashinfer
-from paged_core import AttentionSpec, BatchMeta, Registry, UnsupportedSpecError, allocate_kv_cache
-from paged_core import _cli
+from paged_core import AttentionSpec, BatchMeta, Registry, UnsupportedSpecError, _cli, allocate_kv_cache
 from paged_flashinfer import backend as fib
 from paged_flashinfer.backend import INSTALL, FlashInferBackend, prepare_plan
 

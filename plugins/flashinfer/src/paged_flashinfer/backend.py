@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from paged_core import (
     Backend,
     BatchMeta,
