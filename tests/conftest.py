@@ -18,6 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton runs on a CPU only under its interpreter, which it reads when kernels are defined:
+# set it here, before any test module imports a Triton backend.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The fixture plugins are installed, not collected: with --doctest-modules pytest would import

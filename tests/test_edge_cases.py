@@ -16,15 +16,9 @@ Shapes are tiny so Triton's CPU interpreter keeps this module well under a minut
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-
-import pytest  # noqa: E402
-from paged_core import (  # noqa: E402
+from paged_core import (
     AttentionSpec,
     BatchMeta,
     BatchMetaError,
