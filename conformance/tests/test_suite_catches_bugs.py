@@ -7,6 +7,7 @@ others (so the check is neither blind nor trigger-happy); the reference must pas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import broken_backends as bb
@@ -169,3 +170,45 @@ def test_unclaimed_spec_is_skipped_with_the_backends_reason(cpu, broken_registry
     with pytest.raises(NotApplicable, match="head_dim 96 is not supported"):
         run(BackendPool(["only-head-dim-64"], registry=broken_registry), "only-head-dim-64",
             "matches_reference", next(c for c in SMALL if c.id == "head_dim_96"), cpu)
+
+
+class OnlyLargeBlocks(bb.Wrapping):
+    """Takes only 64-token blocks and up, the way flash-attn 2 takes only multiples of 256."""
+
+    name = "only-large-blocks"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, block_sizes=frozenset({64, 128}))
+
+
+class LargeBlocksWindowIgnored(OnlyLargeBlocks):
+    name = "large-blocks-window-ignored"
+
+    def attend(self, q, cache, meta, **kw):
+        return super().attend(q, cache, meta, **{**kw, "window": 0})
+
+
+def test_a_backend_of_larger_blocks_runs_the_cases_at_its_block_size(cpu, broken_registry):
+    """Cases not about the block size run at the smallest block size the backend takes, so its
+    windows, padding, mixed batches... are checked; the report says at which block size."""
+    for cls in (OnlyLargeBlocks, LargeBlocksWindowIgnored):
+        broken_registry.add_plugin(bb.BackendsPlugin(cls), name=cls.name)
+    matrix = runner.run(["only-large-blocks", "large-blocks-window-ignored"], registry=broken_registry,
+                        case_filter=["sliding_window", "padding_rows", "block_size", "shared_prefix"],
+                        progress=False)
+    good = matrix.cell("only-large-blocks", "sliding_window")
+    assert good.status == "pass"
+    assert all(o.message.startswith("at block_size 64 ") for o in good.outcomes if o.status == "pass")
+    assert matrix.cell("only-large-blocks", "padding_rows").status == "pass"
+    # The bug shows at the larger block size too, and the failure says where it ran.
+    bad = matrix.cell("large-blocks-window-ignored", "sliding_window")
+    assert bad.status == "fail"
+    assert "at block_size 64" in next(o.message for o in bad.outcomes if o.status == "fail")
+    # A case about its block size, or one with a prefix counted in blocks, is not moved.
+    assert matrix.cell("only-large-blocks", "block_size_16").status == "skip"
+    assert matrix.cell("only-large-blocks", "block_size_64").status == "pass"
+    assert matrix.cell("only-large-blocks", "shared_prefix").status == "skip"
+    assert "| `sliding_window` | pass (block 64) |" in matrix.to_markdown()
+
+
+def test_random_batches_draw_a_block_size_the_backend_takes(cpu):
+    result = check_random_batches(OnlyLargeBlocks(), cpu, "small", max_examples=3)
+    assert result.max_error is not None and result.max_error < 1e-2

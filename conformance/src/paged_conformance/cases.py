@@ -76,6 +76,10 @@ class Case:
     num_kv_heads: int
     head_dim: int
     block_size: int = 16
+    #: The case is about its block size: a backend that cannot take it skips it. Otherwise a
+    #: backend that takes only larger blocks (flash-attn 2: multiples of 256) runs the case at its
+    #: smallest accepted block size, and the report says so.
+    block_size_fixed: bool = False
     #: The model dtype of q, K, V and the output.
     dtype: torch.dtype = torch.float16
     #: The cache storage: "auto" (the model dtype), "int8" or "fp8" codes with float32 scales.
@@ -249,6 +253,7 @@ class Row:
     group: int = 4
     head_dim: int | None = None  # None: the size's default
     block_size: int = 16
+    block_size_fixed: bool = False
     dtype: torch.dtype = torch.float16
     kv_dtype: str = "auto"
     window: bool = False
@@ -269,6 +274,7 @@ class Row:
             num_kv_heads=num_kv_heads,
             head_dim=self.head_dim or DEFAULT_HEAD_DIM[size],
             block_size=self.block_size,
+            block_size_fixed=self.block_size_fixed,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             window=WINDOW[size] if self.window else 0,
@@ -299,7 +305,8 @@ TABLE: tuple[Row, ...] = (
     Row("softcap", "mixed", "logit soft-capping", softcap=True),
     Row("sinks", "mixed", "per-head attention sinks", sinks=True),
     *(Row(f"head_dim_{d}", "mixed", f"head_dim {d}", head_dim=d) for d in (64, 96, 128, 256)),
-    *(Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b) for b in (16, 32, 64, 256)),
+    *(Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b,
+          block_size_fixed=True) for b in (16, 32, 64, 256)),
     Row("kv_int8", "mixed", "int8 cache with per-token, per-head scales", kv_dtype="int8"),
     Row("kv_fp8", "mixed", "fp8 (E4M3) cache with per-token, per-head scales", kv_dtype="fp8"),
     Row("kv_int8-decode_only", "decode", "int8 cache, decode only", kv_dtype="int8"),

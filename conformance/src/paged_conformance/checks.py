@@ -39,6 +39,7 @@ from paged_core import Q_MAX, Backend, Capabilities, KVCache, dequantize_kv
 
 from .backends import BackendPool
 from .cases import Case
+from .report import REBASED_NOTE
 from .tolerances import (
     QUANTIZED_VS_FULL_PRECISION,
     ConformanceFailure,
@@ -324,7 +325,8 @@ def random_cases(caps: Capabilities, size: str):
 
     groups = _menu(caps, (1, 2, 3, 4), caps.group_sizes)
     head_dims = _menu(caps, (64, 96, 128) if size == "small" else (64, 128, 256), caps.head_dims)
-    block_sizes = _menu(caps, (16, 32, 64), caps.block_sizes)
+    block_sizes = [b for b in (16, 32, 64) if caps.accepts_block_size(b)] or [
+        b for b in _LARGER_BLOCK_SIZES if caps.accepts_block_size(b)][:1] or sorted(caps.block_sizes or ())[:2]
     dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in caps.dtypes]
     kv_dtypes = [k for k in ("auto", "int8", "fp8") if k in caps.kv_dtypes]
     kinds = ["decode", "padding"]
@@ -444,8 +446,8 @@ def check_random_batches(backend: Backend, device: torch.device, size: str = "sm
     from hypothesis import HealthCheck, Phase, assume, given, settings
 
     strategy, (groups, head_dims, block_sizes, dtypes, kv_dtypes) = random_cases(backend.capabilities, size)
-    if not dtypes or not kv_dtypes:
-        raise NotApplicable(["declares no dtype or cache format the suite draws from"])
+    if not dtypes or not kv_dtypes or not block_sizes:
+        raise NotApplicable(["declares no dtype, cache format or block size the suite draws from"])
     # The simplest drawable case: if the backend refuses it (e.g. it cannot run on this device),
     # every draw would be refused too; skip with its reasons instead.
     baseline = Case(id="random_batches", query_lens=(1,), seq_lens=(1,), num_heads=groups[0],
@@ -527,7 +529,40 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
     backend = pool.get(backend_name, case.options if case is not None else ())
     if case is None:
         return check_random_batches(backend, device, size)
-    spec_reasons = backend.reasons(case.spec(device)) or CHECKS[check].reasons(backend, case, device)
+    spec_reasons = _case_reasons(backend, check, case, device)
     if spec_reasons:
-        raise NotApplicable(spec_reasons)
+        rebased = _at_accepted_block_size(backend, check, case, device)
+        if rebased is None:
+            raise NotApplicable(spec_reasons)
+        note = f"{REBASED_NOTE}{rebased.block_size} ({backend.name} does not take blocks of {case.block_size})"
+        try:
+            result = CHECKS[check].func(backend, rebased, device)
+        except ConformanceFailure as exc:
+            raise ConformanceFailure(f"{exc} [{note}]", max_error=exc.max_error, tolerance=exc.tolerance) from exc
+        return dataclasses.replace(result, note="; ".join(x for x in (note, result.note) if x))
     return CHECKS[check].func(backend, case, device)
+
+
+def _case_reasons(backend: Backend, check: str, case: Case, device: torch.device) -> list[str]:
+    return backend.reasons(case.spec(device)) or CHECKS[check].reasons(backend, case, device)
+
+
+def _at_accepted_block_size(backend: Backend, check: str, case: Case, device: torch.device) -> Case | None:
+    """``case`` at the smallest larger block size the backend takes, if that is all that kept it out.
+
+    A case that is not about its block size (``block_size_fixed``) or shared blocks (whose prefix is
+    counted in blocks) still tests what it is about at another block size: flash-attn 2, whose
+    paged path needs multiples of 256, then runs the windows, soft-caps, mixed batches ... too.
+    """
+    if case.block_size_fixed or case.shared_prefix_blocks:
+        return None
+    caps = backend.capabilities
+    size = next((b for b in _LARGER_BLOCK_SIZES if b > case.block_size and caps.accepts_block_size(b)), None)
+    if size is None:
+        return None
+    rebased = dataclasses.replace(case, block_size=size)
+    return None if _case_reasons(backend, check, rebased, device) else rebased
+
+
+#: The block sizes a case may be moved to (powers of two; the cases' contexts are a few thousand).
+_LARGER_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)

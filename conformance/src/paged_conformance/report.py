@@ -17,6 +17,17 @@ from typing import Any
 __all__ = ["Outcome", "Cell", "Matrix", "report_paths"]
 
 PASS, SKIP, FAIL = "pass", "skip", "fail"
+#: How a passed check's note starts when the case ran at a larger block size than the table's
+#: (a backend that takes only larger blocks; see ``Case.block_size_fixed``).
+REBASED_NOTE = "at block_size "
+
+
+def _rebased_block_size(outcomes: list[Outcome]) -> str:
+    """The block size a cell's checks ran at, if not the case's own; else ""."""
+    for o in outcomes:
+        if o.status == PASS and o.message.startswith(REBASED_NOTE):
+            return o.message[len(REBASED_NOTE):].split()[0]
+    return ""
 
 
 @dataclasses.dataclass
@@ -152,7 +163,8 @@ class Matrix:
         if cell is None:
             return "-"
         if cell.status == PASS:
-            return "pass"
+            block = _rebased_block_size(cell.outcomes)
+            return f"pass (block {block})" if block else "pass"
         n = notes[(backend, case)]
         if cell.status == SKIP:
             return f"skip [{n}]"
@@ -167,7 +179,8 @@ class Matrix:
             "",
             f"Size **{self.size}** on **{self.device}**: {c[PASS]} passed, {c[FAIL]} failed, "
             f"{c[SKIP]} skipped (backend × case). Every backend is compared with the float64 "
-            "reference; a cell is skipped only for the backend's own reason.",
+            "reference; a cell is skipped only for the backend's own reason. \"pass (block N)\": "
+            "the case ran at N-token blocks, the smallest the backend takes.",
             "",
             "| case | " + " | ".join(self.backends) + " |",
             "|---|" + "---|" * len(self.backends),

@@ -129,10 +129,8 @@ class Capabilities:
             out.append(f"device {spec.device_type!r} is not supported (accepted: {_fmt(self.devices)})")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             out.append(f"head_dim {spec.head_dim} is not supported (accepted: {_fmt(self.head_dims)})")
-        if self.block_sizes is not None and spec.block_size not in self.block_sizes:
-            out.append(
-                f"block_size {spec.block_size} is not supported (accepted: {_fmt(self.block_sizes)})"
-            )
+        if not self.accepts_block_size(spec.block_size):
+            out.append(self.block_size_reason(spec.block_size))
         if self.group_sizes is not None and spec.group_size not in self.group_sizes:
             out.append(
                 f"{spec.num_heads // max(spec.num_kv_heads, 1)} query heads per KV head is not "
@@ -158,6 +156,18 @@ class Capabilities:
         if spec.return_lse and not self.returns_lse:
             out.append("returning the log-sum-exp is not supported")
         return out
+
+    def accepts_block_size(self, block_size: int) -> bool:
+        """Whether a cache of ``block_size``-token blocks is accepted (``reasons`` asks this).
+
+        A subclass whose accepted sizes a finite set cannot state (flash-attn 2: any multiple of
+        256) overrides this and :meth:`block_size_reason`.
+        """
+        return self.block_sizes is None or block_size in self.block_sizes
+
+    def block_size_reason(self, block_size: int) -> str:
+        """The sentence ``reasons`` gives for a block size ``accepts_block_size`` refuses."""
+        return f"block_size {block_size} is not supported (accepted: {_fmt(self.block_sizes)})"
 
     def summary(self) -> str:
         """A compact one-line form for ``paged list``."""

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from paged_core import Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
-from paged_core._spec import AttentionSpec
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
@@ -61,16 +60,16 @@ class FlashAttn2Capabilities(Capabilities):
     #: Every accepted block size is a multiple of this.
     block_size_multiple: int = 1
 
-    def reasons(self, spec: AttentionSpec) -> list[str]:
-        out = super().reasons(spec)
+    def accepts_block_size(self, block_size: int) -> bool:
+        return super().accepts_block_size(block_size) and block_size % self.block_size_multiple == 0
+
+    def block_size_reason(self, block_size: int) -> str:
         m = self.block_size_multiple
-        if spec.block_size % m:
-            out.append(
-                f"block_size {spec.block_size} is not supported: flash-attn 2's paged KV path needs "
-                f"block_size % {m} == 0 (accepted: {m}, {2 * m}, ...); allocate the cache with "
-                f"{m}-token blocks, or keep 16-token blocks and run through paged_flash_attn2.bridge"
-            )
-        return out
+        return (
+            f"block_size {block_size} is not supported: flash-attn 2's paged KV path needs "
+            f"block_size % {m} == 0 (accepted: {m}, {2 * m}, ...); allocate the cache with "
+            f"{m}-token blocks, or keep 16-token blocks and run through paged_flash_attn2.bridge"
+        )
 
     def summary(self) -> str:
         text = super().summary().replace("block any", f"block multiple of {self.block_size_multiple}")
