@@ -4,6 +4,7 @@
 #   source scripts/gpu_install.sh
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/paged-out}; mkdir -p "$OUT"; export OUT
+if [ -z "${PAGED_GPU_INSTALLED:-}" ]; then  # once per call, also when sourced twice
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -15,3 +16,5 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps -e core -e conformance \
   -e plugins/triton-unified -e plugins/triton-splitkv -e plugins/flashinfer -e plugins/flash-attn2
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+export PAGED_GPU_INSTALLED=1
+fi

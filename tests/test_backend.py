@@ -300,3 +300,18 @@ def test_attention_spec_refuses_non_positive_sizes(field):
     kw[field] = 0
     with pytest.raises(InputError, match=f"AttentionSpec.{field} is 0; accepted: a positive int"):
         AttentionSpec(**kw)
+
+
+def test_validation_is_skipped_while_a_cuda_graph_is_captured(monkeypatch, validate_calls):
+    """validate() copies to the host, which CUDA-graph capture forbids: an engine capturing with
+    PAGED_VALIDATE=1 must get its graph (the eager warm-up call before capture validated)."""
+    q, cache, meta = setup()
+    backend = ReferenceBackend(validate=True)
+    backend.forward(q, cache, meta)
+    backend.write(cache, q[:, :2], q[:, :2], meta)
+    assert len(validate_calls) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    backend.forward(q, cache, meta)
+    backend.write(cache, q[:, :2], q[:, :2], meta)
+    assert len(validate_calls) == 2

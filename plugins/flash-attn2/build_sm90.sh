@@ -8,9 +8,16 @@
 #   python plugins/flash-attn2/tests/smoke_flash_attn2_gpu.py [--bench]
 #
 # Knobs (environment):
-#   FA_HEAD_DIMS="128"        head-dim kernels to compile, from 32 64 96 128 192 256; a head dim d runs
-#                             on the smallest compiled kernel >= d (so 128 alone serves 8..128, with
-#                             masked loads below 128). Conformance's head dims need "64 96 128 256".
+#   FA_HEAD_DIMS="64 96 128 256"  head-dim kernels to compile, from 32 64 96 128 192 256. A head dim d
+#                             runs on flash-attn's own kernel for it (the next of those sizes >= d),
+#                             as in a full build; a d whose kernel is not compiled is a clear error.
+#                             (Running d on a *larger* compiled kernel is wrong: the split-KV combine
+#                             kernel lays out its accumulator rows as kHeadDim wide while flash_api
+#                             allocates them round_multiple(d, 32) wide -- src/flash_fwd_kernel.h,
+#                             row_offset_oaccum / Stride<Int<kHeadDim>, _1> -- so any call with
+#                             num_splits > 1 mixed rows up; seen on the H200 as wrong outputs for
+#                             d = 64 on a 128 kernel, single requests only.) Default: what the
+#                             conformance suite's head dims need.
 #   FA_DTYPES="bf16 fp16"     element types to compile.
 #   MAX_JOBS=<cores>          parallel nvcc jobs (each needs ~3-6 GiB; ninja runs them).
 #   FA_FULL=1                 no pruning: every kernel file of the sdist (72 files), for comparison.
@@ -32,7 +39,7 @@
 #   run_mha_bwd_), so dropping their files would leave undefined symbols (ImportError on load);
 #   instead this script patches those two call sites into a clear TORCH_CHECK error, and
 #   HEADDIM_SWITCH / FP16_SWITCH (static_switch.h) down to the compiled head dims / dtypes.
-#   Result: 4 x len(FA_HEAD_DIMS) x len(FA_DTYPES)/2 kernel files + flash_api.cpp (default: 4 + 1).
+#   Result: 4 x len(FA_HEAD_DIMS) x len(FA_DTYPES)/2 kernel files + flash_api.cpp (default: 16 + 1).
 #   Consequence: flash_attn_func / non-paged varlen / backward raise "not in this pruned build".
 # * Compile flags: setup.py's nvcc flags, plus FLASHATTENTION_DISABLE_{ALIBI,DROPOUT,BACKWARD}
 #   (flags setup.py lists, commented out): each disabled BOOL_SWITCH halves the template
@@ -67,7 +74,7 @@ set -euo pipefail
 SDIST=${1:-flash_attn-2.8.3.tar.gz}
 PREFIX=${2:-/tmp/fa2}
 WORK=${FA_WORK:-/tmp/fa2-build}
-FA_HEAD_DIMS=${FA_HEAD_DIMS:-128}
+FA_HEAD_DIMS=${FA_HEAD_DIMS:-64 96 128 256}
 FA_DTYPES=${FA_DTYPES:-bf16 fp16}
 FA_FULL=${FA_FULL:-0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -105,21 +112,23 @@ def replace_once(path, old, new):
 if full:
     files = sorted(str(p) for p in src.glob("flash_*_sm80.cu"))
 else:
-    # HEADDIM_SWITCH: only the compiled head dims; anything larger is a clear error.
+    # HEADDIM_SWITCH: flash-attn's own buckets, the uncompiled ones a clear error (never a larger
+    # kernel: its split-KV accumulator layout assumes kHeadDim == round_multiple(d, 32 or 64)).
     sw = src / "static_switch.h"
     text = sw.read_text()
     start = text.index("#define HEADDIM_SWITCH")
     end = text.index("}()", start) + len("}()")
+    buckets = [32, 64, 96, 128, 192, 256]
+    missing = 'TORCH_CHECK(false, "head dim ", HEADDIM, " is not in this pruned flash-attn build (compiled: ' + \
+        " ".join(map(str, dims)) + ')");'
     branches = "".join(
-        f"    {'if' if i == 0 else '} else if'} (HEADDIM <= {d}) {{                   \\\n"
-        f"      constexpr static int kHeadDim = {d};  \\\n"
-        f"      return __VA_ARGS__();                \\\n"
-        for i, d in enumerate(dims))
-    new = ("#define HEADDIM_SWITCH(HEADDIM, ...)   \\\n  [&] {                                    \\\n"
+        f"    {'if' if i == 0 else '} else if'} (HEADDIM <= {d}) {{ \\\n"
+        + (f"      constexpr static int kHeadDim = {d}; \\\n      return __VA_ARGS__(); \\\n" if d in dims
+           else f"      {missing} \\\n")
+        for i, d in enumerate(buckets))
+    new = ("#define HEADDIM_SWITCH(HEADDIM, ...) \\\n  [&] { \\\n"
            + branches
-           + "    } else {                               \\\n"
-           + f"      TORCH_CHECK(false, \"head dim \", HEADDIM, \" is not in this pruned flash-attn build (compiled: {' '.join(map(str, dims))})\"); \\\n"
-           + "    }                                      \\\n  }()")
+           + f"    }} else {{ \\\n      {missing} \\\n    }} \\\n  }}()")
     sw.write_text(text[:start] + new + text[end:])
     if dtypes != ["bf16", "fp16"] and dtypes != ["fp16", "bf16"]:
         keep_half = dtypes == ["fp16"]

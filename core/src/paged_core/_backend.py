@@ -35,6 +35,15 @@ def validation_enabled(validate: bool | None = None) -> bool:
     return os.environ.get("PAGED_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream.
+
+    The data checks of ``validate`` copy to the host, which capture forbids; they are skipped
+    while capturing and run on the eager warm-up call that capture needs anyway.
+    """
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _device_reasons(spec: AttentionSpec) -> list[str]:
     """A spec for a device this machine does not have cannot be served, whatever is claimed."""
     if spec.device_type == "cuda" and not torch.cuda.is_available():
@@ -116,7 +125,7 @@ class Backend:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
         batch.check_structure()
-        if self.validate:
+        if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
         write_kv(cache, k, v, batch.slot_mapping)
 
@@ -174,7 +183,7 @@ class Backend:
         reasons = self.reasons(spec)
         if reasons:
             raise UnsupportedSpecError(self.name, reasons)
-        if self.validate:
+        if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
         if out is None:
             out = torch.empty_like(q)
