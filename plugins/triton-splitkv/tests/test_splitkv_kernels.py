@@ -447,6 +447,30 @@ def test_cascade_multi_token_queries_reaching_into_the_prefix():
     assert_lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("prefix_splits", [1, 3])
+def test_cascade_prefix_split_along_its_keys(prefix_splits):
+    # A 320-token prefix in ranges of 128 keys (3 splits: 128, 128, 64). Request 1's 40 queries
+    # start at 290, inside the last range; request 2 ends exactly at the prefix; request 3 pads.
+    q_lens, seq_lens = [1, 40, 1, 1, 3], [400, 330, 320, 0, 350]
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case(q_lens, seq_lens, 20, seed=41)
+    out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 20, prefix_splits=prefix_splits)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
+                                       scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, f"cascade, {prefix_splits} prefix splits")
+    assert_lse_close(lse, ref_lse)
+    assert torch.equal(out[42], torch.zeros_like(out[42]))  # the padding request's row
+
+
+def test_cascade_prefix_split_sizes():
+    from paged_triton_splitkv.launch import _prefix_split
+
+    cpu = torch.device("cpu")
+    assert _prefix_split(0, None, row_tiles=4, num_kv_heads=8, device=cpu) == (0, 0)
+    assert _prefix_split(320, 3, row_tiles=1, num_kv_heads=1, device=cpu) == (128, 3)
+    # More splits than 128-key ranges: as many as there are ranges.
+    assert _prefix_split(200, 8, row_tiles=1, num_kv_heads=1, device=cpu) == (128, 2)
+
+
 def test_cascade_refuses_window_and_bad_prefix():
     q, kc, vc, _, _, qsl, sl, bt = cascade_case([1, 1], [40, 50], 2)
     base = dict(query_start_loc=qsl, seq_lens=sl, block_table=bt, max_query_len=1, max_seq_len=50, scale=0.1)
@@ -454,6 +478,8 @@ def test_cascade_refuses_window_and_bad_prefix():
         cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=2, window=8, **base)
     with pytest.raises(ValueError, match="prefix_blocks"):
         cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=99, **base)
+    with pytest.raises(ValueError, match="prefix_splits"):
+        cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=2, prefix_splits=0, **base)
 
 
 def test_shared_prefix_blocks_ignores_padding_rows_and_caps_by_length():

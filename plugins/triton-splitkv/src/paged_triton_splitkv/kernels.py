@@ -438,11 +438,12 @@ def cascade_prefix_kernel(
     block_table_ptr,  # [num_reqs, max_blocks] int32; row 0 supplies the shared prefix blocks
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
-    part_out_ptr,  # [num_tokens, num_q_heads, head_dim] float32 (the prefix slot)
-    part_lse_ptr,  # [num_tokens, num_q_heads] float32 (the prefix slot)
+    part_out_ptr,  # [prefix_splits, num_tokens, num_q_heads, head_dim] float32 (the prefix slots)
+    part_lse_ptr,  # [prefix_splits, num_tokens, num_q_heads] float32 (the prefix slots)
     scale,
     softcap,
     prefix_tokens,  # int, prefix_blocks * block_size
+    keys_per_split,  # int, prefix keys per program along axis 2 (a multiple of every BLOCK_N)
     num_tokens,  # int
     num_reqs,  # int
     search_steps,  # int, ceil(log2(num_reqs)): binary-search steps from token to request
@@ -454,8 +455,8 @@ def cascade_prefix_kernel(
     stride_ksb, stride_kss, stride_ksh,
     stride_vsb, stride_vss, stride_vsh,
     stride_btb,
-    stride_pot, stride_poh, stride_pod,
-    stride_plt, stride_plh,
+    stride_pos, stride_pot, stride_poh, stride_pod,
+    stride_pls, stride_plt, stride_plh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -470,7 +471,9 @@ def cascade_prefix_kernel(
     BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
 ):
     """One program: BLOCK_M consecutive (query token, head-in-group) rows of the whole batch for
-    one KV head, against the shared prefix keys; writes partial output and natural-log LSE."""
+    one KV head, against one split of the shared prefix keys (``keys_per_split`` from
+    ``program_id(2) * keys_per_split``); writes partial output and natural-log LSE to that split's
+    slot (an empty range: -inf and zeros, which the merge ignores)."""
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
@@ -516,8 +519,11 @@ def cascade_prefix_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
+    split = tl.program_id(2)
+    start = split * keys_per_split
     end = tl.minimum(tl.minimum(prefix_tokens, tl.max(pos, 0) + 1), max_blocks * BLOCK_SIZE)
-    for t0 in range(0, end, BLOCK_N):
+    end = tl.minimum(end, start + keys_per_split)
+    for t0 in range(start, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
         blk = tl.load(block_table_ptr + (offs_n // BLOCK_SIZE) * stride_btb, mask=key_in, other=-1)
@@ -535,7 +541,8 @@ def cascade_prefix_kernel(
         )
 
     _store_partial(
-        part_out_ptr, part_lse_ptr, m_i, l_i, acc, token64, head, row_valid, offs_d, d_mask,
+        part_out_ptr + split.to(tl.int64) * stride_pos, part_lse_ptr + split.to(tl.int64) * stride_pls,
+        m_i, l_i, acc, token64, head, row_valid, offs_d, d_mask,
         stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
     )
 

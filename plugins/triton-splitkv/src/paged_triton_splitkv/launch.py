@@ -228,6 +228,38 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
+# The prefix pass of cascade attention splits the shared prefix along its keys when its row
+# tiles alone cannot fill the GPU (64 decodes x 4 heads: 4 tiles x 8 KV heads = 32 programs, each
+# walking 4,000 keys: 0.18 ms on the H200, as slow as not sharing the prefix at all). Ranges are
+# multiples of _PREFIX_KEY_QUANTUM (every BLOCK_N of the prefix configs divides it) and at least
+# _MIN_TOKENS_PER_SPLIT long; the row tiles are counted at the smallest BLOCK_M of the configs.
+_PREFIX_KEY_QUANTUM = 128
+_PREFIX_BLOCK_M_MIN = 64
+
+
+def _prefix_split(prefix_tokens: int, prefix_splits: int | None, *, row_tiles: int, num_kv_heads: int,
+                  device: torch.device) -> tuple[int, int]:
+    """(keys per split, number of splits) for the cascade prefix pass; (0, 0) without a prefix.
+
+    >>> _prefix_split(4000, 3, row_tiles=4, num_kv_heads=8, device=torch.device("cpu"))
+    (1408, 3)
+    >>> _prefix_split(4000, None, row_tiles=4, num_kv_heads=8, device=torch.device("cpu"))
+    (4096, 1)
+    """
+    if prefix_tokens == 0:
+        return 0, 0
+    if prefix_splits is None:
+        prefix_splits = 1
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(index), max(1, row_tiles * num_kv_heads))
+            by_length = max(1, prefix_tokens // _MIN_TOKENS_PER_SPLIT)
+            prefix_splits = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    quantum = _PREFIX_KEY_QUANTUM
+    keys_per_split = triton.cdiv(triton.cdiv(prefix_tokens, prefix_splits), quantum) * quantum
+    return keys_per_split, triton.cdiv(prefix_tokens, keys_per_split)
+
+
 def split_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -555,6 +587,7 @@ def cascade_attention(
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     num_splits: int = 1,
+    prefix_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a batch sharing its first ``prefix_blocks`` blocks.
 
@@ -566,6 +599,11 @@ def cascade_attention(
     ``prefix_blocks * block_size`` on (``num_splits`` splits), and ``merge_states`` combines
     both. Exact for any request: queries lying inside the prefix are masked causally in the
     prefix pass, padding requests (seq_len 0) give exact zeros.
+
+    The prefix pass has only ``ceil(rows / BLOCK_M) x num_kv_heads`` tiles (64 decodes x 4 heads
+    of a group: 4 x 8 = 32), far too few to fill a GPU on their own, so it also splits the
+    prefix keys into ``prefix_splits`` ranges, one program each, merged with the rest
+    (``None``: about two programs per SM, at least 256 keys a split; 1 on a CPU).
 
     Shapes as in ``split_decode_attention``, except q, out ``[num_tokens, ...]`` with
     query_start_loc int32 ``[num_reqs + 1]``. Sliding windows are refused (ValueError).
@@ -587,10 +625,17 @@ def cascade_attention(
         raise _fail("max_seq_len", max_seq_len, "a host int >= 0 (the largest value in seq_lens)")
     if not (isinstance(num_splits, int) and num_splits >= 1):
         raise _fail("num_splits", num_splits, "an int >= 1")
+    if prefix_splits is not None and not (isinstance(prefix_splits, int) and prefix_splits >= 1):
+        raise _fail("prefix_splits", prefix_splits, "None (automatic) or an int >= 1")
     if num_tokens == 0:
         return out
 
-    num_parts = num_splits + (1 if prefix_blocks > 0 else 0)
+    group = num_q_heads // num_kv_heads
+    prefix_tokens = prefix_blocks * block_size
+    keys_per_split, prefix_splits = _prefix_split(
+        prefix_tokens, prefix_splits, row_tiles=triton.cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
+        num_kv_heads=num_kv_heads, device=q.device)
+    num_parts = num_splits + prefix_splits
     part_out = torch.empty((num_parts, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_parts, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
@@ -603,11 +648,12 @@ def cascade_attention(
         tokens_per_split=0, max_query_len=max(max_query_len, 1),
     )
 
-    # Prefix: all query rows of the batch against the shared blocks; the last part.
-    if prefix_blocks > 0:
-        group = num_q_heads // num_kv_heads
-        po, pl = part_out[num_splits], part_lse[num_splits]
-        grid = lambda meta: (triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads)  # noqa: E731
+    # Prefix: all query rows of the batch against the shared blocks, split along the keys; the
+    # last prefix_splits parts.
+    if prefix_splits > 0:
+        po, pl = part_out[num_splits:], part_lse[num_splits:]
+        grid = lambda meta: (  # noqa: E731
+            triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
         cascade_prefix_kernel[grid](
             q_ptr=q,
             block_table_ptr=block_table,
@@ -617,7 +663,8 @@ def cascade_attention(
             part_lse_ptr=pl,
             scale=float(scale),
             softcap=float(softcap),
-            prefix_tokens=prefix_blocks * block_size,
+            prefix_tokens=prefix_tokens,
+            keys_per_split=keys_per_split,
             num_tokens=num_tokens,
             num_reqs=num_reqs,
             search_steps=(num_reqs - 1).bit_length(),
@@ -625,8 +672,8 @@ def cascade_attention(
             max_blocks=max_blocks,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
             stride_btb=block_table.stride(1),
-            stride_pot=po.stride(0), stride_poh=po.stride(1), stride_pod=po.stride(2),
-            stride_plt=pl.stride(0), stride_plh=pl.stride(1),
+            stride_pos=po.stride(0), stride_pot=po.stride(1), stride_poh=po.stride(2), stride_pod=po.stride(3),
+            stride_pls=pl.stride(0), stride_plt=pl.stride(1), stride_plh=pl.stride(2),
             GROUP=group,
             USE_SOFTCAP=softcap > 0.0,
             **kv,
