@@ -144,3 +144,62 @@ def test_backend_without_options_skips_split_cases_with_a_reason(use_registry):
     cell = matrix.cell("reference", "split_3")
     assert cell.status == "skip"
     assert cell.detail == "reference takes no option 'num_splits' (its options: compute_dtype, validate)"
+
+
+def test_paged_check_merge_resumed_runs(use_registry, tmp_path, capsys):
+    """Runs split across machines or interrupted ones merge into one report; for a cell checked
+    in several, the later report wins (a re-run after a fix replaces the failure)."""
+    first, second, merged = tmp_path / "first", tmp_path / "second", tmp_path / "merged"
+    assert paged_main(["check", "--backend", "reference,window-ignored", "--case", "sliding_window",
+                       "--report", str(first)]) == 1
+    assert paged_main(["check", "--backend", "reference", "--case", "first_token", "--case", "sliding_window",
+                       "--report", str(second)]) == 0
+    capsys.readouterr()
+    assert paged_main(["check", "--merge", f"{first}.json", f"{second}.json", "--report", str(merged)]) == 1
+    data = json.loads((tmp_path / "merged.json").read_text())
+    assert {c: v["status"] for c, v in data["matrix"]["reference"].items()} == {
+        "first_token": "pass", "sliding_window": "pass", "sliding_window-decode_only": "pass"}
+    assert data["matrix"]["window-ignored"]["sliding_window"]["status"] == "fail"
+    # The case table's order, not the order the files listed the cases in.
+    assert list(data["matrix"]["reference"]) == ["first_token", "sliding_window", "sliding_window-decode_only"]
+
+    # The later file wins: a passing re-run of the failed cell replaces the failure.
+    fixed = json.loads((tmp_path / "first.json").read_text())
+    for r in fixed["results"]:
+        r["status"], r["message"] = "pass", ""
+    (tmp_path / "fixed.json").write_text(json.dumps(fixed))
+    assert paged_main(["check", "--merge", f"{first}.json", str(tmp_path / "fixed.json"),
+                       "--report", str(merged)]) == 0
+    assert paged_main(["check", "--merge", str(tmp_path / "fixed.json"), f"{first}.json",
+                       "--report", str(merged)]) == 1
+
+
+def test_paged_check_merge_refuses_what_it_cannot_merge(use_registry, tmp_path, capsys):
+    small = tmp_path / "small"
+    assert paged_main(["check", "--backend", "reference", "--case", "first_token", "--report", str(small)]) == 0
+    full = json.loads((tmp_path / "small.json").read_text())
+    full["size"] = "full"
+    (tmp_path / "full.json").write_text(json.dumps(full))
+    (tmp_path / "junk.json").write_text("not json")
+    capsys.readouterr()
+    assert paged_main(["check", "--merge", f"{small}.json", str(tmp_path / "full.json")]) == 2
+    assert "cannot merge runs of different size/device" in capsys.readouterr().err
+    assert paged_main(["check", "--merge", str(tmp_path / "junk.json")]) == 2
+    assert "junk.json is not a readable conformance report" in capsys.readouterr().err
+    assert paged_main(["check", "--merge", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json is not a readable conformance report" in capsys.readouterr().err
+
+
+def test_a_cell_where_not_every_check_ran_says_so(use_registry, tmp_path, capsys):
+    """An interrupted run must not look complete: a cell whose checks did not all run says how
+    many did, also after a merge."""
+    report = tmp_path / "r"
+    assert paged_main(["check", "--backend", "reference", "--case", "first_token", "--report", str(report)]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    n = data["expected_checks"]["first_token"]
+    assert n >= 3 and "first_token  pass\n" in capsys.readouterr().out
+    data["results"] = [r for r in data["results"] if r["check"] != "write_then_read"]  # "interrupted"
+    del data["expected_checks"]  # as in a report from before the field existed
+    (tmp_path / "cut.json").write_text(json.dumps(data))
+    assert paged_main(["check", "--merge", str(tmp_path / "cut.json"), "--report", str(tmp_path / "m")]) == 0
+    assert f"first_token  pass ({n - 1}/{n} checks)" in capsys.readouterr().out

@@ -76,11 +76,12 @@ class _State:
     def matrix(self) -> Matrix:
         if self._matrix is None:
             from .report import Matrix
+            from .runner import expected_checks
 
             pool = self.pool
             self._matrix = Matrix(size=self.size, device=str(self.device),
                                   backends={b: pool.unavailable(b) for b in pool.names},
-                                  problems=pool.problems())
+                                  problems=pool.problems(), expected_checks=expected_checks(self.size))
         return self._matrix
 
 

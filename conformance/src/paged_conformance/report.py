@@ -70,14 +70,57 @@ class Matrix:
     """Outcomes of a run, with the context needed to read them (size, device, backends)."""
 
     def __init__(self, *, size: str, device: str, backends: dict[str, list[str]] | None = None,
-                 problems: list[str] | None = None):
+                 problems: list[str] | None = None, expected_checks: dict[str, int] | None = None):
         self.size = size
         self.device = device
         #: Backend name -> reasons it cannot run here (empty: available), in column order.
         self.backends: dict[str, list[str]] = dict(backends or {})
         self.problems = list(problems or [])
+        #: Case id -> how many checks apply to it, when known: a passing cell where fewer ran
+        #: (an interrupted or filtered run) says "pass (2/4 checks)" instead of looking complete.
+        self.expected_checks: dict[str, int] = dict(expected_checks or {})
         self.outcomes: list[Outcome] = []
         self._case_order: list[str] = []
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Matrix:
+        """A matrix from :meth:`to_json`'s output (a report's ``.json``)."""
+        matrix = cls(size=data["size"], device=data["device"],
+                     backends={n: list(b.get("reasons", [])) for n, b in data.get("backends", {}).items()},
+                     problems=data.get("problems", []), expected_checks=data.get("expected_checks"))
+        fields = {f.name for f in dataclasses.fields(Outcome)}
+        for r in data.get("results", []):
+            matrix.add(Outcome(**{k: v for k, v in r.items() if k in fields}))
+        return matrix
+
+    @classmethod
+    def merged(cls, matrices: list[Matrix], case_order: list[str] | None = None) -> Matrix:
+        """One matrix from runs of the same size and device (shards, or runs resumed after an
+        interruption): for each (backend, case, check) the *last* run's outcome counts, so a
+        re-run after a fix replaces the failure. A backend is available if it was in any run."""
+        if not matrices:
+            raise ValueError("no matrices to merge")
+        kinds = {(m.size, m.device) for m in matrices}
+        if len(kinds) > 1:
+            raise ValueError(f"cannot merge runs of different size/device: {sorted(kinds)}")
+        backends: dict[str, list[str]] = {}
+        for m in matrices:
+            for name, reasons in m.backends.items():
+                backends[name] = [] if not reasons or backends.get(name) == [] else reasons
+        expected: dict[str, int] = {}
+        for m in matrices:
+            expected.update(m.expected_checks)
+        out = cls(size=matrices[0].size, device=matrices[0].device, backends=backends,
+                  problems=list(dict.fromkeys(p for m in matrices for p in m.problems)), expected_checks=expected)
+        latest: dict[tuple[str, str, str], Outcome] = {}
+        for m in matrices:
+            for o in m.outcomes:
+                latest.pop((o.backend, o.case, o.check), None)  # re-insert: the last run's order
+                latest[(o.backend, o.case, o.check)] = o
+        rank = {c: i for i, c in enumerate(case_order or [])}
+        for o in sorted(latest.values(), key=lambda o: rank.get(o.case, len(rank))):
+            out.add(o)
+        return out
 
     def add(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -121,6 +164,7 @@ class Matrix:
             "counts": self.counts(),
             "backends": {n: {"available": not r, "reasons": r} for n, r in self.backends.items()},
             "problems": self.problems,
+            "expected_checks": self.expected_checks,
             "matrix": {
                 b: {c: {"status": cell.status, "detail": cell.detail}
                     for c in self.cases if (cell := self.cell(b, c)) is not None}
@@ -163,8 +207,14 @@ class Matrix:
         if cell is None:
             return "-"
         if cell.status == PASS:
+            notes = []
             block = _rebased_block_size(cell.outcomes)
-            return f"pass (block {block})" if block else "pass"
+            if block:
+                notes.append(f"block {block}")
+            ran, expected = len({o.check for o in cell.outcomes}), self.expected_checks.get(case)
+            if expected and ran < expected:
+                notes.append(f"{ran}/{expected} checks")
+            return f"pass ({', '.join(notes)})" if notes else "pass"
         n = notes[(backend, case)]
         if cell.status == SKIP:
             return f"skip [{n}]"
@@ -180,7 +230,8 @@ class Matrix:
             f"Size **{self.size}** on **{self.device}**: {c[PASS]} passed, {c[FAIL]} failed, "
             f"{c[SKIP]} skipped (backend × case). Every backend is compared with the float64 "
             "reference; a cell is skipped only for the backend's own reason. \"pass (block N)\": "
-            "the case ran at N-token blocks, the smallest the backend takes.",
+            "the case ran at N-token blocks, the smallest the backend takes; \"pass (k/n checks)\": "
+            "only k of the case's n checks ran (an interrupted or filtered run), all of them passed.",
             "",
             "| case | " + " | ".join(self.backends) + " |",
             "|---|" + "---|" * len(self.backends),

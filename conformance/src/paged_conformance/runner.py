@@ -20,11 +20,11 @@ from paged_core import InputError, PagedError, Registry
 from . import checks
 from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
 from .cases import cases as all_cases
-from .cases import default_device, default_size
+from .cases import SIZES, default_device, default_size
 from .report import FAIL, PASS, SKIP, Matrix, Outcome
 from .tolerances import ConformanceFailure
 
-__all__ = ["main", "run"]
+__all__ = ["main", "merge", "run"]
 
 
 def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device, size: str) -> Outcome:
@@ -70,7 +70,8 @@ def run(
             f"no case id contains {' or '.join(map(repr, case_filter))}; case ids: {', '.join(ids)}"
         )
     matrix = Matrix(size=size, device=str(device),
-                    backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems())
+                    backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems(),
+                    expected_checks=expected_checks(size))
     total = len(pool.names) * (len(selected) + with_random)
     done = 0
 
@@ -116,13 +117,43 @@ def run(
     return matrix
 
 
+def expected_checks(size: str) -> dict[str, int]:
+    """Case id -> the number of checks that apply to it (``random_batches``: 1)."""
+    return {**{c.id: len(checks.applicable_checks(c)) for c in all_cases(size)}, checks.RANDOM_BATCHES: 1}
+
+
+def merge(paths: Sequence[str]) -> Matrix:
+    """The reports at ``paths`` (``.json``) as one matrix, in the case table's order."""
+    matrices = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                matrices.append(Matrix.from_json(json.load(f)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"{path} is not a readable conformance report (.json written by paged check "
+                             f"or pytest --paged-report): {type(exc).__name__}: {exc}") from None
+    sizes = {m.size for m in matrices}
+    order = None
+    if len(sizes) == 1 and (size := sizes.pop()) in SIZES:
+        order = [c.id for c in all_cases(size)] + [checks.RANDOM_BATCHES]
+        for m in matrices:
+            m.expected_checks = m.expected_checks or expected_checks(size)
+    try:
+        return Matrix.merged(matrices, case_order=order)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``paged check`` (see ``paged_core._cli``): 0 if nothing failed, else 1."""
     started = time.perf_counter()
     try:
-        matrix = run(getattr(args, "backend", None), size=getattr(args, "size", None),
-                     case_filter=getattr(args, "case", None))
-    except PagedError as exc:  # an unknown backend or case: a usage error, not a failed check
+        if getattr(args, "merge", None):
+            matrix = merge(args.merge)
+        else:
+            matrix = run(getattr(args, "backend", None), size=getattr(args, "size", None),
+                         case_filter=getattr(args, "case", None))
+    except PagedError as exc:  # an unknown backend or case, an unreadable report: a usage error
         print(f"paged check: {exc}", file=sys.stderr)
         return 2
     report = getattr(args, "report", None) or "conformance-report"

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--case", action="append", help="only cases whose id contains this text")
     ck.add_argument("--report", default="conformance-report", help="report path without extension")
     ck.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    ck.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: merge these reports of earlier runs (same size and device; for a "
+                         "(backend, case, check) in several, the later file wins) into --report")
     ck.set_defaults(func=_cmd_check)
 
     from ._bench import add_arguments

@@ -281,12 +281,14 @@ def _attention_configs():
 # and deep pipelines keep enough bytes in flight (H200, decode 64 x 4096 bf16: 128/4w/2st 0.269 ms,
 # 64/2w/2st 0.276, 32/4w/2st 0.293). Prefill tiles (64-128 rows) are compute-bound: more warps
 # for the larger MMA, fewer stages because each stage holds larger K/V tiles.
-# Not (64, 2 warps, 2 stages): on the H200 it won 64 x 4096 by 0.7 % (0.2595 vs 0.2612 ms), but
-# a config is tuned once per shape class, on the first batch, and with 2 warps per program the
-# batches with fewer programs ran 24-41 % slower (32 x 4096: 0.180 vs 0.145 ms; 16 x 8192:
-# 0.297 vs 0.210 ms). An occupancy bucket in the key would let each keep its own config.
+# (64 keys, 2 warps, 2 stages) won 64 x 4096 by 0.7 % (H200: 0.2595 vs 0.2612 ms) and lost
+# 24-41 % on batches with fewer programs (32 x 4096: 0.180 vs 0.145 ms; 16 x 8192: 0.297 vs
+# 0.210 ms) while the key had no notion of occupancy and the first batch's choice served all;
+# taking it out cost fp8 64 x 4096 7 % (0.2643 -> 0.2827 ms). The key now has an occupancy class
+# (programs per SM, see launch.py), so each batch size keeps its own choice.
 _DECODE_CONFIGS = {
     (32, 4, 3),
+    (64, 2, 2),
     (64, 4, 2),
     (64, 4, 3),
     (64, 4, 4),
@@ -350,13 +352,17 @@ def _autotune(fn):
         return fn
     return triton.autotune(
         configs=_attention_configs(),
-        # The tile shape, the cache layout, the KV format and the code path decide the best
-        # config; tensor dtypes are added to the key by the autotuner itself. Request counts and
-        # lengths are not in the key (each new value would re-tune), nor is "decode-only":
-        # BLOCK_Q already separates decode-shaped tiles from prefill tiles, and one config per
-        # tile class keeps a request's result independent of the batch it is in.
+        # The tile shape, the cache layout, the KV format, the code path and how many programs
+        # each SM gets decide the best config; tensor dtypes are added to the key by the
+        # autotuner itself. Request counts and lengths are not in the key (each new value would
+        # re-tune), only the occupancy class (1, 2, 4 or 8+ programs per SM): 2 warps per
+        # program win when every SM has 4 programs and lose a third when it has 1. "Decode-only"
+        # is not either: BLOCK_Q already separates decode-shaped tiles from prefill tiles.
+        # (So a request's result may differ in rounding between batches of different classes:
+        # triton-unified does not claim batch invariance; triton-splitkv's batch_invariant mode
+        # does.)
         key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
-             "QDOT16", "FOLD_SCALE"],
+             "QDOT16", "FOLD_SCALE", "occupancy"],
         prune_configs_by={"early_config_prune": _prune},
     )(fn)
 
@@ -533,7 +539,7 @@ def _tile_program(
 # Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
 # kernel for each combination as batches change; none of them feeds address alignment.
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req", "num_large_tiles"]
+    do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req", "num_large_tiles", "occupancy"]
 )
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
@@ -555,6 +561,7 @@ def unified_attention_kernel(
     max_blocks_per_req,
     num_kv_heads,  # read only if TILING_FUSED (its grid is flat)
     num_large_tiles,  # TILING_FUSED: upper bound on the large tiles; the first programs take them
+    occupancy,  # programs per SM class (1, 2, 4, 8): only the autotune key reads it
     scale,
     softcap,
     window,

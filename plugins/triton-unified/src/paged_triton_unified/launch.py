@@ -92,6 +92,18 @@ def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int,
     return block_q_large
 
 
+def occupancy_class(programs: int, num_sms: int | None) -> int:
+    """The autotune key's occupancy class: programs per SM rounded up to 1, 2, 4 or 8 (8: 8 or
+    more); 1 without a GPU.
+
+    >>> [occupancy_class(n * 8, 132) for n in (16, 32, 64, 128, 256)]  # decode batches, 8 KV heads
+    [1, 2, 4, 8, 8]
+    """
+    if not num_sms:
+        return 1
+    return min(8, _next_power_of_2(-(-programs // num_sms)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """How the launcher tiles a batch.
@@ -448,6 +460,8 @@ def unified_attention(
         launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
 
     q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
+    num_sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else None
     for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
         if grid[0] == 0:
             continue
@@ -472,6 +486,7 @@ def unified_attention(
             max_blocks_per_req=block_table.shape[1],
             num_kv_heads=num_kv_heads,
             num_large_tiles=large_bound,
+            occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
             scale=float(scale),
             softcap=float(softcap) if softcap else 1.0,
             window=window,
