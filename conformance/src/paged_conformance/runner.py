@@ -19,8 +19,8 @@ from paged_core import InputError, PagedError, Registry
 
 from . import checks
 from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
-from .cases import cases as all_cases
 from .cases import SIZES, default_device, default_size
+from .cases import cases as all_cases
 from .report import FAIL, PASS, SKIP, Matrix, Outcome
 from .tolerances import ConformanceFailure
 
