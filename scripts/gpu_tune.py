@@ -234,6 +234,17 @@ def section_prefill() -> None:
     ]:
         report("prefill", f"8x2048 {name} {tag(None, large, bq)}", case,
                unified(case, out, cfg((64, 4, 2), large, bq, **sw)), out, tflops=True)
+    # Run 5 lost 11 % on this batch (1.070 -> 1.187 ms autotuned) when fused launches began to
+    # step 128 keys in their decode branch: does the unused decode branch cost the prefill one
+    # registers? Same large config, decode branch at 64 / 128 keys, and the one-class launch.
+    for name, sw, small in [
+        ("fused, decode branch 64 keys", NEW, (64, 4, 2)),
+        ("fused, decode branch 128 keys", NEW, (128, 4, 2)),
+        ("2 launches (no fused branch)", {**NEW, "fuse_classes": False}, (64, 4, 2)),
+    ]:
+        for large in [(64, 8, 2), (128, 8, 2)]:
+            report("prefill", f"8x2048 {name} {tag(None, large, 32)}", case,
+                   unified(case, out, cfg(small, large, 32, **sw)), out, tflops=True)
     del case
 
 
@@ -287,14 +298,59 @@ def section_split() -> None:
         del case
 
 
+def section_bench_mixed() -> None:
+    """The mixed batch of ``paged bench`` (chunk contexts 1,024 and 3,072: heavier than
+    section_mixed's), so fixed configs compare with the bench's FlashInfer row (0.205 ms)."""
+    g = torch.Generator().manual_seed(0)
+    dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]
+    case = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
+    out = torch.empty_like(case.q)
+    for name, sw, small, large, bq in [
+        ("fused", NEW, (128, 4, 2), (64, 4, 2), 16),
+        ("fused", NEW, (128, 4, 2), (64, 8, 2), 16),
+        ("fused", NEW, (128, 4, 2), (128, 8, 2), 16),
+        ("fused", NEW, (64, 4, 2), (64, 4, 2), 16),
+        ("fused", NEW, (128, 4, 2), (64, 8, 2), 32),
+        ("2 launches", {**NEW, "fuse_classes": False}, (128, 4, 2), (64, 4, 2), 16),
+    ]:
+        report("mixed-b", f"bench batch {name} {tag(small, large, bq)}", case,
+               unified(case, out, cfg(small, large, bq, **sw)), out)
+    del case
+
+
+def section_cascade() -> None:
+    """64 decodes sharing 4,000 tokens (the same blocks) + 100 of their own: the cascade prefix
+    pass with its keys split (auto) or not, against the unified kernel reading the prefix 64 x."""
+    from paged_triton_splitkv.launch import cascade_attention
+
+    n_prefix, n_own, b = (64, 24, 3) if SMOKE else (4000, 100, 64)
+    prefix_blocks = n_prefix // BS
+    case = make_case([1] * b, [n_prefix + n_own] * b, check_reqs=[0, b - 1])
+    table = case.meta.block_table
+    table[:, :prefix_blocks] = table[0, :prefix_blocks]  # every request shares request 0's prefix
+    out = torch.empty_like(case.q)
+    m, c = case.meta, case.cache
+    for name, splits in [("cascade, prefix split auto", None), ("cascade, prefix in 1 pass", 1)]:
+        fn = lambda splits=splits, q=case.q: cascade_attention(  # noqa: E731
+            q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
+            prefix_blocks=prefix_blocks, max_query_len=1, max_seq_len=m.max_seq_len, scale=SCALE,
+            prefix_splits=splits)
+        report("cascade", f"{b}x({n_prefix}+{n_own}) {name}", case, fn, out)
+    report("cascade", f"{b}x({n_prefix}+{n_own}) unified kernel", case,
+           unified(case, out, cfg((128, 4, 2))), out)
+    del case
+
+
 SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
-            "mixed": section_mixed, "split": section_split}
+            "mixed": section_mixed, "split": section_split, "bench-mixed": section_bench_mixed,
+            "cascade": section_cascade}
 
 
 def main(argv: list[str]) -> int:
     device = "CPU interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"# {device} triton {triton.__version__} torch {torch.__version__}", flush=True)
-    chosen = [a for a in argv if a != "--smoke"] or ["quant", "prefill", "mixed", "split", "decode"]
+    chosen = [a for a in argv if a != "--smoke"] or ["cascade", "prefill", "bench-mixed", "quant", "mixed",
+                                                      "split", "decode"]
     for name in chosen:
         SECTIONS[name]()
         torch.cuda.empty_cache()
