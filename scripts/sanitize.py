@@ -217,6 +217,40 @@ def attention_cases(kv_dtype: str, full: bool) -> None:
                      gen=gen, prefix=2, compare=False)
 
 
+def cascade_split_case(kv_dtype: str, meta: BatchMeta, cache: KVCache, prefix: int, *, gen, compare=True):
+    """cascade_attention with its prefix pass split along the keys (3 ranges of 128 keys)."""
+    from paged_triton_splitkv.launch import cascade_attention
+
+    q = torch.randn(meta.num_tokens, HQ, D, generator=gen).to(DTYPE).to(DEV)
+    out = torch.empty_like(q)
+    cascade_attention(q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                      block_table=meta.block_table, prefix_blocks=prefix, max_query_len=meta.max_query_len,
+                      max_seq_len=meta.max_seq_len, scale=D**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                      prefix_splits=3)
+    if not compare:
+        return f"finite={bool(torch.isfinite(out).all())}"
+    want = reference_attention(q, cache, meta, compute_dtype=torch.float64)
+    err = (out.double() - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1e-6)
+    if not err <= TOL * scale:
+        raise AssertionError(f"max |out - reference| = {err:.3g} > {TOL * scale:.3g}")
+    return f"err={err / scale:.1e}"
+
+
+def cascade_split_cases(kv_dtype: str) -> None:
+    gen = torch.Generator().manual_seed(ARGS.seed + 1)
+    cache = exact_cache(kv_dtype, gen)
+    prefix = 24  # 384 tokens: three 128-key ranges; 15 blocks of the pool left for suffixes
+    qlens, slens = [1, 7, 1, 2], [prefix * BS + 40, prefix * BS + 9, prefix * BS - 30, 0]
+    tag = f"cascade-split  kv={kv_dtype:4}"
+    m = make_meta(qlens, slens, gen, prefix_blocks=prefix)
+    run_case(f"{tag} 3 prefix splits", cascade_split_case, kv_dtype, m, cache, prefix, gen=gen)
+    m = make_meta(qlens, slens, gen, prefix_blocks=prefix)
+    m.block_table[0, prefix - 1] = 2**31 - 1  # a bad id in the last prefix range, read for all
+    m.block_table[1, prefix] = -1
+    run_case(f"{tag} bad block ids", cascade_split_case, kv_dtype, m, cache, prefix, gen=gen, compare=False)
+
+
 # ------------------------------------------------------------------------------ write_kv
 def write_case(kv_dtype: str, spill: bool, slots: list[int]):
     nb = 6
@@ -268,6 +302,8 @@ def main() -> int:
     attention_cases("auto", full=True)
     attention_cases("int8", full=False)
     attention_cases("fp8", full=False)
+    cascade_split_cases("auto")
+    cascade_split_cases("int8")
     failed = [r for r in RESULTS if r[1] != "ok"]
     print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} cases ok, {len(failed)} failed, "
           f"{time.perf_counter() - t0:.1f}s")
