@@ -550,8 +550,8 @@ def _case_reasons(backend: Backend, check: str, case: Case, device: torch.device
 def _at_accepted_block_size(backend: Backend, check: str, case: Case, device: torch.device) -> Case | None:
     """``case`` at the smallest larger block size the backend takes, if that is all that kept it out.
 
-    A case that is not about its block size (``block_size_fixed``) or shared blocks (whose prefix is
-    counted in blocks) still tests what it is about at another block size: flash-attn 2, whose
+    A case about its block size (``block_size_fixed``), or with a shared prefix (counted in blocks),
+    is not moved. Any other case tests the same thing at another block size: flash-attn 2, whose
     paged path needs multiples of 256, then runs the windows, soft-caps, mixed batches ... too.
     """
     if case.block_size_fixed or case.shared_prefix_blocks:
