@@ -63,7 +63,9 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "conformance/tests", *session.posargs)
     for p in PLUGINS:
         if (ROOT / "plugins" / p / "tests").exists():
-            session.run("pytest", f"plugins/{p}/tests", *session.posargs)
+            # The plugins' doctests too: their launch heuristics (tile sizes, split counts,
+            # occupancy classes) are specified by example there.
+            session.run("pytest", f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src", *session.posargs)
     # The suite itself, on every installed backend, writing conformance-report.md/.json.
     session.run("pytest", "--pyargs", "paged_conformance", *session.posargs)
 
