@@ -123,3 +123,28 @@ def test_equal_infinities_match():
 @pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
+
+
+def test_random_batches_at_full_size_vary_batches_not_shapes():
+    """On a GPU every new shape is a compile (FlashInfer's JIT: minutes); the table covers shapes.
+    At full size the draws keep one model shape and vary the batch; on the CPU they roam."""
+    from hypothesis import given, settings
+    from paged_conformance.checks import random_cases
+    from paged_core import ReferenceBackend
+
+    caps = ReferenceBackend.capabilities
+    _, (groups, head_dims, block_sizes, dtypes, kv_dtypes) = random_cases(caps, "small")
+    assert len(head_dims) > 1 and len(dtypes) > 1 and len(kv_dtypes) > 1 and len(block_sizes) > 1
+    strategy, menus = random_cases(caps, "full")
+    assert menus == ([1, 4], [128], [16], [torch.bfloat16], ["auto"])
+    seen = set()
+
+    @settings(max_examples=25, derandomize=True, database=None, deadline=None)
+    @given(case=strategy)
+    def draws(case):
+        assert (case.head_dim, case.block_size, case.dtype, case.kv_dtype, case.softcap) == (
+            128, 16, torch.bfloat16, "auto", 0.0)
+        seen.add((len(case.seq_lens), case.query_lens))
+
+    draws()
+    assert len(seen) > 10  # the batches do vary
