@@ -295,8 +295,7 @@ def test_choose_num_splits_on_cpu_is_one():
 
 
 def test_choose_num_splits_targets_two_programs_per_sm(monkeypatch):
-    monkeypatch.setattr(split_launch, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(split_launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
     assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 9  # ceil(264 / 32)
     assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # ceil(264 / 8) = 33, capped
     assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 3
@@ -469,6 +468,19 @@ def test_cascade_prefix_split_sizes():
     assert _prefix_split(320, 3, row_tiles=1, num_kv_heads=1, device=cpu) == (128, 3)
     # More splits than 128-key ranges: as many as there are ranges.
     assert _prefix_split(200, 8, row_tiles=1, num_kv_heads=1, device=cpu) == (128, 2)
+
+
+def test_cascade_prefix_split_count_on_a_gpu(monkeypatch):
+    from paged_triton_splitkv.launch import _prefix_split
+
+    monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    # 64 decodes x 4 heads = 4 row tiles x 8 KV heads = 32 programs: ceil(264 / 32) = 9 wanted,
+    # ranges of ceil(4000 / 9) = 445 -> 512 keys, so 8 splits.
+    assert _prefix_split(4000, None, row_tiles=4, num_kv_heads=8, device=cuda) == (512, 8)
+    # A short prefix keeps at least 256 keys a split; a batch filling the GPU does not split.
+    assert _prefix_split(600, None, row_tiles=4, num_kv_heads=8, device=cuda) == (384, 2)
+    assert _prefix_split(4000, None, row_tiles=64, num_kv_heads=8, device=cuda) == (4096, 1)
 
 
 def test_cascade_refuses_window_and_bad_prefix():

@@ -12,13 +12,13 @@ capturing a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Sequence
 
 import torch
 import triton
+from paged_triton_unified.launch import sm_count
 
 from .kernels import cascade_prefix_kernel, merge_states_kernel, split_kv_attention_kernel
 
@@ -194,11 +194,6 @@ def _kv_args(
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, block_size: int, device: torch.device | str
 ) -> int:
@@ -211,11 +206,9 @@ def choose_num_splits(
     >>> choose_num_splits(4, 8, 32768, 16, "cpu")
     1
     """
-    device = torch.device(device)
-    if device.type != "cuda":
+    sms = sm_count(device)
+    if sms is None:
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _sm_count(index)
     target = _PROGRAMS_PER_SM * sms
     pairs = max(1, num_reqs * num_kv_heads)
     # Split only when the (request, KV head) pairs cannot give every SM a program: on the H200
@@ -250,9 +243,9 @@ def _prefix_split(prefix_tokens: int, prefix_splits: int | None, *, row_tiles: i
         return 0, 0
     if prefix_splits is None:
         prefix_splits = 1
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(index), max(1, row_tiles * num_kv_heads))
+        sms = sm_count(device)
+        if sms is not None:
+            by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * sms, max(1, row_tiles * num_kv_heads))
             by_length = max(1, prefix_tokens // _MIN_TOKENS_PER_SPLIT)
             prefix_splits = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
     quantum = _PREFIX_KEY_QUANTUM

@@ -34,6 +34,7 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
+    "sm_count",
     "unified_attention",
 ]
 
@@ -72,6 +73,18 @@ MIN_LARGE_PROGRAMS_PER_SM = 4
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device | str) -> int | None:
+    """Multiprocessors of a CUDA device (cached; no sync); None for any other device.
+
+    >>> sm_count("cpu") is None
+    True
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
@@ -372,14 +385,14 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_power_of_2(group)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
+    num_sms = sm_count(q.device)
     if config is None:
         config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        if q.is_cuda and max_query_len > config.block_q_small:
+        if num_sms is not None and max_query_len > config.block_q_small:
             # Only the default adapts to the batch: an explicit config is taken as given.
-            index = q.device.index if q.device.index is not None else torch.cuda.current_device()
             config = dataclasses.replace(config, block_q_large=large_tile_tokens(
                 num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
-                group_pad=group_pad, num_sms=_sm_count(index)))
+                group_pad=group_pad, num_sms=num_sms))
     bq_small, bq_large = config.block_q_small, config.block_q_large
     if bq_small * group_pad < 16 or bq_large * group_pad < 16:
         _fail("config", config, f"block_q_small/large of at least {max(1, 16 // group_pad)} (16 tile rows)")
@@ -460,8 +473,6 @@ def unified_attention(
         launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
 
     q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
-    num_sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else None
     for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
         if grid[0] == 0:
             continue
