@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
-from paged_core import Backend, BatchMeta, InputError
-from paged_core._spec import AttentionSpec
-from paged_triton_unified.backend import TritonUnifiedBackend, interpreter_reasons
+from paged_core import BatchMeta, InputError
+from paged_triton_unified.backend import TritonBackend, TritonUnifiedBackend
 from paged_triton_unified.launch import unified_attention
 
 from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
@@ -24,7 +22,7 @@ class SplitKVPlan:
     prefix_blocks: int = 0
 
 
-class TritonSplitKVBackend(Backend):
+class TritonSplitKVBackend(TritonBackend):
     """Decode batches too small to fill the GPU are split along the context (Flash-Decoding):
     each split writes a partial output and its log-sum-exp, a second kernel merges them exactly.
     Every other batch runs the unified kernel, so any batch is served.
@@ -77,15 +75,6 @@ class TritonSplitKVBackend(Backend):
             self.capabilities = dataclasses.replace(
                 self.capabilities, batch_invariant=True, mixed_batches=False
             )
-
-    @classmethod
-    def unavailable(cls) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install 'paged-core[triton]')"]
-        return []
-
-    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
-        return interpreter_reasons(spec)
 
     def plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None) -> SplitKVPlan:
         """Once per step. With ``cascade=True`` and no declared prefix, reads the block table

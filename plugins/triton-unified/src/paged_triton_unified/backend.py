@@ -10,7 +10,7 @@ from paged_core._spec import KV_DTYPES, AttentionSpec
 
 from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, unified_attention
 
-__all__ = ["TritonUnifiedBackend", "interpreter_reasons"]
+__all__ = ["TritonBackend", "TritonUnifiedBackend", "interpreter_reasons"]
 
 # Triton picks interpreter or compiler when a kernel is defined (the import of .launch above),
 # not when it runs: setting TRITON_INTERPRET=1 later ends in "0 active drivers" on a CPU.
@@ -28,7 +28,21 @@ def interpreter_reasons(spec: AttentionSpec) -> list[str]:
     return ["Triton runs on the CPU only under its interpreter: set TRITON_INTERPRET=1 (slow; for tests)"]
 
 
-class TritonUnifiedBackend(Backend):
+class TritonBackend(Backend):
+    """What every Triton backend shares: needs the ``triton`` package, and on the CPU its
+    interpreter (``TRITON_INTERPRET=1`` set before import)."""
+
+    @classmethod
+    def unavailable(cls) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed (pip install 'paged-core[triton]')"]
+        return []
+
+    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
+        return interpreter_reasons(spec)
+
+
+class TritonUnifiedBackend(TritonBackend):
     """One launch per layer for the whole batch: prefill chunks, prompts, decodes, verification.
 
     The GROUP query heads sharing a KV head are packed into the rows of each tile, so every K/V
@@ -52,15 +66,6 @@ class TritonUnifiedBackend(Backend):
         # can change with its neighbours: close, not bitwise. triton-splitkv offers a bitwise mode.
         batch_invariant=False,
     )
-
-    @classmethod
-    def unavailable(cls) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install 'paged-core[triton]')"]
-        return []
-
-    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
-        return interpreter_reasons(spec)
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
         meta = plan
