@@ -15,6 +15,7 @@ Nothing here imports Triton at module import: on a CPU machine ``paged bench`` s
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -104,15 +105,9 @@ def _host_time(fn, device, *, rep_ms: float, max_reps: int = 50) -> float:
 
 
 def host_time_ms(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
-    """Median wall time of ``fn()`` with a device sync on both sides (for host-side planning)."""
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    """Median wall time of ``fn()`` over ``reps`` calls, each synced on both sides (host-side
+    planning)."""
+    return _host_time(fn, device, rep_ms=math.inf, max_reps=reps)
 
 
 # --------------------------------------------------------------------------------------------- ceilings

@@ -240,12 +240,14 @@ def bridge_cache(cache: KVCache, ratio: int = RATIO) -> KVCache:
             f"multiple of {ratio} blocks so that the pool is whole big blocks"
         )
     nb, bs = cache.num_blocks // ratio, cache.block_size * ratio
+    return _regrouped(cache, nb, bs)
+
+
+def _regrouped(cache: KVCache, num_blocks: int, block_size: int) -> KVCache:
+    """The same memory as ``num_blocks`` blocks of ``block_size`` tokens (scales too)."""
     return dataclasses.replace(
         cache,
-        k=_regroup(cache.k, nb, bs),
-        v=_regroup(cache.v, nb, bs),
-        k_scale=_regroup(cache.k_scale, nb, bs),
-        v_scale=_regroup(cache.v_scale, nb, bs),
+        **{name: _regroup(getattr(cache, name), num_blocks, block_size) for name in ("k", "v", "k_scale", "v_scale")},
     )
 
 
@@ -255,10 +257,4 @@ def small_block_view(cache: KVCache, ratio: int = RATIO) -> KVCache:
     if cache.block_size % ratio:
         raise BridgeError(f"block_size {cache.block_size} is not divisible by ratio={ratio}")
     nb, bs = cache.num_blocks * ratio, cache.block_size // ratio
-    return dataclasses.replace(
-        cache,
-        k=_regroup(cache.k, nb, bs),
-        v=_regroup(cache.v, nb, bs),
-        k_scale=_regroup(cache.k_scale, nb, bs),
-        v_scale=_regroup(cache.v_scale, nb, bs),
-    )
+    return _regrouped(cache, nb, bs)
