@@ -209,6 +209,25 @@ def test_a_backend_of_larger_blocks_runs_the_cases_at_its_block_size(cpu, broken
     assert "| `sliding_window` | pass (block 64) |" in matrix.to_markdown()
 
 
+@dataclasses.dataclass(frozen=True)
+class _MultiplesOf256(Capabilities):
+    """A rule no finite set states, as flash-attn 2's (any multiple of 256)."""
+
+    def accepts_block_size(self, block_size: int) -> bool:
+        return block_size % 256 == 0
+
+
+class OnlyMultiplesOf256(bb.Wrapping):
+    name = "only-multiples-of-256"
+    capabilities = _MultiplesOf256(**{f.name: getattr(ReferenceBackend.capabilities, f.name)
+                                      for f in dataclasses.fields(Capabilities)})
+
+
 def test_random_batches_draw_a_block_size_the_backend_takes(cpu):
-    result = check_random_batches(OnlyLargeBlocks(), cpu, "small", max_examples=3)
+    """The draws ask the capabilities (accepts_block_size), not a set the backend cannot state:
+    from the usual 16/32/64 every draw would be refused and the check would not run."""
+    from paged_conformance.checks import random_cases
+
+    assert random_cases(OnlyMultiplesOf256.capabilities, "small")[1][2] == [256]
+    result = check_random_batches(OnlyMultiplesOf256(), cpu, "small", max_examples=3)
     assert result.max_error is not None and result.max_error < 1e-2
