@@ -203,3 +203,16 @@ def test_a_cell_where_not_every_check_ran_says_so(use_registry, tmp_path, capsys
     (tmp_path / "cut.json").write_text(json.dumps(data))
     assert paged_main(["check", "--merge", str(tmp_path / "cut.json"), "--report", str(tmp_path / "m")]) == 0
     assert f"first_token  pass ({n - 1}/{n} checks)" in capsys.readouterr().out
+
+
+def test_reports_from_before_the_block_size_field_still_say_where_a_case_ran():
+    """docs/h200/ holds reports whose rebased cells said their block size only in the note."""
+    from paged_conformance.report import Matrix
+
+    legacy = {"size": "full", "device": "cuda", "backends": {"fa": {"available": True, "reasons": []}},
+              "results": [{"backend": "fa", "case": "softcap", "check": "matches_reference", "status": "pass",
+                           "message": "at block_size 256 (fa does not take blocks of 16)", "max_error": 1e-3,
+                           "seconds": 1.0}]}
+    matrix = Matrix.from_json(legacy)
+    assert matrix.outcomes[0].block_size == 256
+    assert "| `softcap` | pass (block 256) |" in matrix.to_markdown()

@@ -39,7 +39,6 @@ from paged_core import Q_MAX, Backend, Capabilities, KVCache, dequantize_kv
 
 from .backends import BackendPool
 from .cases import Case
-from .report import REBASED_NOTE
 from .tolerances import (
     QUANTIZED_VS_FULL_PRECISION,
     ConformanceFailure,
@@ -82,6 +81,8 @@ class CheckResult:
 
     max_error: float | None = None
     note: str = ""
+    #: The block size the case ran at when it is not the case's own (see ``run``), else None.
+    block_size: int | None = None
 
 
 def _forward(backend: Backend, wl: Workload, cache: KVCache, *, q: torch.Tensor | None = None,
@@ -546,12 +547,13 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
         rebased = _at_accepted_block_size(backend, check, case, device)
         if rebased is None:
             raise NotApplicable(spec_reasons)
-        note = f"{REBASED_NOTE}{rebased.block_size} ({backend.name} does not take blocks of {case.block_size})"
+        note = f"at block_size {rebased.block_size} ({backend.name} does not take blocks of {case.block_size})"
         try:
             result = CHECKS[check].func(backend, rebased, device)
         except ConformanceFailure as exc:
             raise ConformanceFailure(f"{exc} [{note}]", max_error=exc.max_error, tolerance=exc.tolerance) from exc
-        return dataclasses.replace(result, note="; ".join(x for x in (note, result.note) if x))
+        return dataclasses.replace(result, note="; ".join(x for x in (note, result.note) if x),
+                                   block_size=rebased.block_size)
     return CHECKS[check].func(backend, case, device)
 
 

@@ -118,7 +118,7 @@ class Conformance:
             message = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
             self._record(max_error=exc.max_error, message=message)
             pytest.fail(message, pytrace=False)
-        self._record(max_error=result.max_error, note=result.note)
+        self._record(max_error=result.max_error, note=result.note, block_size=result.block_size)
 
     def _record(self, **info: Any) -> None:
         self._item.user_properties.append((_PROPERTY, info))
@@ -209,7 +209,7 @@ class _Recorder:
         else:
             status, message = PASS, info.get("note", "")
         self.state.matrix.add(Outcome(info["backend"], info["case"], info["check"], status, message,
-                                      info.get("max_error"), report.duration))
+                                      info.get("max_error"), report.duration, info.get("block_size")))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         matrix = self.state._matrix

@@ -39,7 +39,8 @@ def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device
     except Exception as exc:  # a crash is a failure of that cell, never of the whole run
         msg = f"[{backend}/{case_id}] {check} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         return Outcome(backend, case_id, check, FAIL, msg, None, time.perf_counter() - start)
-    return Outcome(backend, case_id, check, PASS, result.note, result.max_error, time.perf_counter() - start)
+    return Outcome(backend, case_id, check, PASS, result.note, result.max_error, time.perf_counter() - start,
+                   block_size=result.block_size)
 
 
 def run(
