@@ -568,18 +568,26 @@ def merge_states_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    PARTS_CHUNK: tl.constexpr,  # parts loaded (and summed as a tree) per step; 1: one at a time
 ):
-    """One program: one (token, head); out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s."""
+    """One program: one (token, head); out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s.
+
+    The parts are read PARTS_CHUNK at a time (one round trip to memory for that many parts
+    instead of one each), summed within a chunk, chunks added in order.
+    """
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    offs_p = tl.arange(0, PARTS_CHUNK)
     lse_base = parts_lse_ptr + token * stride_plt + head * stride_plh
-    out_base = parts_out_ptr + token * stride_pot + head * stride_poh + offs_d * stride_pod
+    out_base = parts_out_ptr + token * stride_pot + head * stride_poh
 
     m = tl.full([], float("-inf"), tl.float32)
-    for s in range(num_parts):
-        m = tl.maximum(m, tl.load(lse_base + s * stride_pls))
+    for s in range(0, num_parts, PARTS_CHUNK):
+        part = s + offs_p
+        lse = tl.load(lse_base + part * stride_pls, mask=part < num_parts, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
     empty = m == float("-inf")
     m_all = m
     if HAS_SINKS:
@@ -587,18 +595,22 @@ def merge_states_kernel(
         m_all = tl.maximum(m, sink)
     m_safe = tl.where(empty, 0.0, m_all)
 
-    # Sequential sum in part order (not a tree reduction over a padded vector): trailing empty
-    # parts add exact zeros, so a request's result does not depend on how many splits the batch
-    # launched. That is what makes blocks_per_split mode bit-identical across batches.
+    # The same sum for a request whatever the number of parts its batch launched: the parts
+    # past its own are empty (weight exactly 0, whether in a chunk's tail or in a chunk of
+    # their own), and adding exact zeros changes no bit. That is what makes blocks_per_split
+    # mode bit-identical across batches.
     denom = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for s in range(num_parts):
-        w = tl.exp(tl.load(lse_base + s * stride_pls) - m_safe)
-        o = tl.load(out_base + s * stride_pos, mask=d_mask, other=0.0).to(tl.float32)
-        denom += w
+    for s in range(0, num_parts, PARTS_CHUNK):
+        part = s + offs_p
+        in_range = part < num_parts
+        w = tl.exp(tl.load(lse_base + part * stride_pls, mask=in_range, other=float("-inf")) - m_safe)
+        o = tl.load(out_base + part[:, None] * stride_pos + offs_d[None, :] * stride_pod,
+                    mask=in_range[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        denom += tl.sum(w, 0)
         # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
         # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.
-        acc += tl.where(w != 0.0, w * o, 0.0)
+        acc += tl.sum(tl.where((w != 0.0)[:, None], w[:, None] * o, 0.0), 0)
     if HAS_SINKS:
         # The sink joins the denominator exactly once, here, after all parts.
         denom += tl.exp(sink - m_safe)

@@ -51,6 +51,9 @@ _MAX_SPLITS = 32
 # A single split writes the final output itself (no float32 workspace, no merge launch).
 # False: always write a partial and merge (the previous behaviour; for timing comparisons).
 DIRECT_SINGLE_SPLIT = True
+# Parts the merge reads per step (merge_states_kernel's PARTS_CHUNK): a chunk of parts costs one
+# memory round trip instead of one per part; 1 reads them one at a time.
+MERGE_PARTS_CHUNK = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,6 +521,7 @@ def merge_states(
         HEAD_DIM_PAD=_pow2_at_least(head_dim, 16),
         HAS_SINKS=sinks is not None,
         STORE_LSE=True,  # the kernel can skip it; this API always returns an lse
+        PARTS_CHUNK=MERGE_PARTS_CHUNK,
         # One (token, head) row of <= 256 floats per program: a single warp covers it.
         num_warps=1 if head_dim <= 128 else 2,
     )
