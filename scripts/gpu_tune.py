@@ -159,7 +159,7 @@ def report(section: str, name: str, case: Case, fn, out: torch.Tensor, *, tflops
           flush=True)
 
 
-def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig):
+def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig | None):
     m, c = case.meta, case.cache
     return lambda: unified_attention(
         case.q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
@@ -315,7 +315,26 @@ def section_bench_mixed() -> None:
         ("2 launches", {**NEW, "fuse_classes": False}, (128, 4, 2), (64, 4, 2), 16),
     ]:
         report("mixed-b", f"bench batch {name} {tag(small, large, bq)}", case,
-               unified(case, out, cfg(small, large, bq, **sw)), out)
+               unified(case, out, cfg(small, large, bq, **sw, split_keys=0)), out)
+    # Large tiles cut into key ranges (KV_SPLIT) + the merge launch.
+    for split_keys, large, bq in [(512, (64, 4, 2), 16), (1024, (64, 4, 2), 16), (2048, (64, 4, 2), 16),
+                                  (512, (64, 4, 2), 32), (1024, (64, 4, 2), 32), (1024, (128, 4, 2), 32)]:
+        report("mixed-b", f"bench batch fused, split {split_keys} keys {tag(None, large, bq)}", case,
+               unified(case, out, cfg((128, 4, 2), large, bq, **NEW, split_keys=split_keys)), out)
+    report("mixed-b", "bench batch autotuned (split_keys auto)", case,
+           unified(case, out, None), out)
+    del case
+
+
+def section_chunk() -> None:
+    """Chunked prefill after a long context next to decodes: 512 new tokens after 15,872 cached
+    ones + 32 decodes at 4,096. Without a key split the chunk's 32 x 8 tiles walk 16k keys each."""
+    case = make_case([512] + [1] * 32, [16384] + [4096] * 32, check_reqs=[0, 1, 32])
+    out = torch.empty_like(case.q)
+    for split_keys, bq in [(0, 16), (0, 32), (1024, 16), (2048, 16), (1024, 32), (2048, 32), (4096, 32)]:
+        report("chunk", f"1x512@16k+32x4k split {split_keys} {tag(None, (64, 4, 2), bq)}", case,
+               unified(case, out, cfg((128, 4, 2), (64, 4, 2), bq, **NEW, split_keys=split_keys)), out)
+    report("chunk", "1x512@16k+32x4k autotuned (split_keys auto)", case, unified(case, out, None), out)
     del case
 
 
@@ -331,20 +350,40 @@ def section_cascade() -> None:
     table[:, :prefix_blocks] = table[0, :prefix_blocks]  # every request shares request 0's prefix
     out = torch.empty_like(case.q)
     m, c = case.meta, case.cache
-    for name, splits in [("cascade, prefix split auto", None), ("cascade, prefix in 1 pass", 1)]:
+    for name, splits, chunk in [("cascade, prefix split auto", None, 1), ("cascade, prefix split auto", None, 8),
+                                ("cascade, prefix in 1 pass", 1, 8), ("cascade, 4 prefix splits", 4, 8),
+                                ("cascade, 16 prefix splits", 16, 8), ("cascade, 32 prefix splits", 32, 8)]:
+        split_launch.MERGE_PARTS_CHUNK = chunk
         fn = lambda splits=splits, q=case.q: cascade_attention(  # noqa: E731
             q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
             prefix_blocks=prefix_blocks, max_query_len=1, max_seq_len=m.max_seq_len, scale=SCALE,
             prefix_splits=splits)
-        report("cascade", f"{b}x({n_prefix}+{n_own}) {name}", case, fn, out)
+        report("cascade", f"{b}x({n_prefix}+{n_own}) {name}, merge {chunk} parts/step", case, fn, out)
     report("cascade", f"{b}x({n_prefix}+{n_own}) unified kernel", case,
            unified(case, out, cfg((128, 4, 2))), out)
+    # Its parts alone: the merge of 9 parts (1 suffix + 8 prefix splits), and the suffix pass.
+    from paged_triton_splitkv.launch import merge_states
+
+    parts = torch.randn(9, *case.q.shape, device=DEV)
+    lses = torch.randn(9, *case.q.shape[:2], device=DEV)
+    for chunk in (1, 8):
+        split_launch.MERGE_PARTS_CHUNK = chunk
+        print(f"cascade  | merge_states alone, 9 parts x {tuple(case.q.shape)}, {chunk} parts/step | "
+              f"{graph_ms(lambda: merge_states(parts, lses, out=out)):7.4f} ms", flush=True)
     del case
+    own = make_case([1] * b, [n_own] * b)  # the suffix pass's work: 64 requests x 100 keys
+    own_out = torch.empty_like(own.q)
+    suffix = lambda own=own: split_decode_attention(  # noqa: E731
+        own.q, own.cache.k, own.cache.v, own_out, seq_lens=own.meta.seq_lens, block_table=own.meta.block_table,
+        max_seq_len=n_own, scale=SCALE, num_splits=1)
+    print(f"cascade  | {b}x{n_own} decode alone (the suffix pass's work)            | {graph_ms(suffix):7.4f} ms",
+          flush=True)
+    del own
 
 
 SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
             "mixed": section_mixed, "split": section_split, "bench-mixed": section_bench_mixed,
-            "cascade": section_cascade}
+            "cascade": section_cascade, "chunk": section_chunk}
 
 
 def main(argv: list[str]) -> int:
