@@ -270,61 +270,6 @@ def test_mixed_batch_with_separate_large_config(fuse):
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
 
 
-# Chunks after long contexts next to decodes: each large tile's keys span 1-4 ranges of 128,
-# a tile whose keys fit one range is written directly, a zero-row padding request sits between.
-KEY_SPLIT_BATCH = [(20, 300), (1, 200), (0, 0), (9, 9), (1, 0), (12, 140)]
-
-
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "two-launches"])
-@pytest.mark.parametrize(
-    "options",
-    [
-        pytest.param({}, id="plain"),
-        pytest.param({"window": 150}, id="window"),
-        pytest.param({"softcap": 5.0, "sinks": True}, id="softcap-sinks"),
-    ],
-)
-def test_large_tiles_split_along_keys(fuse, options):
-    """split_keys: large tiles in several key ranges, merged, equal the reference (and sinks
-    join once, windows skip whole ranges, rows with no key stay exact zeros)."""
-    batch = make_batch(KEY_SPLIT_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32)  # fmt: skip
-    options = dict(options)
-    if options.pop("sinks", False):
-        options["sinks"] = torch.linspace(-1.0, 2.0, 4, dtype=torch.float32, device=DEVICE)
-    config = LaunchConfig(block_q_small=8, block_q_large=8, block_n=32, num_warps=4, num_stages=1,
-                          fuse_classes=fuse, split_keys=128)  # fmt: skip
-    assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, **options)
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-def test_large_tiles_split_along_keys_quantized(kv_dtype):
-    batch = make_batch(KEY_SPLIT_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.bfloat16, kv_dtype=kv_dtype)  # fmt: skip
-    config = dataclasses.replace(_config(batch), block_q_large=8, split_keys=128)
-    assert_close_to_reference(batch, torch.bfloat16, scale=0.125, config=config)
-
-
-def test_key_split_survives_an_understated_max_seq_len():
-    """max_seq_len is a host bound the kernel cannot check; if it is too small, the last range
-    program of a tile takes every key left instead of dropping them."""
-    batch = make_batch(KEY_SPLIT_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32)  # fmt: skip
-    batch["max_seq_len"] = 200  # the real one is 300: 2 ranges of 128 planned, 3 needed
-    config = LaunchConfig(block_q_small=8, block_q_large=8, block_n=32, num_warps=4, num_stages=1,
-                          split_keys=128)  # fmt: skip
-    assert_close_to_reference(batch, torch.float32, scale=0.125, config=config)
-
-
-@pytest.mark.parametrize("split_keys", [-128, 100, 1.5])
-def test_split_keys_must_be_a_multiple_of_128(split_keys):
-    batch = make_batch(KEY_SPLIT_BATCH, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32)  # fmt: skip
-    config = LaunchConfig(block_q_small=8, block_q_large=8, split_keys=split_keys)
-    with pytest.raises(ValueError, match="split_keys"):
-        run(batch, scale=0.125, config=config)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_fast_path_edge_ranges(dtype):
     """fp16 dots on codes: q beyond fp16's range (bf16) is shifted by a power of two, and V

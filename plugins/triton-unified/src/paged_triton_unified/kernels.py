@@ -361,59 +361,36 @@ def _autotune(fn):
         # (So a request's result may differ in rounding between batches of different classes:
         # triton-unified does not claim batch invariance; triton-splitkv's batch_invariant mode
         # does.)
-        key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "KV_SPLIT", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
+        key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
              "QDOT16", "FOLD_SCALE", "occupancy"],
         prune_configs_by={"early_config_prune": _prune},
     )(fn)
 
 
 @triton.jit
-def _rows_if(rows, cond):
-    """``rows & cond`` for a scalar ``cond``, broadcast explicitly: the interpreter cannot mask
-    with the result of ``tensor & scalar``."""
-    return rows & ((rows.to(tl.int32) * 0 + cond.to(tl.int32)) != 0)
-
-
-@triton.jit
-def _finish_rows(
-    acc, l_i, m_i,  # a tile's softmax state: m_i in log2 units, acc and l_i relative to it
-    out_ptr, lse_ptr, sinks_ptr, token64, head,
-    rows,  # [BLOCK_M] bool: the rows to write
-    offs_d, d_mask, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+def _tile_program(
+    tile,  # index of this program's tile within its size class
+    kv_head,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
+    num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+    stride_q_t, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
+    KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Normalise and store the rows of a tile (and their natural-log LSE); sinks join here."""
-    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
-    # such rows (padding requests) write zeros and lse = -inf, sinks or not.
-    seen = l_i > 0.0
-    if HAS_SINKS:
-        # The sink joins the denominator only; folding it in at the end is the same softmax as
-        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
-        sink = tl.load(sinks_ptr + head, mask=rows, other=0.0) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        rescale = tl.exp2(m_i - m_fin)
-        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
-        acc = acc * rescale[:, None]
-        m_i = m_fin
-        l_i = tl.where(seen, l_fin, 0.0)
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
-    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=rows[:, None] & d_mask[None, :])
-    if HAS_LSE:
-        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=rows)
+    """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
 
-
-@triton.jit
-def _tile_span(
-    tile, kv_head, query_start_loc_ptr, seq_lens_ptr, tile_end_ptr, num_tokens, num_reqs,
-    max_blocks_per_req, window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    FROM_PLAN: tl.constexpr, USE_WINDOW: tl.constexpr,
-):  # fmt: skip
-    """Where tile ``tile`` of one size class lies: its request, its rows (token, query head,
-    validity, query position) and the range of keys its rows can see."""
+    No early ``return`` here: in a fused launch this runs inside a branch, and a callee with
+    several exits could not be inlined into it. A tile past the batch runs empty loops and
+    masked stores instead.
+    """
     if FROM_PLAN:
         # Find the request owning this tile: the first r with tile_end[r] > tile.
         lo = num_reqs * 0
@@ -449,60 +426,6 @@ def _tile_span(
     row_ok = (q_idx < rows_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
     q_pos = context_len + q_idx  # [BLOCK_M] position of each row's query
 
-
-    # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
-    # without any mask: [full_lo, first_pos].
-    first_pos = context_len + local_tile * BLOCK_Q
-    last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
-    key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
-    key_end = tl.where(tile_ok, key_end, 0)  # no keys for a tile past the batch
-    if USE_WINDOW:
-        lo_key = tl.maximum(first_pos - window + 1, 0)
-        full_lo = tl.maximum(last_pos - window + 1, 0)
-    else:
-        lo_key = first_pos * 0
-        full_lo = first_pos * 0
-    return req, tile_ok, token, head, row_ok, q_pos, seq_len, first_pos, last_pos, key_end, lo_key, full_lo
-
-
-@triton.jit
-def _tile_program(
-    tile,  # index of this program's tile within its size class
-    kv_head,
-    split,  # KV_SPLIT: which of the tile's key splits (0, 1, ...) this program takes
-    num_key_splits,  # KV_SPLIT: programs per tile; the last one takes every key left
-    part_slot,  # KV_SPLIT: this program's slot in part_out/part_lse
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-    part_out_ptr, part_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-    num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window, split_keys,
-    stride_q_t, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-    stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
-    KV_SPLIT: tl.constexpr,  # the tile's keys are cut into split_keys ranges, one program each
-    KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
-
-    KV_SPLIT: this program takes only the keys in ``[s * split_keys, (s + 1) * split_keys)`` for
-    the tile's ``split``-th range s. A tile whose keys fit one range is written directly by its
-    split-0 program; otherwise each program writes a partial (output normalised over its keys,
-    log2-sum-exp) to ``part_slot`` and ``tile_merge_kernel`` combines them.
-
-    No early ``return`` here: in a fused launch this runs inside a branch, and a callee with
-    several exits could not be inlined into it. A tile past the batch runs empty loops and
-    masked stores instead.
-    """
-    (req, tile_ok, token, head, row_ok, q_pos, seq_len, first_pos, last_pos, key_end, lo_key,
-     full_lo) = _tile_span(
-        tile, kv_head, query_start_loc_ptr, seq_lens_ptr, tile_end_ptr, num_tokens, num_reqs,
-        max_blocks_per_req, window, GROUP, GROUP_PAD, BLOCK_SIZE, BLOCK_Q, FROM_PLAN, USE_WINDOW)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     token64 = token.to(tl.int64)
@@ -525,34 +448,25 @@ def _tile_program(
         q = (q.to(tl.float32) * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
         qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
 
-    # Steps are aligned to multiples of BLOCK_N so a row's arithmetic does not depend on which
-    # tile it landed in (batch invariance).
+    # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
+    # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
+    # row's arithmetic does not depend on which tile it landed in (batch invariance).
+    first_pos = context_len + local_tile * BLOCK_Q
+    last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
+    key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
+    key_end = tl.where(tile_ok, key_end, 0)  # no keys for a tile past the batch
+    if USE_WINDOW:
+        lo_key = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+    else:
+        lo_key = first_pos * 0
+        full_lo = first_pos * 0
     start = (lo_key // BLOCK_N) * BLOCK_N
     full_begin = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, key_end // BLOCK_N * BLOCK_N)
     if full_begin >= full_end:
         full_begin = start
         full_end = start
-    # The three loops below walk [b0, b1) masked (the window's leading edge), [b1, b2) unmasked
-    # (the bulk) and [b2, b3) masked (the causal diagonal); a split program walks their
-    # intersection with its key range. split_keys is a multiple of BLOCK_N, so the ranges stay
-    # aligned to the same steps as without splitting.
-    if KV_SPLIT:
-        first_split = lo_key // split_keys
-        # At most num_key_splits ranges (the launcher sizes it from max_seq_len, a host bound a
-        # caller could get wrong): the last program then takes every key left, so no key is lost.
-        num_tile_splits = tl.minimum(tl.cdiv(key_end, split_keys) - first_split, num_key_splits)
-        split_lo = (first_split + split) * split_keys
-        split_hi = tl.where(split == num_key_splits - 1, key_end, split_lo + split_keys)
-        b0 = tl.maximum(start, split_lo)
-        b1 = tl.minimum(tl.maximum(full_begin, split_lo), split_hi)
-        b2 = tl.minimum(tl.maximum(full_end, split_lo), split_hi)
-        b3 = tl.minimum(key_end, split_hi)
-    else:
-        b0 = start
-        b1 = full_begin
-        b2 = full_end
-        b3 = key_end
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -560,7 +474,7 @@ def _tile_program(
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
 
     # Leading window edge, masked.
-    for start_n in range(b0, b1, BLOCK_N):
+    for start_n in range(start, full_begin, BLOCK_N):
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
@@ -573,7 +487,7 @@ def _tile_program(
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     # Bulk of the context: no causal or window mask to compute.
-    for start_n in range(b1, b2, BLOCK_N):
+    for start_n in range(full_begin, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
@@ -586,7 +500,7 @@ def _tile_program(
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     # The causal diagonal, masked.
-    for start_n in range(b2, b3, BLOCK_N):
+    for start_n in range(full_end, key_end, BLOCK_N):
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
@@ -599,31 +513,33 @@ def _tile_program(
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
-    if KV_SPLIT:
-        # A tile with one key range is finished here by its split-0 program; the parts of a
-        # longer one go to tile_merge_kernel: output normalised over this range, and its
-        # log2-sum-exp (-inf and zeros for a range with no visible key). Sinks join there, once.
-        direct = (num_tile_splits <= 1) & (split == 0)
-        _finish_rows(acc, l_i, m_i, out_ptr, lse_ptr, sinks_ptr, token64, head, _rows_if(row_ok, direct),
-                     offs_d, d_mask, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, HAS_SINKS, HAS_LSE)
-        part_ok = _rows_if(row_ok, (num_tile_splits > 1) & (split < num_tile_splits))
-        seen = l_i > 0.0
-        l_safe = tl.where(seen, l_i, 1.0)
-        part_row = part_slot.to(tl.int64) * (BLOCK_Q * GROUP_PAD) + tl.arange(0, BLOCK_Q * GROUP_PAD)
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc / l_safe[:, None],
-                 mask=part_ok[:, None])
-        tl.store(part_lse_ptr + part_row, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=part_ok)
-    else:
-        _finish_rows(acc, l_i, m_i, out_ptr, lse_ptr, sinks_ptr, token64, head, row_ok,
-                     offs_d, d_mask, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, HAS_SINKS, HAS_LSE)
+    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
+    # such rows (padding requests) write zeros and lse = -inf, sinks or not.
+    seen = l_i > 0.0
+    if HAS_SINKS:
+        # The sink joins the denominator only; folding it in at the end is the same softmax as
+        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_fin)
+        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
+        m_i = m_fin
+        l_i = tl.where(seen, l_fin, 0.0)
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
+    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    if HAS_LSE:
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
 
 
 @_autotune
 # Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
 # kernel for each combination as batches change; none of them feeds address alignment.
 @triton.jit(
-    do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req", "num_large_tiles", "occupancy",
-                       "num_key_splits"]
+    do_not_specialize=["num_tokens", "num_reqs", "num_blocks", "max_blocks_per_req", "num_large_tiles", "occupancy"]
 )
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
@@ -634,8 +550,6 @@ def unified_attention_kernel(
     v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
     sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
     lse_ptr,  # float32 [num_tokens, num_q_heads] (written only if HAS_LSE)
-    part_out_ptr,  # float32 [slots, BLOCK_M_LARGE, HEAD_DIM_PAD] (KV_SPLIT only)
-    part_lse_ptr,  # float32 [slots, BLOCK_M_LARGE] (KV_SPLIT only)
     query_start_loc_ptr,  # int32 [num_reqs + 1]
     seq_lens_ptr,  # int32 [num_reqs]
     block_table_ptr,  # int32 [num_reqs, max_blocks_per_req]
@@ -647,12 +561,10 @@ def unified_attention_kernel(
     max_blocks_per_req,
     num_kv_heads,  # read only if TILING_FUSED (its grid is flat)
     num_large_tiles,  # TILING_FUSED: upper bound on the large tiles; the first programs take them
-    num_key_splits,  # KV_SPLIT: programs per large tile (its key ranges); else 1
     occupancy,  # programs per SM class (1, 2, 4, 8): only the autotune key reads it
     scale,
     softcap,
     window,
-    split_keys,  # KV_SPLIT: keys per range, a multiple of every BLOCK_N
     stride_q_t,
     stride_q_h,
     stride_k_b,
@@ -682,7 +594,6 @@ def unified_attention_kernel(
     BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (TILING_FUSED only)
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (TILING_FUSED only)
     TILING: tl.constexpr,  # TILING_PLAN / TILING_DIRECT / TILING_FUSED (see launch.py)
-    KV_SPLIT: tl.constexpr,  # the large tiles' keys are split into ranges (num_key_splits programs)
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
     QDOT16: tl.constexpr,  # quantized cache with 16-bit q: fp16 dots and bit-trick int8 decode
     FOLD_SCALE: tl.constexpr,  # qk_scale folded into the exp2 FFMA (needs scale > 0)
@@ -704,9 +615,6 @@ def unified_attention_kernel(
     the large tiles (heaviest first), the rest the small ones. Both tile shapes are constexpr,
     so each branch compiles its own loop; one launch means the decode tiles fill the SMs that
     the prefill tail leaves idle instead of waiting behind it in a second launch.
-    KV_SPLIT (large tiles only): each large tile gets ``num_key_splits`` consecutive programs,
-    one per range of ``split_keys`` keys, so a long chunk's tiles do not leave the launch waiting
-    on a few programs that walk its whole context; ``tile_merge_kernel`` combines the parts.
     """
     tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
@@ -717,126 +625,45 @@ def unified_attention_kernel(
         pid = tl.program_id(0)
         kv_head = pid % num_kv_heads
         t = pid // num_kv_heads
-        if t < num_large_tiles * num_key_splits:
-            tile = num_large_tiles - 1 - t // num_key_splits
-            split = t % num_key_splits
+        if t < num_large_tiles:
             _tile_program(
-                tile, kv_head, split, num_key_splits, (tile * num_kv_heads + kv_head) * num_key_splits + split,
+                num_large_tiles - 1 - t, kv_head,
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-                part_out_ptr, part_lse_ptr,
                 query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_large_ptr,
-                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window, split_keys,
+                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
                 stride_q_t, stride_q_h,
                 stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
                 stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
                 stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
                 GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q_LARGE, BLOCK_N,
-                True, KV_SPLIT, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
                 UPCAST, DOT_PRECISION,
             )  # fmt: skip
         else:
             _tile_program(
-                t - num_large_tiles * num_key_splits, kv_head, 0, 1, 0,
+                t - num_large_tiles, kv_head,
                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-                part_out_ptr, part_lse_ptr,
                 query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window, split_keys,
+                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
                 stride_q_t, stride_q_h,
                 stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
                 stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
                 stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
                 GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N_SMALL,
-                True, False, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
                 UPCAST, DOT_PRECISION,
             )  # fmt: skip
     else:
-        # Heaviest first: program 0 takes the last tile.
-        t = tl.num_programs(0) - 1 - tl.program_id(0)
-        kv_head = tl.program_id(1)
-        tile = t // num_key_splits
-        split = t % num_key_splits
         _tile_program(
-            tile, kv_head, split, num_key_splits, (tile * num_kv_heads + kv_head) * num_key_splits + split,
+            tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1),
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-            part_out_ptr, part_lse_ptr,
             query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-            num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window, split_keys,
+            num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
             stride_q_t, stride_q_h,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
             stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
             stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
             GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
-            TILING == 0, KV_SPLIT, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
+            TILING == 0, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
             UPCAST, DOT_PRECISION,
         )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "max_blocks_per_req", "num_key_splits"])
-def tile_merge_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], q's dtype
-    lse_ptr,  # float32 [num_tokens, num_q_heads] (written only if HAS_LSE)
-    sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
-    part_out_ptr,  # float32 [slots, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], from the split programs
-    part_lse_ptr,  # float32 [slots, BLOCK_Q * GROUP_PAD], log2 units
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    tile_end_ptr,  # int32 [num_reqs], the large tiles' prefix sums (the attention launch's)
-    num_tokens,
-    num_reqs,
-    max_blocks_per_req,
-    num_kv_heads,
-    num_key_splits,
-    window,
-    split_keys,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_lse_h,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # the large tiles' query tokens
-    USE_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-):
-    """One program per (large tile, KV head): the exact combination of the tile's key-range parts.
-
-    Tiles whose keys fit one range were written by the attention launch and are left alone.
-    The parts are combined in range order (a sequential sum), then finished like an unsplit
-    tile: sinks join the denominator once, rows with no visible key get zeros and lse = -inf.
-    """
-    pid = tl.program_id(0)
-    kv_head = pid % num_kv_heads
-    tile = pid // num_kv_heads
-    (req, tile_ok, token, head, row_ok, q_pos, seq_len, first_pos, last_pos, key_end, lo_key,
-     full_lo) = _tile_span(
-        tile, kv_head, query_start_loc_ptr, seq_lens_ptr, tile_end_ptr, num_tokens, num_reqs,
-        max_blocks_per_req, window, GROUP, GROUP_PAD, BLOCK_SIZE, BLOCK_Q, True, USE_WINDOW)
-    num_tile_splits = tl.minimum(tl.cdiv(key_end, split_keys) - lo_key // split_keys, num_key_splits)
-    rows = _rows_if(row_ok, num_tile_splits > 1)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    part_row = ((tile * num_kv_heads + kv_head) * num_key_splits).to(tl.int64) * (BLOCK_Q * GROUP_PAD) + tl.arange(
-        0, BLOCK_Q * GROUP_PAD)
-
-    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    for s in range(0, num_tile_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + part_row + s * (BLOCK_Q * GROUP_PAD), mask=rows,
-                                  other=float("-inf")))
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for s in range(0, num_tile_splits):
-        rows_s = part_row + s * (BLOCK_Q * GROUP_PAD)
-        w = tl.exp2(tl.load(part_lse_ptr + rows_s, mask=rows, other=float("-inf")) - m_ref)
-        o = tl.load(part_out_ptr + rows_s[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=rows[:, None], other=0.0)
-        l_i += w
-        # A range with no visible key for a row holds zeros and w == 0; the where keeps 0 * x
-        # from mattering whatever the part holds.
-        acc += tl.where((w != 0.0)[:, None], w[:, None] * o, 0.0)
-    _finish_rows(acc, l_i, m, out_ptr, lse_ptr, sinks_ptr, token.to(tl.int64), head, rows,
-                 offs_d, d_mask, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, HAS_SINKS, HAS_LSE)
-

@@ -19,7 +19,6 @@ from .kernels import (
     TILING_DIRECT,
     TILING_FUSED,
     TILING_PLAN,
-    tile_merge_kernel,
     tile_plan_kernel,
     unified_attention_kernel,
 )
@@ -35,7 +34,6 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
-    "key_split_size",
     "sm_count",
     "unified_attention",
 ]
@@ -119,35 +117,6 @@ def occupancy_class(programs: int, num_sms: int | None) -> int:
     return min(8, _next_power_of_2(-(-programs // num_sms)))
 
 
-# Keys per range when the large tiles of a batch are split (KV_SPLIT): a multiple of every
-# BLOCK_N of the search space, so split boundaries fall on loop steps.
-SPLIT_KEYS_QUANTUM = 128
-# The automatic split (see key_split_size): ranges of this many keys ...
-AUTO_SPLIT_KEYS = 1024
-# ... for batches whose large tiles give fewer programs than this many per SM.
-AUTO_SPLIT_MAX_PROGRAMS_PER_SM = 8
-
-
-def key_split_size(*, max_seq_len: int, large_programs: int, num_sms: int | None) -> int:
-    """Keys per range for the large tiles of a batch, 0 for no split (``LaunchConfig.split_keys``
-    None). Splitting pays when a few large tiles walk long contexts while the rest of the launch
-    finishes early (a prefill chunk after a long context, next to decodes); with enough large
-    programs per SM the imbalance evens out and the parts only cost a merge.
-
-    >>> key_split_size(max_seq_len=4096, large_programs=528, num_sms=132)  # a chunk next to decodes
-    1024
-    >>> key_split_size(max_seq_len=2048, large_programs=4096, num_sms=132)  # prefill 8 x 2,048
-    0
-    >>> key_split_size(max_seq_len=4096, large_programs=528, num_sms=None)  # no GPU
-    0
-    """
-    if not num_sms or not AUTO_SPLIT_KEYS or max_seq_len <= 2 * AUTO_SPLIT_KEYS:
-        return 0
-    if large_programs >= AUTO_SPLIT_MAX_PROGRAMS_PER_SM * num_sms:
-        return 0
-    return AUTO_SPLIT_KEYS
-
-
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """How the launcher tiles a batch.
@@ -171,10 +140,6 @@ class LaunchConfig:
       vs 0.306 ms with it, int8 0.301 vs 0.271 ms, so int8 keeps the bf16 path.
     - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
       of a multiply and a subtraction); False: scale every score first.
-
-    ``split_keys``: the large tiles' keys are cut into ranges of this many keys (a multiple of
-    128), one program each, and a second small launch merges the parts of the tiles that had
-    more than one; 0: never split; None (default): :func:`key_split_size` decides per batch.
     """
 
     block_q_small: int
@@ -189,7 +154,6 @@ class LaunchConfig:
     decode_direct: bool = True
     quant_fp16: bool | None = None
     fold_scale: bool = True
-    split_keys: int | None = None
 
 
 def _next_power_of_2(n: int) -> int:
@@ -432,10 +396,6 @@ def unified_attention(
     bq_small, bq_large = config.block_q_small, config.block_q_large
     if bq_small * group_pad < 16 or bq_large * group_pad < 16:
         _fail("config", config, f"block_q_small/large of at least {max(1, 16 // group_pad)} (16 tile rows)")
-    if config.split_keys is not None and not (
-        isinstance(config.split_keys, int) and config.split_keys >= 0 and config.split_keys % SPLIT_KEYS_QUANTUM == 0
-    ):
-        _fail("config.split_keys", config.split_keys, f"None, 0 or a positive multiple of {SPLIT_KEYS_QUANTUM}")
 
     if k_cache.dtype == torch.int8:
         kv_quant = 1
@@ -486,25 +446,6 @@ def unified_attention(
     if tiling == TILING_DIRECT:
         small_bound = num_reqs
 
-    # Large tiles over long contexts may be cut into key ranges (one program each, merged after).
-    split_keys = 0
-    if split:
-        split_keys = config.split_keys
-        if split_keys is None:
-            split_keys = key_split_size(max_seq_len=max_seq_len, large_programs=large_bound * num_kv_heads,
-                                        num_sms=num_sms)
-    num_key_splits = -(-max_seq_len // split_keys) if split_keys else 1
-    kv_split = num_key_splits > 1
-    if kv_split:
-        if config.block_n is not None and split_keys % (config.large_block_n or config.block_n):
-            _fail("config", config, "a large-tile block_n that divides split_keys")
-        part_rows = bq_large * group_pad
-        part_slots = large_bound * num_kv_heads * num_key_splits
-        part_out = torch.empty((part_slots, part_rows, head_dim_pad), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((part_slots, part_rows), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # never read or written (KV_SPLIT is off)
-
     kernel = unified_attention_kernel
     fixed_small = fixed_large = {}
     if config.block_n is not None:
@@ -521,22 +462,21 @@ def unified_attention(
             "num_stages": config.large_num_stages or fixed_small["num_stages"],
         }
 
-    # (grid, BLOCK_Q, fixed config, BLOCK_N_SMALL, whether it holds the large tiles) per launch.
-    large_programs = large_bound * num_key_splits
+    # (grid, tile_end, BLOCK_Q, fixed config, BLOCK_N_SMALL) per launch.
     if tiling == TILING_FUSED:
         block_n_small = config.block_n or FUSED_BLOCK_N_SMALL
-        launches = [((num_kv_heads * (large_programs + small_bound),), bq_small, fixed_large, block_n_small, True)]
+        launches = [((num_kv_heads * (large_bound + small_bound),), bq_small, fixed_large, block_n_small)]
     elif split:
-        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16, False),
-                    ((large_programs, num_kv_heads), bq_large, fixed_large, 16, True)]
+        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16),
+                    ((large_bound, num_kv_heads), bq_large, fixed_large, 16)]
     else:
-        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16, False)]
+        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
 
     q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
-    for grid, block_q, fixed, block_n_small, has_large in launches:
+    for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
         if grid[0] == 0:
             continue
-        large_launch = tiling != TILING_FUSED and has_large
+        large_launch = tiling != TILING_FUSED and i == 1
         kernel[grid](
             q_ptr=q,
             k_cache_ptr=k_cache,
@@ -546,8 +486,6 @@ def unified_attention(
             v_scale_ptr=vs,
             sinks_ptr=sinks if sinks is not None else q,
             lse_ptr=lse if lse is not None else out,
-            part_out_ptr=part_out,
-            part_lse_ptr=part_lse,
             query_start_loc_ptr=query_start_loc,
             seq_lens_ptr=seq_lens,
             block_table_ptr=block_table,
@@ -559,12 +497,10 @@ def unified_attention(
             max_blocks_per_req=block_table.shape[1],
             num_kv_heads=num_kv_heads,
             num_large_tiles=large_bound,
-            num_key_splits=num_key_splits if has_large else 1,
             occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
             scale=float(scale),
             softcap=float(softcap) if softcap else 1.0,
             window=window,
-            split_keys=split_keys or SPLIT_KEYS_QUANTUM,
             stride_q_t=q.stride(0),
             stride_q_h=q.stride(1),
             stride_k_b=k_cache.stride(0),
@@ -594,7 +530,6 @@ def unified_attention(
             BLOCK_Q_LARGE=bq_large,
             BLOCK_N_SMALL=block_n_small,
             TILING=tiling,
-            KV_SPLIT=kv_split and has_large,
             KV_QUANT=kv_quant,
             # fp32 q keeps its own dtype: fp16 operands would round it.
             QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
@@ -609,36 +544,5 @@ def unified_attention(
             # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
             DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
             **fixed,
-        )
-    if kv_split:
-        tile_merge_kernel[(large_bound * num_kv_heads,)](
-            out_ptr=out,
-            lse_ptr=lse if lse is not None else out,
-            sinks_ptr=sinks if sinks is not None else q,
-            part_out_ptr=part_out,
-            part_lse_ptr=part_lse,
-            query_start_loc_ptr=query_start_loc,
-            seq_lens_ptr=seq_lens,
-            tile_end_ptr=tile_end_large,
-            num_tokens=num_tokens,
-            num_reqs=num_reqs,
-            max_blocks_per_req=block_table.shape[1],
-            num_kv_heads=num_kv_heads,
-            num_key_splits=num_key_splits,
-            window=window,
-            split_keys=split_keys,
-            stride_o_t=out.stride(0),
-            stride_o_h=out.stride(1),
-            stride_lse_t=lse_strides[0],
-            stride_lse_h=lse_strides[1],
-            GROUP=group,
-            GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_Q=bq_large,
-            USE_WINDOW=window > 0,
-            HAS_SINKS=sinks is not None,
-            HAS_LSE=lse is not None,
         )
     return out
