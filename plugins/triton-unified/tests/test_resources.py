@@ -1,0 +1,36 @@
+"""scripts/kernel_resources.py: the offline sm_90a compile that reports registers and spills."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_reports_registers_and_shared_memory_per_config():
+    triton = pytest.importorskip("triton")
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton wheel ships no cuobjdump: the offline resource report needs it")
+    # Its own process: the other tests of this directory run Triton's interpreter, which cannot compile.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / "triton-unified" / "src"), env.get("PYTHONPATH", "")])
+    script = ROOT / "scripts" / "kernel_resources.py"
+    run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {}
+    for line in run.stdout.splitlines():
+        m = re.match(r"decode \(direct\)\s+(\d+/\d+/\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)", line)
+        if m:
+            rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]))
+    assert set(rows) == {"32/4/1", "128/4/2"}, run.stdout
+    for regs, spill, smem_kb, ctas in rows.values():
+        assert 16 <= regs <= 255 and spill >= 0 and smem_kb > 0 and ctas >= 1
+    # Four times the keys per step, in two stages, need more shared memory.
+    assert rows["128/4/2"][2] > rows["32/4/1"][2]

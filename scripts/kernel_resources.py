@@ -1,0 +1,122 @@
+"""Registers, spills and shared memory of the triton-unified kernel per config, for sm_90a, offline.
+
+No GPU needed: Triton compiles the kernel to a cubin with its bundled ptxas and cuobjdump reads
+the resource usage. It answers "does this config spill?" before a device call is spent on it:
+    python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
+    python scripts/kernel_resources.py --head-dim 256 --group 8
+    python scripts/kernel_resources.py --tiles prefill --configs 64/8/2,64/8/3
+
+The arguments get the specialisation they get at run time (pointers and strides divisible by
+16; the kernel's do_not_specialize ints nothing), otherwise Triton cannot vectorise the K/V
+loads and the numbers describe a kernel that never runs. The Triton here may not be the one on
+the GPU machine (register allocation moves between versions): compare configs, not absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET")
+
+import triton  # noqa: E402
+from paged_triton_unified import kernels  # noqa: E402
+from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+REGISTERS_PER_SM = 65536
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
+    names = fn.arg_names
+    skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16" if name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr") else (
+                "*i32" if name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "tile_end_ptr",
+                                   "tile_end_large_ptr") else "*fp32")
+        elif name in ("scale", "softcap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        if sig[name] != "constexpr" and name not in skip and (name.endswith("_ptr") or name.startswith("stride")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int) -> dict:
+    fn = kernels.unified_attention_kernel
+    fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
+    constexprs = {k: v for k, v in {**constexprs, "BLOCK_N": block_n}.items() if k in fn.arg_names}
+    sig, attrs = _signature(fn, constexprs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage)[1])
+    stack = int(re.search(r"STACK:(\d+)", usage)[1])
+    return {"regs": regs, "spill": stack, "smem": kernel.metadata.shared,
+            "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
+    ap.add_argument("--tiles", default="decode,prefill,fused", help="which of decode,prefill,fused")
+    ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
+    args = ap.parse_args()
+    only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
+    group_pad = 1 << max(0, args.group - 1).bit_length()
+    head_dim_pad = max(16, 1 << max(0, args.head_dim - 1).bit_length())
+    base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
+                BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
+                KV_QUANT=0, QDOT16=False, FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
+                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
+    tiles = {
+        "decode": ("decode (direct)", {"TILING": kernels.TILING_DIRECT}, kernels._DECODE_CONFIGS),
+        "prefill": (f"prefill ({args.block_q_large * group_pad} rows)",
+                    {"TILING": kernels.TILING_PLAN, "BLOCK_Q": args.block_q_large}, kernels._PREFILL_CONFIGS),
+        "fused": ("fused (both classes)", {"TILING": kernels.TILING_FUSED}, kernels._PREFILL_CONFIGS),
+    }
+    unknown = set(args.tiles.split(",")) - set(tiles)
+    if unknown:
+        ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")
+    print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
+          f"block {args.block_size}, bf16")
+    print(f"{'tile':24s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s}")
+    for key in args.tiles.split(","):
+        name, spec, configs = tiles[key]
+        for block_n, warps, stages in sorted(only or configs):
+            try:
+                r = resources({**base, **spec}, block_n, warps, stages)
+            except Exception as exc:  # out of shared memory and the like: say so, go on
+                print(f"{name:24s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
+                      f"{(str(exc).splitlines() or [''])[0][:80]}")
+                continue
+            flag = "  SPILLS" if r["spill"] else ""
+            print(f"{name:24s} {f'{block_n}/{warps}/{stages}':>20s} {r['regs']:5d} {r['spill']:8d} "
+                  f"{r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d}{flag}")
+
+
+if __name__ == "__main__":
+    main()
