@@ -45,6 +45,8 @@ T0 = time.time()
 # The previous behaviour of every switch (LaunchConfig code paths).
 OLD = {"fuse_classes": False, "decode_direct": False, "quant_fp16": False, "fold_scale": False}
 NEW = {"fuse_classes": True, "decode_direct": True, "quant_fp16": True, "fold_scale": True}
+# Switches not yet timed, on top of NEW.
+PREFETCH = {**NEW, "prefetch_block_ids": True}
 
 
 def graph_ms(fn) -> float:
@@ -198,6 +200,9 @@ def section_decode() -> None:
         ("new", NEW, (64, 2, 2)),
         ("new", NEW, (64, 4, 3)),
         ("new", NEW, (128, 4, 3)),
+        ("prefetched block ids", PREFETCH, (128, 4, 2)),
+        ("prefetched block ids", PREFETCH, (128, 4, 3)),
+        ("prefetched block ids", PREFETCH, (64, 4, 3)),
     ]:
         fn = unified(case, out, cfg(small, **sw))
         report("decode", f"64x4096 bf16 {name} {tag(small)}", case, fn, out)
@@ -235,6 +240,11 @@ def section_prefill() -> None:
     ]:
         report("prefill", f"8x2048 {name} {tag(None, large, bq)}", case,
                unified(case, out, cfg((64, 4, 2), large, bq, **sw)), out, tflops=True)
+    # The next step's block ids loaded a step ahead: the pipeliner can then buffer the gathered
+    # K/V num_stages deep (offline compile: 128 KB of shared memory at 3 stages instead of 96).
+    for large in [(64, 8, 2), (64, 8, 3), (64, 8, 4), (32, 8, 3)]:
+        report("prefill", f"8x2048 prefetched block ids {tag(None, large, 32)}", case,
+               unified(case, out, cfg((64, 4, 2), large, 32, **PREFETCH)), out, tflops=True)
     # Run 5 lost 11 % on this batch (1.070 -> 1.187 ms autotuned) when fused launches began to
     # step 128 keys in their decode branch: does the unused decode branch cost the prefill one
     # registers? Same large config, decode branch at 64 / 128 keys, and the one-class launch.
@@ -316,6 +326,9 @@ def section_bench_mixed() -> None:
     ]:
         report("mixed-b", f"bench batch {name} {tag(small, large, bq)}", case,
                unified(case, out, cfg(small, large, bq, **sw)), out)
+    for large in [(64, 4, 2), (64, 4, 3), (64, 8, 3)]:
+        report("mixed-b", f"bench batch fused, prefetched block ids {tag((128, 4, 2), large, 16)}", case,
+               unified(case, out, cfg((128, 4, 2), large, 16, **PREFETCH)), out)
     report("mixed-b", "bench batch autotuned", case, unified(case, out, None), out)
     del case
 
@@ -384,8 +397,8 @@ SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section
 def main(argv: list[str]) -> int:
     device = "CPU interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"# {device} triton {triton.__version__} torch {torch.__version__}", flush=True)
-    chosen = [a for a in argv if a != "--smoke"] or ["cascade", "prefill", "bench-mixed", "quant", "mixed",
-                                                      "split", "decode"]
+    chosen = [a for a in argv if a != "--smoke"] or ["prefill", "bench-mixed", "decode", "cascade", "quant", "mixed",
+                                                      "split", "chunk"]
     for name in chosen:
         SECTIONS[name]()
         torch.cuda.empty_cache()

@@ -36,6 +36,9 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 
 def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
     names = fn.arg_names
+    missing = [names[i] for i in fn.constexprs if names[i] not in constexprs]
+    if missing:
+        raise SystemExit(f"kernel_resources.py does not set the kernel's constexprs {missing}: add them to `base`")
     skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
     ap.add_argument("--tiles", default="decode,prefill,fused", help="which of decode,prefill,fused")
+    ap.add_argument("--prefetch-block-ids", action="store_true", help="LaunchConfig.prefetch_block_ids")
     ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
     args = ap.parse_args()
     only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
@@ -91,7 +95,8 @@ def main() -> None:
                 BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
                 BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
                 KV_QUANT=0, QDOT16=False, FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
-                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
+                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32",
+                PREFETCH_IDS=args.prefetch_block_ids)
     tiles = {
         "decode": ("decode (direct)", {"TILING": kernels.TILING_DIRECT}, kernels._DECODE_CONFIGS),
         "prefill": (f"prefill ({args.block_q_large * group_pad} rows)",
@@ -102,7 +107,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
-          f"block {args.block_size}, bf16")
+          f"block {args.block_size}, bf16{', block ids prefetched' if args.prefetch_block_ids else ''}")
     print(f"{'tile':24s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s}")
     for key in args.tiles.split(","):
         name, spec, configs = tiles[key]

@@ -260,6 +260,25 @@ def test_old_code_paths(kv_dtype):
     assert_close_to_reference(decode, torch.bfloat16, scale=0.125, config=_config(decode, **OLD_PATHS))
 
 
+@pytest.mark.parametrize(
+    ("block_size", "block_n", "kv_dtype"),
+    [
+        pytest.param(16, 32, None, id="step-spans-2-blocks"),
+        pytest.param(64, 16, None, id="4-steps-per-block"),
+        pytest.param(16, 32, torch.int8, id="int8"),
+    ],
+)
+def test_prefetched_block_ids(block_size, block_n, kv_dtype):
+    """prefetch_block_ids: each step uses the ids loaded by the step before (every loop, windows
+    that start mid-table, steps smaller and larger than a block) and the result is unchanged."""
+    batch = make_batch(MIXED + [(1, 0)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
+                       dtype=torch.bfloat16, kv_dtype=kv_dtype)  # fmt: skip
+    sinks = torch.linspace(-1.0, 1.0, 4, dtype=torch.float32, device=DEVICE)
+    config = dataclasses.replace(_config(batch), block_q_large=8, block_n=block_n, prefetch_block_ids=True)
+    for window in (0, 37):
+        assert_close_to_reference(batch, torch.bfloat16, scale=0.125, config=config, window=window, sinks=sinks)
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "two-launches"])
 def test_mixed_batch_with_separate_large_config(fuse):
     # Several large and small tiles per class, different key steps per class, padding requests.

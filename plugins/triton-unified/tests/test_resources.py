@@ -24,6 +24,11 @@ def test_reports_registers_and_shared_memory_per_config():
     run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    prefetched = subprocess.run([sys.executable, str(script), "--tiles", "prefill", "--configs", "64/8/3",
+                                 "--prefetch-block-ids"], capture_output=True, text=True, env=env, timeout=600)
+    plain = subprocess.run([sys.executable, str(script), "--tiles", "prefill", "--configs", "64/8/3"],
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
     rows = {}
     for line in run.stdout.splitlines():
         m = re.match(r"decode \(direct\)\s+(\d+/\d+/\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)", line)
@@ -34,3 +39,13 @@ def test_reports_registers_and_shared_memory_per_config():
         assert 16 <= regs <= 255 and spill >= 0 and smem_kb > 0 and ctas >= 1
     # Four times the keys per step, in two stages, need more shared memory.
     assert rows["128/4/2"][2] > rows["32/4/1"][2]
+
+    # prefetch_block_ids exists to let the pipeliner buffer the gathered K/V num_stages deep:
+    # at 3 stages the 128-row tile must hold a third 64-key K/V buffer (2 x 16 KB) more.
+    def smem_kb(out):
+        assert out.returncode == 0, out.stderr[-2000:]
+        m = re.search(r"prefill \(128 rows\)\s+64/8/3\s+\d+\s+\d+\s+([\d.]+)", out.stdout)
+        assert m, out.stdout
+        return float(m[1])
+
+    assert smem_kb(prefetched) >= smem_kb(plain) + 31

@@ -122,7 +122,27 @@ def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr, QDOT16: tl.constexpr):
 
 
 @triton.jit
+def _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The physical block of each key of the step starting at ``start_n`` (-1 past the table)."""
+    logical_block = (start_n + tl.arange(0, BLOCK_N)) // BLOCK_SIZE
+    return tl.load(block_table_row_ptr + logical_block * stride_bt_b, mask=logical_block < max_blocks_per_req,
+                   other=-1)
+
+
+@triton.jit
+def _loop_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH_IDS: tl.constexpr):
+    """The ids a loop's first _attend_step takes: its first step's with PREFETCH_IDS, else none."""
+    if PREFETCH_IDS:
+        return _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N)
+    else:
+        return tl.zeros([BLOCK_N], tl.int32)
+
+
+@triton.jit
 def _attend_step(
+    ids,  # int32 [BLOCK_N]: this step's block ids if PREFETCH_IDS (loaded a step earlier), else unused
     acc,  # float32 [BLOCK_M, HEAD_DIM_PAD]
     l_i,  # float32 [BLOCK_M]
     m_i,  # float32 [BLOCK_M], running max in log2 units
@@ -165,18 +185,26 @@ def _attend_step(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,  # load the next step's block ids here, use the ones passed in
 ):
-    """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
+    """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile.
+
+    Returns the new state and, with PREFETCH_IDS, the next step's block ids. Loading them a step
+    ahead means no load inside the step feeds the K/V addresses, so Triton's pipeliner buffers
+    the gathered K/V ``num_stages`` deep (offline sm_90a compile, 128-row tile, 64 keys: 128 KB
+    of shared memory at 3 stages instead of 96); without it the id load takes a stage of its
+    own and K/V stay double-buffered whatever ``num_stages`` is.
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
     # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per
     # key. Keys past the table, past the sequence, or in a block id outside the pool are masked
     # and their pointers clamped to block 0, so bad metadata never reads outside the cache.
-    logical_block = offs_n // BLOCK_SIZE
-    block = tl.load(
-        block_table_row_ptr + logical_block * stride_bt_b,
-        mask=logical_block < max_blocks_per_req,
-        other=-1,
-    )
+    if PREFETCH_IDS:
+        block = ids
+        ids = _step_block_ids(block_table_row_ptr, start_n + BLOCK_N, stride_bt_b, max_blocks_per_req,
+                              BLOCK_SIZE, BLOCK_N)
+    else:
+        block = _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N)
     key_ok = (block >= 0) & (block < num_blocks) & (offs_n < seq_len)  # [BLOCK_N]
     # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
     block = tl.where(key_ok, block, 0).to(tl.int64)
@@ -261,7 +289,7 @@ def _attend_step(
         # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also
         # runs on tensor cores; accumulation stays in float32.
         acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return acc, l_i, m_new, ids
 
 
 def _attention_configs():
@@ -362,7 +390,7 @@ def _autotune(fn):
         # triton-unified does not claim batch invariance; triton-splitkv's batch_invariant mode
         # does.)
         key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
-             "QDOT16", "FOLD_SCALE", "occupancy"],
+             "QDOT16", "FOLD_SCALE", "PREFETCH_IDS", "occupancy"],
         prune_configs_by={"early_config_prune": _prune},
     )(fn)
 
@@ -383,7 +411,7 @@ def _tile_program(
     FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
     KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_IDS: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
 
@@ -474,9 +502,10 @@ def _tile_program(
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
 
     # Leading window edge, masked.
+    ids = _loop_block_ids(bt_row_ptr, start, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
     for start_n in range(start, full_begin, BLOCK_N):
-        acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+        acc, l_i, m_i, ids = _attend_step(
+            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
@@ -484,12 +513,13 @@ def _tile_program(
             offs_d, d_mask,
             MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
             QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
         )  # fmt: skip
     # Bulk of the context: no causal or window mask to compute.
+    ids = _loop_block_ids(bt_row_ptr, full_begin, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
     for start_n in range(full_begin, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+        acc, l_i, m_i, ids = _attend_step(
+            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
@@ -497,12 +527,13 @@ def _tile_program(
             offs_d, d_mask,
             MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
             QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
         )  # fmt: skip
     # The causal diagonal, masked.
+    ids = _loop_block_ids(bt_row_ptr, full_end, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
     for start_n in range(full_end, key_end, BLOCK_N):
-        acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
+        acc, l_i, m_i, ids = _attend_step(
+            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
             num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
             stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
@@ -510,7 +541,7 @@ def _tile_program(
             offs_d, d_mask,
             MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
             QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
         )  # fmt: skip
 
     # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
@@ -603,6 +634,7 @@ def unified_attention_kernel(
     HAS_LSE: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
+    PREFETCH_IDS: tl.constexpr,  # block ids loaded a step ahead (see _attend_step)
     BLOCK_N: tl.constexpr,  # keys per loop step (of the large tiles if TILING_FUSED); autotuned
 ):
     """One program: a tile of query tokens of one request x all GROUP query heads of one KV head.
@@ -637,7 +669,7 @@ def unified_attention_kernel(
                 stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
                 GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q_LARGE, BLOCK_N,
                 True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-                UPCAST, DOT_PRECISION,
+                UPCAST, DOT_PRECISION, PREFETCH_IDS,
             )  # fmt: skip
         else:
             _tile_program(
@@ -651,7 +683,7 @@ def unified_attention_kernel(
                 stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
                 GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N_SMALL,
                 True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-                UPCAST, DOT_PRECISION,
+                UPCAST, DOT_PRECISION, PREFETCH_IDS,
             )  # fmt: skip
     else:
         _tile_program(
@@ -665,5 +697,5 @@ def unified_attention_kernel(
             stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
             GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
             TILING == 0, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-            UPCAST, DOT_PRECISION,
+            UPCAST, DOT_PRECISION, PREFETCH_IDS,
         )  # fmt: skip

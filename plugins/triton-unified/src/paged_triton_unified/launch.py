@@ -140,6 +140,10 @@ class LaunchConfig:
       vs 0.306 ms with it, int8 0.301 vs 0.271 ms, so int8 keeps the bf16 path.
     - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
       of a multiply and a subtraction); False: scale every score first.
+    - ``prefetch_block_ids``: each key step loads the next step's block ids, so Triton's
+      pipeliner can buffer the gathered K/V ``num_stages`` deep (offline sm_90a compile: 3 K/V
+      buffers at 3 stages instead of 2). Off by default until timed on a GPU
+      (``scripts/gpu_tune.py prefill decode``).
     """
 
     block_q_small: int
@@ -154,6 +158,7 @@ class LaunchConfig:
     decode_direct: bool = True
     quant_fp16: bool | None = None
     fold_scale: bool = True
+    prefetch_block_ids: bool = False
 
 
 def _next_power_of_2(n: int) -> int:
@@ -543,6 +548,7 @@ def unified_attention(
             UPCAST=INTERPRET,
             # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
             DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
+            PREFETCH_IDS=bool(config.prefetch_block_ids),
             **fixed,
         )
     return out
