@@ -271,6 +271,27 @@ def test_batch_invariant_mode_is_bitwise_stable(dtype):
     assert torch.equal(padded_out, batch_out)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "kw"),
+    [(16, dict(num_splits=3)), (64, dict(num_splits=1)), (16, dict(blocks_per_split=4))],
+    ids=["3-splits", "tile-inside-a-block", "batch-invariant"],
+)
+def test_prefetched_block_ids_change_nothing(monkeypatch, block_size, kw):
+    """PREFETCH_BLOCK_IDS: each tile uses the ids loaded one tile earlier; the same arithmetic,
+    so the same result (bitwise), empty splits, bad ids and padding rows included."""
+    q, kc, vc, _, _, sl, bt = decode_case([200, 3, 0, 129], hq=4, hkv=2, block_size=block_size, seed=23)
+    bt[3, 1] = -2  # a bad id: its keys vanish in both paths
+    monkeypatch.setattr(split_launch, "PREFETCH_BLOCK_IDS", False)
+    plain, plain_lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, **kw)
+    monkeypatch.setattr(split_launch, "PREFETCH_BLOCK_IDS", True)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, **kw)
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    assert_close(out, ref, torch.float32, f"prefetched ids {kw}")
+    assert_lse_close(lse, ref_lse)
+    assert torch.equal(out, plain) and torch.equal(lse, plain_lse)
+
+
 def test_decode_rejects_bad_arguments():
     q, kc, vc, _, _, sl, bt = decode_case([20, 30])
     out = torch.empty_like(q)

@@ -43,6 +43,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile_block_ids(bt_row_ptr, t0, start, end, stride_btb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical blocks of keys t0 .. t0 + BLOCK_N - 1 of one request; -1 outside [start, end)."""
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btb, mask=(offs_n >= start) & (offs_n < end),
+                   other=-1)
+
+
+@triton.jit
 def _attend_tile(
     m_i,  # [BLOCK_M] float32, running max of scores (log2 domain), -inf while nothing seen
     l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
@@ -233,7 +241,7 @@ else:
 # (one split) is in it, but the launcher never uses it in that mode (blocks_per_split).
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
 @triton.autotune(
-    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"]
+    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "PREFETCH_IDS"]
 )
 @triton.jit
 def split_kv_attention_kernel(
@@ -288,6 +296,7 @@ def split_kv_attention_kernel(
     DIRECT_OUT: tl.constexpr,  # one split: write the final out (and lse) instead of a partial
     HAS_SINKS: tl.constexpr,  # DIRECT_OUT only
     STORE_LSE: tl.constexpr,  # DIRECT_OUT only
+    PREFETCH_IDS: tl.constexpr,  # each tile's block ids loaded one tile ahead
     BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
 ):
     """One program: BLOCK_Q queries of one request x the GROUP heads of one KV head, against the
@@ -363,12 +372,19 @@ def split_kv_attention_kernel(
     # Tiles stay aligned to split_lo (not to `start`), so the summation order of a split depends
     # only on the request itself: needed for the batch-invariant mode.
     t_begin = split_lo + ((start - split_lo) // BLOCK_N) * BLOCK_N
+    bt_row = block_table_ptr + req * stride_btr
+    if PREFETCH_IDS:
+        blk_next = _tile_block_ids(bt_row, t_begin, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
     for t0 in range(t_begin, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         key_in = (offs_n >= start) & (offs_n < end)
-        blk = tl.load(
-            block_table_ptr + req * stride_btr + (offs_n // BLOCK_SIZE) * stride_btb, mask=key_in, other=-1
-        )  # [BLOCK_N] int32
+        if PREFETCH_IDS:
+            # This tile's ids were loaded one tile earlier: no load inside the step feeds the K/V
+            # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
+            blk = blk_next
+            blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
+        else:
+            blk = _tile_block_ids(bt_row, t0, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)  # [BLOCK_N] int32
         key_ok = key_in & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         if BLOCK_Q > 1:

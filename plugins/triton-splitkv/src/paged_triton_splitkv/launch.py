@@ -51,6 +51,10 @@ _MAX_SPLITS = 32
 # A single split writes the final output itself (no float32 workspace, no merge launch).
 # False: always write a partial and merge (the previous behaviour; for timing comparisons).
 DIRECT_SINGLE_SPLIT = True
+# Each tile's block ids loaded one tile ahead (split_kv_attention_kernel's PREFETCH_IDS), so
+# the pipeliner can buffer the gathered K/V num_stages deep, as triton-unified's
+# LaunchConfig.prefetch_block_ids. Off until timed on a GPU (scripts/gpu_tune.py split).
+PREFETCH_BLOCK_IDS = False
 # Parts the merge reads per step (merge_states_kernel's PARTS_CHUNK): a chunk of parts costs one
 # memory round trip instead of one per part; 1 reads them one at a time.
 MERGE_PARTS_CHUNK = 8
@@ -441,6 +445,7 @@ def _launch_split(
         DIRECT_OUT=direct is not None,
         HAS_SINKS=sinks is not None,
         STORE_LSE=out_lse is not None,
+        PREFETCH_IDS=PREFETCH_BLOCK_IDS,
         **_kv_args(q, k_cache, v_cache, k_scale, v_scale),
         **fixed,
     )
