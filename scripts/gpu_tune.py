@@ -366,13 +366,17 @@ def section_cascade() -> None:
     m, c = case.meta, case.cache
     for name, splits, chunk in [("cascade, prefix split auto", None, 1), ("cascade, prefix split auto", None, 8),
                                 ("cascade, prefix in 1 pass", 1, 8), ("cascade, 4 prefix splits", 4, 8),
-                                ("cascade, 16 prefix splits", 16, 8), ("cascade, 32 prefix splits", 32, 8)]:
+                                ("cascade, 16 prefix splits", 16, 8), ("cascade, 32 prefix splits", 32, 8),
+                                ("concurrent passes, prefix split auto", None, 8),
+                                ("concurrent passes, 16 prefix splits", 16, 8)]:
         split_launch.MERGE_PARTS_CHUNK = chunk
+        split_launch.CONCURRENT_CASCADE_PASSES = name.startswith("concurrent")
         fn = lambda splits=splits, q=case.q: cascade_attention(  # noqa: E731
             q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
             prefix_blocks=prefix_blocks, max_query_len=1, max_seq_len=m.max_seq_len, scale=SCALE,
             prefix_splits=splits)
         report("cascade", f"{b}x({n_prefix}+{n_own}) {name}, merge {chunk} parts/step", case, fn, out)
+    split_launch.CONCURRENT_CASCADE_PASSES = False
     report("cascade", f"{b}x({n_prefix}+{n_own}) unified kernel", case,
            unified(case, out, cfg((128, 4, 2))), out)
     # Its parts alone: the merge of 9 parts (1 suffix + 8 prefix splits), and the suffix pass.

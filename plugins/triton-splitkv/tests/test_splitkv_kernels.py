@@ -453,6 +453,30 @@ def test_cascade_decode_batch_matches_reference(dtype):
     assert_lse_close(lse, ref_lse, tol=1e-3 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CONCURRENT_CASCADE_PASSES forks a CUDA stream: needs a CUDA device (the GPU machine)")
+def test_concurrent_cascade_passes_equal_serial_eager_and_in_a_cuda_graph(monkeypatch):
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, [130, 97, 180, 0, 111], 6, hq=6, hkv=2, dtype=torch.bfloat16)
+    serial, serial_lse = run_cascade(q, kc, vc, qsl, sl, bt, 6, prefix_splits=2)
+    monkeypatch.setattr(split_launch, "CONCURRENT_CASCADE_PASSES", True)
+    eager, eager_lse = run_cascade(q, kc, vc, qsl, sl, bt, 6, prefix_splits=2)
+    assert torch.equal(eager, serial) and torch.equal(eager_lse, serial_lse)
+
+    args = [t.to(DEVICE) for t in (q, kc, vc, qsl, sl, bt)]
+    out = torch.full_like(args[0], float("nan"))
+    call = lambda: cascade_attention(  # noqa: E731
+        args[0], args[1], args[2], out, query_start_loc=args[3], seq_lens=args[4], block_table=args[5],
+        prefix_blocks=6, max_query_len=1, max_seq_len=180, scale=HEAD_DIM**-0.5, prefix_splits=2)
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), serial)
+
+
 def test_cascade_multi_token_queries_reaching_into_the_prefix():
     # Request 1's 40 queries start at position 60 < prefix 64: masked causally in the prefix pass.
     # Request 2 ends exactly at the prefix (empty suffix). Softcap, int8 cache and sinks too.

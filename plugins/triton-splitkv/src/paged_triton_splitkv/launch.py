@@ -12,6 +12,8 @@ capturing a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -55,6 +57,12 @@ DIRECT_SINGLE_SPLIT = True
 # the pipeliner can buffer the gathered K/V num_stages deep, as triton-unified's
 # LaunchConfig.prefetch_block_ids. Off until timed on a GPU (scripts/gpu_tune.py split).
 PREFETCH_BLOCK_IDS = False
+# cascade_attention's suffix and prefix passes depend on nothing of each other until the
+# merge, and each is a few microseconds of latency-bound work (H200, 64 x (4,000 + 100): suffix
+# ~18 us, prefix ~28 us, merge ~9 us, run back to back). True: on a GPU the prefix pass runs on
+# a side stream forked from the current one and joined before the merge (a CUDA graph captures
+# the fork as two parallel branches). Off until timed (scripts/gpu_tune.py cascade).
+CONCURRENT_CASCADE_PASSES = False
 # Parts the merge reads per step (merge_states_kernel's PARTS_CHUNK): a chunk of parts costs one
 # memory round trip instead of one per part; 1 reads them one at a time.
 MERGE_PARTS_CHUNK = 8
@@ -642,6 +650,12 @@ def cascade_attention(
     part_lse = torch.empty((num_parts, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
+    concurrent = CONCURRENT_CASCADE_PASSES and q.is_cuda and prefix_splits > 0
+    if concurrent:
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)  # the prefix pass may read q and the cache only after their writers
+
     # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
     _launch_split(
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
@@ -656,29 +670,52 @@ def cascade_attention(
         po, pl = part_out[num_splits:], part_lse[num_splits:]
         grid = lambda meta: (  # noqa: E731
             triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
-        cascade_prefix_kernel[grid](
-            q_ptr=q,
-            block_table_ptr=block_table,
-            seq_lens_ptr=seq_lens,
-            query_start_loc_ptr=query_start_loc,
-            part_out_ptr=po,
-            part_lse_ptr=pl,
-            scale=float(scale),
-            softcap=float(softcap),
-            prefix_tokens=prefix_tokens,
-            keys_per_split=keys_per_split,
-            num_tokens=num_tokens,
-            num_reqs=num_reqs,
-            search_steps=(num_reqs - 1).bit_length(),
-            num_blocks=num_blocks,
-            max_blocks=max_blocks,
-            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
-            stride_btb=block_table.stride(1),
-            stride_pos=po.stride(0), stride_pot=po.stride(1), stride_poh=po.stride(2), stride_pod=po.stride(3),
-            stride_pls=pl.stride(0), stride_plt=pl.stride(1), stride_plh=pl.stride(2),
-            GROUP=group,
-            USE_SOFTCAP=softcap > 0.0,
-            **kv,
-        )
+        with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+            _launch_prefix(
+                grid, q, block_table, seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
+                prefix_tokens=prefix_tokens, keys_per_split=keys_per_split, num_tokens=num_tokens,
+                num_reqs=num_reqs, num_blocks=num_blocks, max_blocks=max_blocks, group=group, kv=kv)
+    if concurrent:
+        # Joined before the merge; part_out/part_lse are freed on the main stream after it, so
+        # the side stream is done with them by then.
+        main.wait_stream(side)
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
+
+
+@functools.cache
+def _side_stream_of(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _launch_prefix(grid, q, block_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,
+                   keys_per_split, num_tokens, num_reqs, num_blocks, max_blocks, group, kv) -> None:
+    """cascade_attention's prefix pass: every query row of the batch against the shared blocks."""
+    cascade_prefix_kernel[grid](
+        q_ptr=q,
+        block_table_ptr=block_table,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        part_out_ptr=po,
+        part_lse_ptr=pl,
+        scale=float(scale),
+        softcap=float(softcap),
+        prefix_tokens=prefix_tokens,
+        keys_per_split=keys_per_split,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        search_steps=(num_reqs - 1).bit_length(),
+        num_blocks=num_blocks,
+        max_blocks=max_blocks,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
+        stride_btb=block_table.stride(1),
+        stride_pos=po.stride(0), stride_pot=po.stride(1), stride_poh=po.stride(2), stride_pod=po.stride(3),
+        stride_pls=pl.stride(0), stride_plt=pl.stride(1), stride_plh=pl.stride(2),
+        GROUP=group,
+        USE_SOFTCAP=softcap > 0.0,
+        **kv,
+    )
