@@ -181,6 +181,72 @@ def test_select():
     sub.validate()
 
 
+def test_copy_in_place_keeps_storage_and_takes_everything_else():
+    static = BatchMeta.build([1, 1, 1], [5, 9, 0], block_size=4, table_width=6, seed=1)
+    storage = [t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table,
+                                      static.slot_mapping)]
+    step = BatchMeta.build([1, 1, 1], [13, 2, 7], block_size=4, seed=2)  # a table 4 blocks wide
+    assert static.copy_(step) is static
+    assert storage == [t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table,
+                                              static.slot_mapping)]
+    assert static.seq_lens.tolist() == [13, 2, 7] and static.slot_mapping.tolist() == step.slot_mapping.tolist()
+    assert static.block_table[:, :4].tolist() == step.block_table.tolist()
+    assert (static.block_table[:, 4:] == -1).all(), "columns past the source's table are no block"
+    assert (static.max_query_len, static.max_seq_len) == (1, 13)
+    assert static.host() == ([1, 1, 1], [13, 2, 7]), "host mirrors follow"
+    static.validate(num_blocks=64)
+
+
+def test_copy_in_place_from_another_device_and_without_mirrors():
+    static = BatchMeta.build([2, 1], [6, 3], block_size=4).to("meta")
+    step = dataclasses.replace(BatchMeta.build([2, 1], [8, 1], block_size=4), seq_lens_cpu=None)
+    static.copy_(step)  # host -> "meta" device: shapes and host state only
+    assert static.seq_lens_cpu is None and static.max_seq_len == 8
+    back = BatchMeta.build([2, 1], [6, 3], block_size=4)
+    back.copy_(step)
+    assert back.seq_lens_cpu is None and back.seq_lens.tolist() == [8, 1]
+
+
+@pytest.mark.parametrize(
+    ("qlens", "slens", "block_size", "width", "needles"),
+    [
+        ([1, 1], [5, 9], 4, 8, ["num_reqs 2 (this batch: 3)", "num_tokens 2 (this batch: 3)"]),
+        ([1, 1, 1], [5, 9, 3], 8, 8, ["block_size 8 (this batch: 4)"]),
+        ([1, 1, 1], [5, 40, 3], 4, 10, ["10 blocks wide (this batch's: 8)"]),
+        ([2, 1, 0], [5, 9, 3], 4, 8, []),  # same num_tokens, other split: fine
+    ],
+)
+def test_copy_in_place_refuses_another_shape(qlens, slens, block_size, width, needles):
+    static = BatchMeta.build([1, 1, 1], [5, 9, 0], block_size=4, table_width=8)
+    step = BatchMeta.build(qlens, slens, block_size=block_size, table_width=width)
+    if not needles:
+        static.copy_(step)
+        assert static.query_start_loc.tolist() == [0, 2, 3, 3]
+        return
+    with pytest.raises(BatchMetaError, match="same shape") as err:
+        static.copy_(step)
+    for needle in needles:
+        assert needle in str(err.value)
+    assert "Pad the source" in str(err.value)
+
+
+def test_copy_in_place_is_what_a_plan_sees():
+    """The reference's plan is the batch: a plan made before copy_ computes the new batch,
+    which is what a CUDA graph captured with the static batch relies on."""
+    from paged_core import registry
+
+    backend = registry.get("reference")
+    static = BatchMeta.build([1, 1], [20, 7], block_size=4, num_blocks=32, table_width=8, seed=3)
+    cache = backend.allocate(32, 4, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    cache.k.normal_(generator=torch.Generator().manual_seed(0))
+    cache.v.normal_(generator=torch.Generator().manual_seed(1))
+    plan = backend.plan(static)
+    step = BatchMeta.build([1, 1], [9, 26], block_size=4, num_blocks=32, seed=4)
+    q = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(2))
+    static.copy_(step)
+    assert torch.equal(backend.forward(q, cache, plan), backend.forward(q, cache, backend.plan(step)))
+
+
 # ---------------------------------------------------------------------------------- validate
 def mutate(meta: BatchMeta, *, sync_mirrors: bool = True, **fields) -> BatchMeta:
     """``meta`` with ``fields`` replaced; the host mirrors follow the device tensors unless told."""

@@ -185,6 +185,59 @@ class BatchMeta:
             block_size=self.block_size,
         )
 
+    def copy_(self, src: BatchMeta) -> BatchMeta:
+        """Make this batch ``src``, in place: every tensor keeps its storage, so a plan made from
+        this batch, or a CUDA graph captured with it, reads ``src``'s metadata. Returns self.
+
+        The per-step call of an engine that replays captured decode steps: keep one static batch
+        of the captured size, pad each step's batch to it (padding requests: ``seq_len`` 0) and
+        ``static.copy_(step)``. Needs the same ``num_reqs``, ``num_tokens`` and ``block_size``,
+        and a block table at least as wide as ``src``'s (the extra columns become -1: keys past
+        a request's ``seq_len`` are never read). Host ints and host mirrors are copied too, so
+        an eager call sees ``src`` whole; a replayed graph keeps the launch decisions its capture
+        made from them (README, "CUDA graphs").
+
+        >>> static = BatchMeta.build([1, 1], [5, 9], block_size=4, table_width=4)
+        >>> _ = static.copy_(BatchMeta.build([1, 1], [13, 2], block_size=4))
+        >>> static.seq_lens.tolist(), static.max_seq_len, static.block_table.shape[1]
+        ([13, 2], 13, 4)
+        """
+        if not isinstance(src, BatchMeta):
+            raise BatchMetaError(f"copy_ takes a BatchMeta; got a {type(src).__name__}")
+        src.check_structure()
+        self.check_structure()
+        mismatch = [
+            f"{name} {getattr(src, name)} (this batch: {getattr(self, name)})"
+            for name in ("num_reqs", "num_tokens", "block_size")
+            if getattr(src, name) != getattr(self, name)
+        ]
+        width, src_width = self.block_table.shape[1], src.block_table.shape[1]
+        if src_width > width:
+            mismatch.append(f"a block table {src_width} blocks wide (this batch's: {width})")
+        if mismatch:
+            raise BatchMetaError(
+                "copy_ keeps every tensor's storage, so the batches must have the same shape; the "
+                f"source has {', '.join(mismatch)}. Pad the source to this batch's requests and "
+                "tokens (padding requests have seq_len 0), or build a new BatchMeta"
+            )
+        # Asynchronous only between tensors of one device (stream-ordered); from the host it
+        # waits, so the caller may reuse ``src`` at once.
+        same = src.device == self.device
+        self.query_start_loc.copy_(src.query_start_loc, non_blocking=same)
+        self.seq_lens.copy_(src.seq_lens, non_blocking=same)
+        self.slot_mapping.copy_(src.slot_mapping, non_blocking=same)
+        self.block_table[:, :src_width].copy_(src.block_table, non_blocking=same)
+        if src_width < width:
+            self.block_table[:, src_width:].fill_(-1)
+        self.max_query_len, self.max_seq_len = src.max_query_len, src.max_seq_len
+        for name in ("query_start_loc_cpu", "seq_lens_cpu"):
+            mine, theirs = getattr(self, name), getattr(src, name)
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs)
+            else:
+                setattr(self, name, None if theirs is None else theirs.clone())
+        return self
+
     # ----------------------------------------------------------------------------- builders
     @classmethod
     def build(

@@ -576,3 +576,32 @@ def test_plans_are_interchangeable_between_the_triton_backends():
         want = backend.forward(q, cache, meta)
         for plan in (split.plan(meta), unified.plan(meta), ForeignPlan(meta)):
             torch.testing.assert_close(backend.forward(q, cache, plan), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"num_splits": 3}], ids=["triton-unified", "triton-splitkv"])
+def test_a_plan_made_before_copy_computes_the_copied_batch(options):
+    """What a captured CUDA graph relies on: a Triton plan reads the batch's tensors, so after
+    ``static.copy_(step)`` the plan made from ``static`` computes ``step`` (new lengths, new
+    blocks, a padding request), equal to a fresh plan of ``step``."""
+    from paged_core import BatchMeta
+    from paged_triton_splitkv.backend import TritonSplitKVBackend
+    from paged_triton_unified.backend import TritonUnifiedBackend
+
+    backend = TritonSplitKVBackend(**options) if options else TritonUnifiedBackend()
+    static = BatchMeta.build([1, 1, 1], [40, 7, 0], block_size=16, num_blocks=24, table_width=6, seed=1,
+                             device=DEVICE)
+    cache = backend.allocate(24, 16, num_kv_heads=1, head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    q = torch.randn(3, 2, HEAD_DIM, generator=gen).to(DEVICE)
+    plan = backend.plan(static)
+    backend.forward(q, cache, plan)  # as a warm-up before capture would
+    step = BatchMeta.build([1, 1, 1], [3, 70, 18], block_size=16, num_blocks=24, seed=2, device=DEVICE)
+    static.copy_(step)
+    got = backend.forward(q, cache, plan)
+    torch.testing.assert_close(got, backend.forward(q, cache, backend.plan(step)), atol=0, rtol=0)
+    ref, _ = reference_attention(q.cpu(), cache.k.cpu(), cache.v.cpu(), query_start_loc=step.query_start_loc.cpu(),
+                                 seq_lens=step.seq_lens.cpu(), block_table=step.block_table.cpu(),
+                                 scale=HEAD_DIM**-0.5)
+    assert_close(got.cpu(), ref, torch.float32, "old plan, copied batch")
