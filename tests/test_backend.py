@@ -315,3 +315,22 @@ def test_validation_is_skipped_while_a_cuda_graph_is_captured(monkeypatch, valid
     backend.forward(q, cache, meta)
     backend.write(cache, q[:, :2], q[:, :2], meta)
     assert len(validate_calls) == 2
+
+
+def test_every_installed_backend_takes_the_layer_keywords_of_plan():
+    """The one per-step call of the README's CUDA-graph recipe: ``plan(meta, num_heads=...,
+    num_kv_heads=..., head_dim=..., dtype=...)`` on any backend (FlashInfer plans with them;
+    the others accept and ignore them), and a misspelt keyword is a TypeError, not ignored."""
+    from paged_core import registry
+
+    meta = BatchMeta.build([1, 2], [5, 9], block_size=16)
+    layer = dict(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, window=0, softcap=0.0,
+                 scale=0.125)
+    names = registry.available()
+    assert "reference" in names
+    for name in names:
+        backend = registry.get(name)
+        plan = backend.plan(meta, **layer)
+        assert plan is meta or plan.meta is meta, name
+        with pytest.raises(TypeError):
+            backend.plan(meta, num_head=4)

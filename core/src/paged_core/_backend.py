@@ -130,11 +130,25 @@ class Backend:
         write_kv(cache, k, v, batch.slot_mapping)
 
     # ----------------------------------------------------------------------------- attention
-    def plan(self, meta: BatchMeta) -> Any:
+    def plan(
+        self,
+        meta: BatchMeta,
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
+        scale: float | None = None,
+    ) -> Any:
         """Prepare a batch once per step; the result is passed to every layer's ``forward``.
 
-        The default plan is the ``BatchMeta`` itself. Planning backends return an object with a
-        ``meta`` attribute.
+        The keywords describe the layers that will use the plan (the same for every layer of a
+        step). A backend that plans on the host (FlashInfer) plans with them at once, which a
+        CUDA-graph replay needs (it runs no Python); the others accept and ignore them, so one
+        call serves every backend. The default plan is the ``BatchMeta`` itself; planning
+        backends return an object with a ``meta`` attribute.
         """
         return meta
 
