@@ -1,15 +1,17 @@
-"""Registers, spills and shared memory of the triton-unified kernel per config, for sm_90a, offline.
+"""Registers, spills and shared memory of the Triton kernels per config, for sm_90a, offline.
 
 No GPU needed: Triton compiles the kernel to a cubin with its bundled ptxas and cuobjdump reads
 the resource usage. It answers "does this config spill?" before a device call is spent on it:
     python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
     python scripts/kernel_resources.py --head-dim 256 --group 8
     python scripts/kernel_resources.py --tiles prefill --configs 64/8/2,64/8/3
+    python scripts/kernel_resources.py --tiles split --prefetch-block-ids   # triton-splitkv's split kernel
 
 The arguments get the specialisation they get at run time (pointers and strides divisible by
-16; the kernel's do_not_specialize ints nothing), otherwise Triton cannot vectorise the K/V
-loads and the numbers describe a kernel that never runs. The Triton here may not be the one on
-the GPU machine (register allocation moves between versions): compare configs, not absolutes.
+16, a last-dim stride equal to 1; the kernel's do_not_specialize ints nothing), otherwise
+Triton cannot vectorise the K/V loads and the numbers describe a kernel that never runs. The
+Triton here may not be the one on the GPU machine (register allocation moves between
+versions): compare configs, not absolutes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from paged_triton_unified import kernels  # noqa: E402
 from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL  # noqa: E402
+
+try:  # triton-splitkv is optional here
+    from paged_triton_splitkv import kernels as split_kernels  # noqa: E402
+except ImportError:
+    split_kernels = None
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -42,6 +49,8 @@ def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
     skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     sig, attrs = {}, {}
     for i, name in enumerate(names):
+        if name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
+            constexprs[name] = 1
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
@@ -57,8 +66,8 @@ def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int) -> dict:
-    fn = kernels.unified_attention_kernel
+def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None) -> dict:
+    fn = kernel if kernel is not None else kernels.unified_attention_kernel
     fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
     constexprs = {k: v for k, v in {**constexprs, "BLOCK_N": block_n}.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, constexprs)
@@ -84,8 +93,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
-    ap.add_argument("--tiles", default="decode,prefill,fused", help="which of decode,prefill,fused")
-    ap.add_argument("--prefetch-block-ids", action="store_true", help="LaunchConfig.prefetch_block_ids")
+    ap.add_argument("--tiles", default="decode,prefill,fused",
+                    help="which of decode,prefill,fused (triton-unified) and split (triton-splitkv)")
+    ap.add_argument("--prefetch-block-ids", action="store_true",
+                    help="LaunchConfig.prefetch_block_ids / triton-splitkv's PREFETCH_BLOCK_IDS")
     ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
     args = ap.parse_args()
     only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
@@ -103,6 +114,15 @@ def main() -> None:
                     {"TILING": kernels.TILING_PLAN, "BLOCK_Q": args.block_q_large}, kernels._PREFILL_CONFIGS),
         "fused": ("fused (both classes)", {"TILING": kernels.TILING_FUSED}, kernels._PREFILL_CONFIGS),
     }
+    if split_kernels is not None:
+        split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
+                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
+                          HAS_QSL=False, FIXED_SPLITS=False, QUANT=False, FP8=False, V_SCALE_ON_P=False,
+                          USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
+                          DIRECT_OUT=False, HAS_SINKS=False, STORE_LSE=False,
+                          PREFETCH_IDS=args.prefetch_block_ids)
+        split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
+        tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")
@@ -110,10 +130,13 @@ def main() -> None:
           f"block {args.block_size}, bf16{', block ids prefetched' if args.prefetch_block_ids else ''}")
     print(f"{'tile':24s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s}")
     for key in args.tiles.split(","):
-        name, spec, configs = tiles[key]
+        name, spec, configs, *kernel = tiles[key]
         for block_n, warps, stages in sorted(only or configs):
             try:
-                r = resources({**base, **spec}, block_n, warps, stages)
+                if kernel:
+                    r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0])
+                else:
+                    r = resources({**base, **spec}, block_n, warps, stages)
             except Exception as exc:  # out of shared memory and the like: say so, go on
                 print(f"{name:24s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
                       f"{(str(exc).splitlines() or [''])[0][:80]}")

@@ -49,3 +49,16 @@ def test_reports_registers_and_shared_memory_per_config():
         return float(m[1])
 
     assert smem_kb(prefetched) >= smem_kb(plain) + 31
+
+    # The same for triton-splitkv's split kernel, when it is installed beside this plugin.
+    split_src = ROOT / "plugins" / "triton-splitkv" / "src"
+    env["PYTHONPATH"] = os.pathsep.join([str(split_src), env["PYTHONPATH"]])
+    split = {}
+    for flag in ([], ["--prefetch-block-ids"]):
+        out = subprocess.run([sys.executable, str(script), "--tiles", "split", "--configs", "64/4/3", *flag],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        m = re.search(r"split-KV decode\s+64/4/3\s+\d+\s+\d+\s+([\d.]+)", out.stdout)
+        assert m, out.stdout
+        split[bool(flag)] = float(m[1])
+    assert split[True] >= split[False] + 31, split  # a third 64-key K/V buffer (2 x 16 KB)
