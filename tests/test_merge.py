@@ -76,6 +76,11 @@ def test_all_empty_rows_give_zeros_and_minus_inf():
     assert torch.equal(out[empty], torch.zeros(5, 5))
     assert torch.isneginf(lse[empty]).all()
     assert torch.equal(out[0, 2], outs[1, 0, 2]) and lse[0, 2].item() == pytest.approx(0.7)
+    # With sinks too: a row no part saw has no visible key, so -inf, not the sink's logsumexp
+    # (the Triton kernels' convention; the PyTorch path returned log(sum(exp(sinks))) before).
+    out, lse = merge_states(outs, lses, sinks=torch.tensor([0.5, -1.0, 2.0]))
+    assert torch.equal(out[empty], torch.zeros(5, 5)) and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(lse[0, 2])
 
 
 def test_output_dtype_follows_inputs():

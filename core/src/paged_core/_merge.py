@@ -30,7 +30,7 @@ def merge_states(
     ``-inf`` where a part saw no key (its output is then ignored, even if NaN). ``sinks``
     (float32 ``[num_heads]``) adds one logit per head to the denominator, with no value.
     Returns ``(out, lse)`` with ``out`` in the outputs' dtype; rows where every part is empty
-    give zeros and ``-inf``, never NaN. On CUDA with ``paged-triton-splitkv`` installed this
+    give zeros and ``-inf`` (with sinks too), never NaN. On CUDA with ``paged-triton-splitkv`` installed this
     runs its Triton kernel; elsewhere PyTorch.
 
     >>> o = torch.ones(2, 1, 1, 2); l = torch.tensor([[[0.0]], [[float("-inf")]]])
@@ -56,7 +56,10 @@ def merge_states(
             return merge_kernel(outs, ls.float(), sinks=sinks)
     ls = ls.float()
     total = ls if sinks is None else torch.cat([ls, sinks.float().view(1, 1, -1).expand(1, *ls.shape[1:])])
-    lse = torch.logsumexp(total, dim=0)  # [N, H]; -inf where every part is empty
+    lse = torch.logsumexp(total, dim=0)  # [N, H]
+    # A row that no part saw (every lse_s = -inf) has no visible key: -inf, sinks or not (the
+    # kernels' convention), never the sink's own log-sum-exp.
+    lse = torch.where(torch.isneginf(ls).all(dim=0), float("-inf"), lse)
     # Guard the all-empty rows: -inf - -inf is NaN, so weigh them against 0 instead.
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     w = torch.exp(ls - safe[None])  # [S, N, H]; exactly 0 for empty parts
