@@ -335,6 +335,14 @@ def section_bench_mixed() -> None:
     for large in [(64, 4, 2), (64, 4, 3), (64, 8, 3)]:
         report("mixed-b", f"bench batch fused, prefetched block ids {tag((128, 4, 2), large, 16)}", case,
                unified(case, out, cfg((128, 4, 2), large, 16, **PREFETCH)), out)
+    # Two launches on two streams: each class with its own warps (the fused launch runs both with
+    # one num_warps; 8 warps made its decode tiles 1.7 x slower), overlapping in a CUDA graph.
+    concurrent = {**NEW, "fuse_classes": False, "concurrent_classes": True}
+    for large, bq in [((64, 8, 2), 32), ((64, 8, 2), 16), ((64, 4, 2), 16)]:
+        report("mixed-b", f"bench batch 2 concurrent launches {tag((128, 4, 2), large, bq)}", case,
+               unified(case, out, cfg((128, 4, 2), large, bq, **concurrent)), out)
+    report("mixed-b", "bench batch 2 concurrent launches, prefetched ids, large 64/w8/st3 BLOCK_M 128", case,
+           unified(case, out, cfg((128, 4, 2), (64, 8, 3), 32, **concurrent, prefetch_block_ids=True)), out)
     report("mixed-b", "bench batch autotuned", case, unified(case, out, None), out)
     del case
 

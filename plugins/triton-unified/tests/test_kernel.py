@@ -289,6 +289,33 @@ def test_mixed_batch_with_separate_large_config(fuse):
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
 
 
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="concurrent_classes forks a CUDA stream: needs a CUDA device (the GPU machine)")
+def test_concurrent_classes_equal_two_serial_launches_eager_and_in_a_cuda_graph():
+    batch = make_batch([(40, 50), (1, 0), (3, 3), (1, 20), (17, 90)], num_q_heads=4, num_kv_heads=2,
+                       head_dim=64, block_size=16, dtype=torch.bfloat16)  # fmt: skip
+    serial = dataclasses.replace(_config(batch), block_q_large=16, fuse_classes=False)
+    want, want_lse = run(batch, scale=0.125, config=serial)
+    config = dataclasses.replace(serial, concurrent_classes=True)
+    got, got_lse = run(batch, scale=0.125, config=config)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+    q = batch["q"]
+    out = torch.full_like(q, math.nan)
+    args = {name: batch[name] for name in ("query_start_loc", "seq_lens", "block_table", "max_query_len",
+                                           "max_seq_len")}
+    call = lambda: unified_attention(q, batch["k_cache"], batch["v_cache"], out, scale=0.125,  # noqa: E731
+                                     config=config, **args)
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_fast_path_edge_ranges(dtype):
     """fp16 dots on codes: q beyond fp16's range (bf16) is shifted by a power of two, and V

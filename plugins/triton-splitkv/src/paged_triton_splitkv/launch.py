@@ -13,14 +13,13 @@ capturing a CUDA graph.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 from collections.abc import Sequence
 
 import torch
 import triton
-from paged_triton_unified.launch import sm_count
+from paged_triton_unified.launch import side_stream, sm_count
 
 from .kernels import cascade_prefix_kernel, merge_states_kernel, split_kv_attention_kernel
 
@@ -653,7 +652,7 @@ def cascade_attention(
     concurrent = CONCURRENT_CASCADE_PASSES and q.is_cuda and prefix_splits > 0
     if concurrent:
         main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
+        side = side_stream(q.device)
         side.wait_stream(main)  # the prefix pass may read q and the cache only after their writers
 
     # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
@@ -681,15 +680,6 @@ def cascade_attention(
         main.wait_stream(side)
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
-
-
-@functools.cache
-def _side_stream_of(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device_index)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _launch_prefix(grid, q, block_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,

@@ -6,6 +6,7 @@ call never synchronises with the device and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -34,6 +35,7 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
+    "side_stream",
     "sm_count",
     "unified_attention",
 ]
@@ -85,6 +87,18 @@ def sm_count(device: torch.device | str) -> int | None:
     if device.type != "cuda":
         return None
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _side_stream_of(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device_index)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra CUDA stream per device (cached) for launches that may run beside the current
+    stream's: fork with ``side.wait_stream(current)``, join with ``current.wait_stream(side)``.
+    A CUDA graph captures such a fork as parallel branches."""
+    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
@@ -140,6 +154,10 @@ class LaunchConfig:
       vs 0.306 ms with it, int8 0.301 vs 0.271 ms, so int8 keeps the bf16 path.
     - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
       of a multiply and a subtraction); False: scale every score first.
+    - ``concurrent_classes`` (with ``fuse_classes=False``): the small tiles' launch runs on a
+      side stream beside the large tiles' (each launch with its own warps and key steps: the
+      fused launch must run both classes with one ``num_warps``, and 8 warps, good for 128-row
+      prefill tiles, made the decode tiles 1.7 x slower on the H200). Off until timed.
     - ``prefetch_block_ids``: each key step loads the next step's block ids, so Triton's
       pipeliner can buffer the gathered K/V ``num_stages`` deep (offline sm_90a compile: 3 K/V
       buffers at 3 stages instead of 2). Off by default until timed on a GPU
@@ -159,6 +177,7 @@ class LaunchConfig:
     quant_fp16: bool | None = None
     fold_scale: bool = True
     prefetch_block_ids: bool = False
+    concurrent_classes: bool = False
 
 
 def _next_power_of_2(n: int) -> int:
@@ -477,78 +496,88 @@ def unified_attention(
     else:
         launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
 
+    # concurrent_classes: the small tiles' launch on a side stream, forked after the tile plan
+    # (both launches read it) and joined before returning. The two write disjoint rows of out.
+    concurrent = len(launches) == 2 and config.concurrent_classes and q.is_cuda
+    if concurrent:
+        main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
+        side.wait_stream(main)
+
     q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
     for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
         if grid[0] == 0:
             continue
         large_launch = tiling != TILING_FUSED and i == 1
-        kernel[grid](
-            q_ptr=q,
-            k_cache_ptr=k_cache,
-            v_cache_ptr=v_cache,
-            out_ptr=out,
-            k_scale_ptr=ks,
-            v_scale_ptr=vs,
-            sinks_ptr=sinks if sinks is not None else q,
-            lse_ptr=lse if lse is not None else out,
-            query_start_loc_ptr=query_start_loc,
-            seq_lens_ptr=seq_lens,
-            block_table_ptr=block_table,
-            tile_end_ptr=tile_end_large if large_launch else tile_end_small,
-            tile_end_large_ptr=tile_end_large,
-            num_tokens=num_tokens,
-            num_reqs=num_reqs,
-            num_blocks=num_blocks,
-            max_blocks_per_req=block_table.shape[1],
-            num_kv_heads=num_kv_heads,
-            num_large_tiles=large_bound,
-            occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
-            scale=float(scale),
-            softcap=float(softcap) if softcap else 1.0,
-            window=window,
-            stride_q_t=q.stride(0),
-            stride_q_h=q.stride(1),
-            stride_k_b=k_cache.stride(0),
-            stride_k_s=k_cache.stride(1),
-            stride_k_h=k_cache.stride(2),
-            stride_v_b=v_cache.stride(0),
-            stride_v_s=v_cache.stride(1),
-            stride_v_h=v_cache.stride(2),
-            stride_ks_b=ks_strides[0],
-            stride_ks_s=ks_strides[1],
-            stride_ks_h=ks_strides[2],
-            stride_vs_b=vs_strides[0],
-            stride_vs_s=vs_strides[1],
-            stride_vs_h=vs_strides[2],
-            stride_o_t=out.stride(0),
-            stride_o_h=out.stride(1),
-            stride_lse_t=lse_strides[0],
-            stride_lse_h=lse_strides[1],
-            stride_bt_r=block_table.stride(0),
-            stride_bt_b=block_table.stride(1),
-            GROUP=group,
-            GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_Q=block_q,
-            BLOCK_Q_LARGE=bq_large,
-            BLOCK_N_SMALL=block_n_small,
-            TILING=tiling,
-            KV_QUANT=kv_quant,
-            # fp32 q keeps its own dtype: fp16 operands would round it.
-            QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
-                                                     else kv_quant == 2)),
-            # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
-            FOLD_SCALE=bool(config.fold_scale and scale > 0),
-            USE_WINDOW=window > 0,
-            USE_SOFTCAP=softcap > 0,
-            HAS_SINKS=sinks is not None,
-            HAS_LSE=lse is not None,
-            UPCAST=INTERPRET,
-            # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
-            DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
-            PREFETCH_IDS=bool(config.prefetch_block_ids),
-            **fixed,
-        )
+        with torch.cuda.stream(side) if (concurrent and i == 0) else contextlib.nullcontext():
+            kernel[grid](
+                q_ptr=q,
+                k_cache_ptr=k_cache,
+                v_cache_ptr=v_cache,
+                out_ptr=out,
+                k_scale_ptr=ks,
+                v_scale_ptr=vs,
+                sinks_ptr=sinks if sinks is not None else q,
+                lse_ptr=lse if lse is not None else out,
+                query_start_loc_ptr=query_start_loc,
+                seq_lens_ptr=seq_lens,
+                block_table_ptr=block_table,
+                tile_end_ptr=tile_end_large if large_launch else tile_end_small,
+                tile_end_large_ptr=tile_end_large,
+                num_tokens=num_tokens,
+                num_reqs=num_reqs,
+                num_blocks=num_blocks,
+                max_blocks_per_req=block_table.shape[1],
+                num_kv_heads=num_kv_heads,
+                num_large_tiles=large_bound,
+                occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
+                scale=float(scale),
+                softcap=float(softcap) if softcap else 1.0,
+                window=window,
+                stride_q_t=q.stride(0),
+                stride_q_h=q.stride(1),
+                stride_k_b=k_cache.stride(0),
+                stride_k_s=k_cache.stride(1),
+                stride_k_h=k_cache.stride(2),
+                stride_v_b=v_cache.stride(0),
+                stride_v_s=v_cache.stride(1),
+                stride_v_h=v_cache.stride(2),
+                stride_ks_b=ks_strides[0],
+                stride_ks_s=ks_strides[1],
+                stride_ks_h=ks_strides[2],
+                stride_vs_b=vs_strides[0],
+                stride_vs_s=vs_strides[1],
+                stride_vs_h=vs_strides[2],
+                stride_o_t=out.stride(0),
+                stride_o_h=out.stride(1),
+                stride_lse_t=lse_strides[0],
+                stride_lse_h=lse_strides[1],
+                stride_bt_r=block_table.stride(0),
+                stride_bt_b=block_table.stride(1),
+                GROUP=group,
+                GROUP_PAD=group_pad,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_SIZE=block_size,
+                BLOCK_Q=block_q,
+                BLOCK_Q_LARGE=bq_large,
+                BLOCK_N_SMALL=block_n_small,
+                TILING=tiling,
+                KV_QUANT=kv_quant,
+                # fp32 q keeps its own dtype: fp16 operands would round it.
+                QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
+                                                         else kv_quant == 2)),
+                # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
+                FOLD_SCALE=bool(config.fold_scale and scale > 0),
+                USE_WINDOW=window > 0,
+                USE_SOFTCAP=softcap > 0,
+                HAS_SINKS=sinks is not None,
+                HAS_LSE=lse is not None,
+                UPCAST=INTERPRET,
+                # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
+                DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
+                PREFETCH_IDS=bool(config.prefetch_block_ids),
+                **fixed,
+            )
+    if concurrent:
+        main.wait_stream(side)
     return out
