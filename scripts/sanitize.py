@@ -8,6 +8,9 @@ Smoke test on the CPU (Triton's interpreter; checks the script and the numbers, 
 
     python scripts/sanitize.py --device cpu
 
+``--switches`` runs it with every kernel switch that is still off by default turned on
+(docs/developing.md), so their memory accesses are checked before one becomes a default.
+
 Validation is OFF throughout: the kernels alone must keep every access inside its buffer. Each
 case prints one line; the run ends with a summary and exits 1 if any case raised or disagreed
 with the float64 reference (which masks the same keys the kernels promise to mask). memcheck
@@ -35,6 +38,8 @@ _parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 _parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (TRITON_INTERPRET=1 smoke test)")
 _parser.add_argument("--seed", type=int, default=0)
 _parser.add_argument("--random", type=int, default=2, help="random bf16 batches per kernel path (default 2)")
+_parser.add_argument("--switches", action="store_true",
+                     help="with the kernel switches that are still off by default turned on (docs/developing.md)")
 ARGS = _parser.parse_args()
 if ARGS.device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -49,6 +54,20 @@ from paged_core import (  # noqa: E402
     registry,
     write_kv,
 )
+
+if ARGS.switches:
+    # Every switch that is off by default, on, so their memory accesses are checked too before
+    # one becomes a default: the backends build their configs through these module names.
+    import dataclasses
+
+    from paged_triton_splitkv import launch as _split_launch
+    from paged_triton_unified import launch as _unified_launch
+
+    _default_config = _unified_launch.default_config
+    _unified_launch.default_config = lambda **kw: dataclasses.replace(
+        _default_config(**kw), prefetch_block_ids=True, fuse_classes=False, concurrent_classes=True)
+    _split_launch.PREFETCH_BLOCK_IDS = True
+    _split_launch.CONCURRENT_CASCADE_PASSES = True
 
 DEV = torch.device(ARGS.device)
 HQ, HKV, D, BS = 8, 2, 64, 16  # one model shape: every case reuses the same compiled kernels
@@ -292,7 +311,8 @@ def main() -> int:
     t0 = time.perf_counter()
     print(f"device {DEV} ({torch.cuda.get_device_name(DEV) if DEV.type == 'cuda' else 'interpreter'}), "
           f"torch {torch.__version__}, PAGED_AUTOTUNE={os.environ.get('PAGED_AUTOTUNE')}, "
-          f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')}", flush=True)
+          f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')}"
+          f"{', switches on' if ARGS.switches else ''}", flush=True)
     for name in ("triton-unified", "triton-splitkv"):
         reasons = registry.unavailable(name)
         if reasons:
