@@ -542,7 +542,7 @@ def cascade_prefix_kernel(
     for t0 in range(start, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
-        blk = tl.load(block_table_ptr + (offs_n // BLOCK_SIZE) * stride_btb, mask=key_in, other=-1)
+        blk = _tile_block_ids(block_table_ptr, t0, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
         key_ok = key_in & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])

@@ -12,14 +12,13 @@ capturing a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Sequence
 
 import torch
 import triton
-from paged_triton_unified.launch import side_stream, sm_count
+from paged_triton_unified.launch import side_branch, sm_count
 
 from .kernels import cascade_prefix_kernel, merge_states_kernel, split_kv_attention_kernel
 
@@ -649,35 +648,28 @@ def cascade_attention(
     part_lse = torch.empty((num_parts, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
-    concurrent = CONCURRENT_CASCADE_PASSES and q.is_cuda and prefix_splits > 0
-    if concurrent:
-        main = torch.cuda.current_stream(q.device)
-        side = side_stream(q.device)
-        side.wait_stream(main)  # the prefix pass may read q and the cache only after their writers
-
-    # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
-    _launch_split(
-        q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
-        seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
-        softcap=softcap, window=0, key_start=prefix_blocks * block_size, num_splits=num_splits,
-        tokens_per_split=0, max_query_len=max(max_query_len, 1),
-    )
-
-    # Prefix: all query rows of the batch against the shared blocks, split along the keys; the
-    # last prefix_splits parts.
-    if prefix_splits > 0:
-        po, pl = part_out[num_splits:], part_lse[num_splits:]
-        grid = lambda meta: (  # noqa: E731
-            triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
-        with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
-            _launch_prefix(
-                grid, q, block_table, seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
-                prefix_tokens=prefix_tokens, keys_per_split=keys_per_split, num_tokens=num_tokens,
-                num_reqs=num_reqs, num_blocks=num_blocks, max_blocks=max_blocks, group=group, kv=kv)
-    if concurrent:
-        # Joined before the merge; part_out/part_lse are freed on the main stream after it, so
-        # the side stream is done with them by then.
-        main.wait_stream(side)
+    # The suffix and prefix passes share nothing until the merge: with CONCURRENT_CASCADE_PASSES
+    # the prefix pass runs on a side stream, joined before the merge (part_out/part_lse are freed
+    # on the current stream after it, so the side stream is done with them by then).
+    with side_branch(q.device, CONCURRENT_CASCADE_PASSES and prefix_splits > 0) as side:
+        # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
+        _launch_split(
+            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
+            seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
+            softcap=softcap, window=0, key_start=prefix_blocks * block_size, num_splits=num_splits,
+            tokens_per_split=0, max_query_len=max(max_query_len, 1),
+        )
+        # Prefix: all query rows of the batch against the shared blocks, split along the keys;
+        # the last prefix_splits parts.
+        if prefix_splits > 0:
+            po, pl = part_out[num_splits:], part_lse[num_splits:]
+            grid = lambda meta: (  # noqa: E731
+                triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
+            with side():
+                _launch_prefix(
+                    grid, q, block_table, seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
+                    prefix_tokens=prefix_tokens, keys_per_split=keys_per_split, num_tokens=num_tokens,
+                    num_reqs=num_reqs, num_blocks=num_blocks, max_blocks=max_blocks, group=group, kv=kv)
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
 

@@ -35,7 +35,7 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
-    "side_stream",
+    "side_branch",
     "sm_count",
     "unified_attention",
 ]
@@ -94,11 +94,24 @@ def _side_stream_of(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device_index)
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra CUDA stream per device (cached) for launches that may run beside the current
-    stream's: fork with ``side.wait_stream(current)``, join with ``current.wait_stream(side)``.
-    A CUDA graph captures such a fork as parallel branches."""
-    return _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+@contextlib.contextmanager
+def side_branch(device: torch.device, enabled: bool = True):
+    """Launches that may run beside the current stream's. Yields ``side()``, a context: work
+    under ``with side():`` runs on one extra (cached) stream of ``device``, forked from the
+    current stream on entry; the rest of the block runs on the current stream; leaving the block
+    joins the two. A CUDA graph captures the fork as parallel branches. Not ``enabled``, or not
+    on CUDA: ``side()`` does nothing and everything runs in order.
+    """
+    if not enabled or device.type != "cuda":
+        yield contextlib.nullcontext
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)  # the side work may read what the current stream wrote before
+    try:
+        yield lambda: torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
 
 
 def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
@@ -466,9 +479,8 @@ def unified_attention(
     # <= num_tokens // B + (number of requests). Programs past the last real tile exit at once.
     num_large = min(num_reqs, num_tokens // (bq_small + 1)) if split else 0
     large_bound = num_tokens // bq_large + num_large
-    small_bound = num_reqs if split else num_tokens // bq_small + num_reqs
-    if tiling == TILING_DIRECT:
-        small_bound = num_reqs
+    # Direct tiling: tile r is request r.
+    small_bound = num_reqs if (split or tiling == TILING_DIRECT) else num_tokens // bq_small + num_reqs
 
     kernel = unified_attention_kernel
     fixed_small = fixed_large = {}
@@ -486,7 +498,7 @@ def unified_attention(
             "num_stages": config.large_num_stages or fixed_small["num_stages"],
         }
 
-    # (grid, tile_end, BLOCK_Q, fixed config, BLOCK_N_SMALL) per launch.
+    # (grid, BLOCK_Q, fixed config, BLOCK_N_SMALL) per launch; a second one holds the large tiles.
     if tiling == TILING_FUSED:
         block_n_small = config.block_n or FUSED_BLOCK_N_SMALL
         launches = [((num_kv_heads * (large_bound + small_bound),), bq_small, fixed_large, block_n_small)]
@@ -496,88 +508,82 @@ def unified_attention(
     else:
         launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
 
+    q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
     # concurrent_classes: the small tiles' launch on a side stream, forked after the tile plan
     # (both launches read it) and joined before returning. The two write disjoint rows of out.
-    concurrent = len(launches) == 2 and config.concurrent_classes and q.is_cuda
-    if concurrent:
-        main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
-        side.wait_stream(main)
-
-    q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
-    for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
-        if grid[0] == 0:
-            continue
-        large_launch = tiling != TILING_FUSED and i == 1
-        with torch.cuda.stream(side) if (concurrent and i == 0) else contextlib.nullcontext():
-            kernel[grid](
-                q_ptr=q,
-                k_cache_ptr=k_cache,
-                v_cache_ptr=v_cache,
-                out_ptr=out,
-                k_scale_ptr=ks,
-                v_scale_ptr=vs,
-                sinks_ptr=sinks if sinks is not None else q,
-                lse_ptr=lse if lse is not None else out,
-                query_start_loc_ptr=query_start_loc,
-                seq_lens_ptr=seq_lens,
-                block_table_ptr=block_table,
-                tile_end_ptr=tile_end_large if large_launch else tile_end_small,
-                tile_end_large_ptr=tile_end_large,
-                num_tokens=num_tokens,
-                num_reqs=num_reqs,
-                num_blocks=num_blocks,
-                max_blocks_per_req=block_table.shape[1],
-                num_kv_heads=num_kv_heads,
-                num_large_tiles=large_bound,
-                occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
-                scale=float(scale),
-                softcap=float(softcap) if softcap else 1.0,
-                window=window,
-                stride_q_t=q.stride(0),
-                stride_q_h=q.stride(1),
-                stride_k_b=k_cache.stride(0),
-                stride_k_s=k_cache.stride(1),
-                stride_k_h=k_cache.stride(2),
-                stride_v_b=v_cache.stride(0),
-                stride_v_s=v_cache.stride(1),
-                stride_v_h=v_cache.stride(2),
-                stride_ks_b=ks_strides[0],
-                stride_ks_s=ks_strides[1],
-                stride_ks_h=ks_strides[2],
-                stride_vs_b=vs_strides[0],
-                stride_vs_s=vs_strides[1],
-                stride_vs_h=vs_strides[2],
-                stride_o_t=out.stride(0),
-                stride_o_h=out.stride(1),
-                stride_lse_t=lse_strides[0],
-                stride_lse_h=lse_strides[1],
-                stride_bt_r=block_table.stride(0),
-                stride_bt_b=block_table.stride(1),
-                GROUP=group,
-                GROUP_PAD=group_pad,
-                HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_SIZE=block_size,
-                BLOCK_Q=block_q,
-                BLOCK_Q_LARGE=bq_large,
-                BLOCK_N_SMALL=block_n_small,
-                TILING=tiling,
-                KV_QUANT=kv_quant,
-                # fp32 q keeps its own dtype: fp16 operands would round it.
-                QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
-                                                         else kv_quant == 2)),
-                # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
-                FOLD_SCALE=bool(config.fold_scale and scale > 0),
-                USE_WINDOW=window > 0,
-                USE_SOFTCAP=softcap > 0,
-                HAS_SINKS=sinks is not None,
-                HAS_LSE=lse is not None,
-                UPCAST=INTERPRET,
-                # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
-                DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
-                PREFETCH_IDS=bool(config.prefetch_block_ids),
-                **fixed,
-            )
-    if concurrent:
-        main.wait_stream(side)
+    with side_branch(q.device, len(launches) == 2 and config.concurrent_classes) as side:
+        for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
+            if grid[0] == 0:
+                continue
+            large_launch = tiling != TILING_FUSED and i == 1
+            with side() if i == 0 else contextlib.nullcontext():
+                kernel[grid](
+                    q_ptr=q,
+                    k_cache_ptr=k_cache,
+                    v_cache_ptr=v_cache,
+                    out_ptr=out,
+                    k_scale_ptr=ks,
+                    v_scale_ptr=vs,
+                    sinks_ptr=sinks if sinks is not None else q,
+                    lse_ptr=lse if lse is not None else out,
+                    query_start_loc_ptr=query_start_loc,
+                    seq_lens_ptr=seq_lens,
+                    block_table_ptr=block_table,
+                    tile_end_ptr=tile_end_large if large_launch else tile_end_small,
+                    tile_end_large_ptr=tile_end_large,
+                    num_tokens=num_tokens,
+                    num_reqs=num_reqs,
+                    num_blocks=num_blocks,
+                    max_blocks_per_req=block_table.shape[1],
+                    num_kv_heads=num_kv_heads,
+                    num_large_tiles=large_bound,
+                    occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
+                    scale=float(scale),
+                    softcap=float(softcap) if softcap else 1.0,
+                    window=window,
+                    stride_q_t=q.stride(0),
+                    stride_q_h=q.stride(1),
+                    stride_k_b=k_cache.stride(0),
+                    stride_k_s=k_cache.stride(1),
+                    stride_k_h=k_cache.stride(2),
+                    stride_v_b=v_cache.stride(0),
+                    stride_v_s=v_cache.stride(1),
+                    stride_v_h=v_cache.stride(2),
+                    stride_ks_b=ks_strides[0],
+                    stride_ks_s=ks_strides[1],
+                    stride_ks_h=ks_strides[2],
+                    stride_vs_b=vs_strides[0],
+                    stride_vs_s=vs_strides[1],
+                    stride_vs_h=vs_strides[2],
+                    stride_o_t=out.stride(0),
+                    stride_o_h=out.stride(1),
+                    stride_lse_t=lse_strides[0],
+                    stride_lse_h=lse_strides[1],
+                    stride_bt_r=block_table.stride(0),
+                    stride_bt_b=block_table.stride(1),
+                    GROUP=group,
+                    GROUP_PAD=group_pad,
+                    HEAD_DIM=head_dim,
+                    HEAD_DIM_PAD=head_dim_pad,
+                    BLOCK_SIZE=block_size,
+                    BLOCK_Q=block_q,
+                    BLOCK_Q_LARGE=bq_large,
+                    BLOCK_N_SMALL=block_n_small,
+                    TILING=tiling,
+                    KV_QUANT=kv_quant,
+                    # fp32 q keeps its own dtype: fp16 operands would round it.
+                    QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
+                                                             else kv_quant == 2)),
+                    # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
+                    FOLD_SCALE=bool(config.fold_scale and scale > 0),
+                    USE_WINDOW=window > 0,
+                    USE_SOFTCAP=softcap > 0,
+                    HAS_SINKS=sinks is not None,
+                    HAS_LSE=lse is not None,
+                    UPCAST=INTERPRET,
+                    # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
+                    DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
+                    PREFETCH_IDS=bool(config.prefetch_block_ids),
+                    **fixed,
+                )
     return out
