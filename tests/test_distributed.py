@@ -3,7 +3,6 @@ equals attention over the whole context."""
 
 from __future__ import annotations
 
-import math
 import pathlib
 
 import pytest
@@ -82,7 +81,6 @@ def test_a_decode_step_over_two_ranks_equals_the_whole_context(tmp_path: pathlib
         real = torch.tensor([s > 0 for s in SEQ_LENS])
         torch.testing.assert_close(got_lse[real].double(), want_lse[real], atol=1e-5, rtol=1e-5)
         assert (got[~real] == 0).all() and torch.isneginf(got_lse[~real]).all(), "padding rows stay zero / -inf"
-    assert math.isfinite(float(results[0][0].abs().max()))
 
 
 def test_needs_an_initialised_process_group():

@@ -30,8 +30,8 @@ def merge_states(
     ``-inf`` where a part saw no key (its output is then ignored, even if NaN). ``sinks``
     (float32 ``[num_heads]``) adds one logit per head to the denominator, with no value.
     Returns ``(out, lse)`` with ``out`` in the outputs' dtype; rows where every part is empty
-    give zeros and ``-inf`` (with sinks too), never NaN. On CUDA with ``paged-triton-splitkv`` installed this
-    runs its Triton kernel; elsewhere PyTorch.
+    give zeros and ``-inf`` (with sinks too), never NaN. On CUDA with ``paged-triton-splitkv``
+    installed this runs its Triton kernel; elsewhere PyTorch.
 
     >>> o = torch.ones(2, 1, 1, 2); l = torch.tensor([[[0.0]], [[float("-inf")]]])
     >>> out, lse = merge_states(o, l)
