@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of data and block placement")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -159,7 +159,7 @@ class Config:
     def public(self) -> dict:
         d = dataclasses.asdict(self)
         d["device"] = str(self.device)
-        d["dtype"] = dtype_name(self.dtype)
+        d["dtype"] = _dtype_name(self.dtype)
         return d
 
 
@@ -819,7 +819,7 @@ def _print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not
       + f" · triton {env['triton'] or 'absent'} · {env['date']}\n")
     w(f"floor: read {env['read_bandwidth_Bps'] / 1e12:.3f} TB/s ({env['read_bandwidth_method']}) · "
       f"matmul {env['matmul_flops'] / 1e12:.1f} TFLOP/s ({env['matmul_method']})\n")
-    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, {dtype_name(cfg.dtype)}, "
+    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, {_dtype_name(cfg.dtype)}, "
       f"block {cfg.block_size}"
       + ("  (tiny CPU sizes)" if cfg.tiny else "") + "\n")
     if cfg.device.type != "cuda":
@@ -893,7 +893,7 @@ def _plot(path: str, env: dict, cfg: Config, rows: list[Row]) -> str | None:
         ax.set_xlabel("decode batch size (requests)")
         ax.set_ylabel("achieved GB/s of K/V needed")
         ax.set_title(f"decode at {n} tokens · {cfg.heads}/{cfg.kv_heads}x{cfg.head_dim} "
-                     f"{dtype_name(cfg.dtype)} block {cfg.block_size}")
+                     f"{_dtype_name(cfg.dtype)} block {cfg.block_size}")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
