@@ -4,18 +4,22 @@ What an engine does with paged: it owns the KV cache of every layer and a block 
 keeps each request's block list as its context grows, builds one BatchMeta per step (a chunked
 prefill next to whole prompts and decodes, then decodes), plans once per step, and for each
 layer writes the step's new K/V and runs attention. Each step's output is compared with the
-float64 reference on the same cache, so the loop doubles as an end-to-end check:
+float64 reference on the same cache, within the conformance suite's tolerance for the dtype
+(``paged_conformance.tolerances``: the example needs paged-conformance installed next to
+paged-core, ``pip install paged-conformance``), so the loop doubles as an end-to-end check:
 
     python examples/engine_loop.py                          # the reference backend, on the CPU
     python examples/engine_loop.py --backend triton-unified # Triton (interpreter without a GPU)
     python examples/engine_loop.py --backend flashinfer --device cuda --dtype bfloat16
 
-Exits 1 if any step's output is further from the reference than the dtype's tolerance.
+Exits 1 if any step's output is further from the reference than the dtype's tolerance, and
+says where (request, head, position).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -31,13 +35,12 @@ if ARGS.device == "cpu" and ARGS.backend.startswith("triton"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 import torch  # noqa: E402
+from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
 from paged_core import BatchMeta, BlockAllocator, PagedError, reference_attention, registry  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 NUM_BLOCKS = 64
 CHUNK = 16  # prefill tokens a request may add per step (chunked prefill)
-# Max |out - reference| / max |reference| accepted per dtype (as the conformance suite's).
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 class Request:
@@ -64,7 +67,8 @@ def main() -> int:
     allocator = BlockAllocator(NUM_BLOCKS, seed=0)
     requests = [Request(37), Request(5), Request(20)]  # a long prompt prefilled in chunks, two short ones
     gen = torch.Generator().manual_seed(0)
-    worst = 0.0
+    tolerance = output_tolerance(dtype)  # elementwise: |out - ref| <= atol + rtol * |ref|
+    worst, failures = 0.0, []
     for step in range(ARGS.steps):
         # Schedule: every request gets its next tokens; grow its block list to cover them.
         query_lens = [r.next_tokens() for r in requests]
@@ -75,21 +79,29 @@ def main() -> int:
                                     block_size=BLOCK_SIZE, device=device)
         plan = backend.plan(meta, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)
         errors = []
-        for cache in caches:
+        for layer, cache in enumerate(caches):
             # What the model's projections would produce for this step's tokens.
             q, k, v = (torch.randn(meta.num_tokens, h, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
                        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
             backend.write(cache, k, v, meta)
             out = backend.forward(q, cache, plan)
             want = reference_attention(q, cache, meta, compute_dtype=torch.float64)
-            errors.append(float((out.double() - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+            try:
+                errors.append(assert_close_to_reference(
+                    out, want, backend=backend.name, case=f"step {step}, layer {layer}", tolerance=tolerance,
+                    query_start_loc=[0, *itertools.accumulate(query_lens)], seq_lens=[r.seq_len for r in requests]))
+            except ConformanceFailure as exc:  # says where: request, head, position
+                errors.append(exc.max_error if exc.max_error is not None else math.inf)
+                failures.append(str(exc))
         worst = max(worst, *errors)
         kinds = ", ".join(f"{t} new/{r.seq_len}" for t, r in zip(query_lens, requests, strict=True))
-        print(f"step {step}: {meta.num_tokens:3d} tokens ({kinds}); max rel err per layer "
+        print(f"step {step}: {meta.num_tokens:3d} tokens ({kinds}); max abs err per layer "
               f"{', '.join(f'{e:.1e}' for e in errors)}", flush=True)
-    ok = worst <= TOLERANCE[dtype]
-    print(f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers, worst rel err {worst:.1e} "
-          f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {TOLERANCE[dtype]:.0e})")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    ok = not failures
+    print(f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers, worst abs err {worst:.1e} "
+          f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {tolerance})")
     return 0 if ok else 1
 
 

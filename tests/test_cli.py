@@ -1,4 +1,5 @@
-"""``paged list``: table and JSON, problems shown; once end to end through ``python -m paged_core``."""
+"""``paged list``: table and JSON, problems shown; once end to end through ``python -m paged_core``.
+Commands from plugins (``register_commands``), and what ``paged`` says when one is missing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from paged_core import Registry, _cli
+from paged_core import Registry, _cli, hookimpl
 
 REFERENCE_CAPS = (
     "head_dim any; block any; group any; dtype bfloat16,float16,float32; kv auto,fp8,int8; mixed; "
@@ -111,3 +112,104 @@ def test_python_m_paged_core_list(plugin_site):
     assert lines[1].strip() == REFERENCE_CAPS
     assert "Problems (these plugins were skipped; the others work):" in lines
     assert any(line.startswith("  fixture-broken (import): ImportError:") for line in lines)
+
+
+# ------------------------------------------------------------------------ commands from plugins
+class _Commands:
+    """A plugin adding ``hello`` (and, when asked, a command that breaks while registering)."""
+
+    def __init__(self, name="hello", *, fail=False, half=False):
+        self.name, self.fail, self.half = name, fail, half
+
+    @hookimpl
+    def register_commands(self, subparsers):
+        if self.fail:
+            raise RuntimeError(f"{self.name} cannot register")
+        p = subparsers.add_parser(self.name, help="say hello")
+        p.add_argument("--to", default="world")
+        if self.half:  # added, then raised before set_defaults
+            raise ValueError("half-registered")
+        p.set_defaults(func=lambda args: print(f"hello {args.to}") or 0)
+
+
+@pytest.fixture
+def command_registry(monkeypatch):
+    """A registry with no entry points (a group no distribution declares) for the CLI to use."""
+    reg = Registry(group="paged_cli_tests", env_var="PAGED_CLI_TESTS_PLUGINS")
+    monkeypatch.setattr(_cli, "registry", reg)
+    return reg
+
+
+def test_a_plugin_command_runs(command_registry, capsys):
+    command_registry.add_plugin(_Commands(), name="greeter")
+    assert _cli.main(["hello", "--to", "paged"]) == 0
+    assert capsys.readouterr().out == "hello paged\n"
+
+
+def test_a_plugin_whose_register_commands_fails_is_a_problem_not_a_crash(command_registry, capsys):
+    command_registry.add_plugin(_Commands("broken", fail=True), name="broken-commands")
+    command_registry.add_plugin(_Commands(), name="greeter")
+    assert _cli.main(["hello"]) == 0  # the other plugin's command still works
+    assert _cli.main(["list", "--json"]) == 0
+    out = capsys.readouterr().out
+    problems = json.loads(out[out.index("{"):])["problems"]
+    # Recorded once, although the parser was built twice.
+    assert problems == [{"source": "broken-commands", "stage": "register_commands",
+                         "message": "RuntimeError: broken cannot register"}]
+    assert _cli.main(["list"]) == 0
+    assert "  broken-commands (register_commands): RuntimeError: broken cannot register" in (
+        capsys.readouterr().out.splitlines())
+
+
+def test_a_half_registered_command_exits_2_with_the_problem(command_registry, capsys):
+    command_registry.add_plugin(_Commands("half", half=True), name="half-commands")
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["half"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "paged: error: 'half' did not finish registering: half-commands (register_commands): " \
+           "ValueError: half-registered" in err
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_a_missing_command_says_what_to_install(command_registry, monkeypatch, capsys, command):
+    monkeypatch.setattr(_cli, "_installed", lambda dist: None)
+    with pytest.raises(SystemExit) as exc:
+        _cli.main([command, "--backend", "reference", "--help"])  # its options do not matter
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: paged")
+    assert err.endswith(f"paged: error: '{command}' is provided by paged-conformance, which is not installed. "
+                        "To fix: pip install paged-conformance\n")
+    # ... and `paged --help` names it with the same advice.
+    with pytest.raises(SystemExit):
+        _cli.main(["--help"])
+    assert "(needs paged-conformance: pip install paged-conformance)" in capsys.readouterr().out
+
+
+def test_a_command_whose_plugin_is_left_out_says_so(command_registry, monkeypatch, capsys):
+    monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.1.0", ["conformance"]))
+    monkeypatch.setenv("PAGED_CLI_TESTS_PLUGINS", "reference")
+    with pytest.raises(SystemExit):
+        _cli.main(["check"])
+    assert ("'check' is provided by paged-conformance 0.1.0, whose plugin 'conformance' "
+            "PAGED_CLI_TESTS_PLUGINS='reference' leaves out. To fix: add conformance to "
+            "PAGED_CLI_TESTS_PLUGINS, or unset PAGED_CLI_TESTS_PLUGINS") in capsys.readouterr().err
+
+
+def test_a_command_whose_plugin_failed_names_the_failure(command_registry, monkeypatch, capsys):
+    monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.1.0", ["conformance"]))
+    command_registry.add_plugin(_Commands("check", fail=True), name="conformance")
+    with pytest.raises(SystemExit):
+        _cli.main(["bench"])
+    assert ("'bench' is provided by paged-conformance 0.1.0, but its plugin failed: conformance "
+            "(register_commands): RuntimeError: check cannot register") in capsys.readouterr().err
+
+
+def test_a_command_an_installed_plugin_does_not_register(command_registry, monkeypatch, capsys):
+    monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.0.9", []))  # an install from before the hook
+    with pytest.raises(SystemExit):
+        _cli.main(["check"])
+    assert ("'check' is provided by paged-conformance, but the installed paged-conformance 0.0.9 registers "
+            "no 'check' command. To fix: pip install --force-reinstall paged-conformance") in (
+        capsys.readouterr().err)

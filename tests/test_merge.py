@@ -155,3 +155,23 @@ def test_sinks_add_a_logit_without_a_value():
             assert lse[n, h].item() == pytest.approx(math.log(z), abs=1e-5)
     with pytest.raises(InputError, match=r"sinks has shape \[3\]; accepted: float32 \[num_heads=2\]"):
         merge_states(torch.stack(outs).float(), torch.stack(lses).float(), sinks=torch.zeros(3))
+
+
+@pytest.mark.parametrize("sinks", [None, torch.tensor([0.5, -1.0])])
+def test_a_nan_lse_gives_nan_for_its_row_only(sinks):
+    """NaN in, NaN out: a corrupted part must not merge into a finite, plausible answer (the
+    PyTorch path once weighed it as zero and returned the other parts' mix)."""
+    outs = torch.randn(3, 4, 2, 5)
+    lses = torch.randn(3, 4, 2)
+    lses[1, 2, 0] = float("nan")  # one part of row (token 2, head 0)
+    lses[2, 3] = -math.inf  # an empty part elsewhere: still ignored
+    out, lse = merge_states(outs, lses, sinks=sinks)
+    assert torch.isnan(out[2, 0]).all() and torch.isnan(lse[2, 0])
+    bad = torch.zeros(4, 2, dtype=torch.bool)
+    bad[2, 0] = True
+    assert torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all()
+    # The other rows are exactly what merging them without the NaN row gives.
+    keep = [0, 1, 3]
+    out_k, lse_k = merge_states(outs[:, keep], lses[:, keep], sinks=sinks)
+    assert torch.equal(out[keep], out_k) and torch.equal(lse[keep], lse_k)
+

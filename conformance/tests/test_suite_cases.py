@@ -7,6 +7,7 @@ import math
 
 import paged_conformance.cases
 import paged_conformance.tolerances
+import paged_conformance.workload
 import pytest
 import torch
 from paged_conformance.cases import SIZES, cases, default_size, get_case
@@ -120,9 +121,11 @@ def test_equal_infinities_match():
                                   what="lse", tolerance=Tolerance(1e-6, 0))
 
 
-@pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances])
+@pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances,
+                                    paged_conformance.workload])
 def test_doctests(module):
-    assert doctest.testmod(module).failed == 0
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_random_batches_at_full_size_vary_batches_not_shapes():
@@ -148,3 +151,18 @@ def test_random_batches_at_full_size_vary_batches_not_shapes():
 
     draws()
     assert len(seen) > 10  # the batches do vary
+
+
+def test_block_tables_share_the_prefix_and_nothing_else():
+    """The table builder of the suite's workloads and of ``paged bench``."""
+    from paged_conformance.workload import allocate_tables, blocks_needed
+    from paged_core import BlockAllocator
+
+    seq_lens = [40, 36, 0, 20]  # blocks of 16: 3, 3, none (padding), 2
+    assert blocks_needed(seq_lens, 16, shared_prefix_blocks=2) == 2 + 1 + 1 + 0
+    assert blocks_needed(seq_lens, 16) == 8
+    tables = allocate_tables(seq_lens, 16, BlockAllocator(9, shuffle=True, seed=1), shared_prefix_blocks=2)
+    assert [len(t) for t in tables] == [3, 3, 0, 2]
+    assert tables[0][:2] == tables[1][:2] == tables[3]
+    own = tables[0][2:] + tables[1][2:]
+    assert len(set(own)) == 2 and not set(own) & set(tables[3])

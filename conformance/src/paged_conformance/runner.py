@@ -24,7 +24,7 @@ from .cases import cases as all_cases
 from .report import FAIL, PASS, SKIP, Matrix, Outcome
 from .tolerances import ConformanceFailure
 
-__all__ = ["main", "merge", "run"]
+__all__ = ["add_arguments", "main", "merge", "run"]
 
 
 def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device, size: str) -> Outcome:
@@ -145,8 +145,24 @@ def merge(paths: Sequence[str]) -> Matrix:
         raise InputError(str(exc)) from None
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``paged check``."""
+    p.description = ("Run the conformance cases on every installed backend (or --backend A,B) now and "
+                     "print the backend x case verdict table; writes the report as Markdown and JSON.")
+    p.add_argument("--backend", action="append", help="only this backend (repeatable or A,B)")
+    p.add_argument("--size", choices=["small", "full"], default=None,
+                   help="case size: small (CPU default) or full (GPU default)")
+    p.add_argument("--case", action="append", help="only cases whose id contains this text")
+    p.add_argument("--report", default="conformance-report", help="report path without extension")
+    p.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: merge these reports of earlier runs (same size and device; for a "
+                        "(backend, case, check) in several, the later file wins) into --report")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Entry point of ``paged check`` (see ``paged_core._cli``): 0 if nothing failed, else 1."""
+    """``paged check`` (registered by :mod:`.commands`): 0 if nothing failed, 1 if something did,
+    2 on a usage error."""
     started = time.perf_counter()
     try:
         if getattr(args, "merge", None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from paged_core import (
@@ -27,7 +28,8 @@ from paged_core import (
 from .cases import Case
 from .tolerances import ConformanceFailure
 
-__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS"]
+__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS", "allocate_tables",
+           "blocks_needed"]
 
 #: Blocks in the pool beyond what the batch needs (plus the reserved block 0): garbage to catch
 #: reads through the wrong block id.
@@ -109,6 +111,32 @@ class Workload:
         return cache
 
 
+def blocks_needed(seq_lens: Sequence[int], block_size: int, *, shared_prefix_blocks: int = 0) -> int:
+    """KV blocks a batch occupies: the shared prefix once, then each request's own blocks.
+
+    >>> blocks_needed([40, 36, 0], 16, shared_prefix_blocks=2)  # 3 + 3 blocks, 2 of them shared
+    4
+    """
+    pb = shared_prefix_blocks
+    return pb + sum(max(0, math.ceil(s / block_size) - pb) for s in seq_lens)
+
+
+def allocate_tables(seq_lens: Sequence[int], block_size: int, allocator: BlockAllocator, *,
+                    shared_prefix_blocks: int = 0) -> list[list[int]]:
+    """Each request's block table, drawn from ``allocator``: the first ``shared_prefix_blocks``
+    logical blocks are the same physical blocks in every request (a prefix cached once, as
+    parallel sampling and cascade attention see it), the rest its own. The suite's workloads
+    and ``paged bench`` build their batches with it. A padding request (seq_len 0) gets ``[]``.
+    """
+    pb = shared_prefix_blocks
+    prefix = allocator.allocate(pb) if pb else []
+    tables = []
+    for s in seq_lens:
+        n = math.ceil(s / block_size)
+        tables.append(prefix[: min(pb, n)] + (allocator.allocate(n - pb) if n > pb else []))
+    return tables
+
+
 def _garbage_(cache: KVCache, g: torch.Generator) -> None:
     """Fill every slot (and scale) of ``cache`` with finite, non-zero garbage."""
     for name, t in storage(cache).items():
@@ -170,13 +198,11 @@ def _draw(case: Case, device: torch.device) -> Workload:
     n = case.num_tokens
 
     shared = case.shared_prefix_blocks
-    needed = sum(math.ceil(s / case.block_size) - shared if s else 0 for s in case.seq_lens) + shared
+    needed = blocks_needed(case.seq_lens, case.block_size, shared_prefix_blocks=shared)
     num_blocks = needed + 1 + SPARE_BLOCKS  # + the reserved block 0
     allocator = BlockAllocator(num_blocks, shuffle=True, seed=case.seed)
     if shared:
-        prefix = allocator.allocate(shared)
-        tables = [prefix + allocator.allocate(math.ceil(s / case.block_size) - shared) if s else []
-                  for s in case.seq_lens]
+        tables = allocate_tables(case.seq_lens, case.block_size, allocator, shared_prefix_blocks=shared)
         meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
                                     device=device)
     else:

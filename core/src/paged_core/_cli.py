@@ -1,14 +1,22 @@
-"""The ``paged`` command line: ``list``, ``check`` and ``bench``."""
+"""The ``paged`` command line. Core owns the entry point and ``list``; every other command comes
+from a plugin's ``register_commands`` hook (``check`` and ``bench`` from paged-conformance).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import sys
 
 from ._registry import registry
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "PROVIDERS"]
+
+#: Commands that this project's other distributions provide, and which one: when a command is
+#: missing, ``paged`` says what to install instead of "invalid choice".
+PROVIDERS = {"check": "paged-conformance", "bench": "paged-conformance"}
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -49,22 +57,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    try:
-        from paged_conformance.runner import main as check_main
-    except ImportError as exc:
-        print(f"paged check needs the conformance suite ({exc}). To fix: pip install paged-conformance",
-              file=sys.stderr)
-        return 2
-    return check_main(args)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from ._bench import main as bench_main
-
-    return bench_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged", description="Paged-attention backends behind one contract.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -73,26 +65,56 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.set_defaults(func=_cmd_list)
 
-    ck = sub.add_parser("check", help="run the conformance cases on installed backends now")
-    ck.add_argument("--backend", action="append", help="only this backend (repeatable or A,B)")
-    ck.add_argument("--size", choices=["small", "full"], default=None,
-                    help="case size: small (CPU default) or full (GPU default)")
-    ck.add_argument("--case", action="append", help="only cases whose id contains this text")
-    ck.add_argument("--report", default="conformance-report", help="report path without extension")
-    ck.add_argument("--json", action="store_true", help="print the matrix as JSON")
-    ck.add_argument("--merge", nargs="+", metavar="JSON",
-                    help="run nothing: merge these reports of earlier runs (same size and device; for a "
-                         "(backend, case, check) in several, the later file wins) into --report")
-    ck.set_defaults(func=_cmd_check)
-
-    from ._bench import add_arguments
-
-    bn = sub.add_parser("bench", help="time installed backends against the bandwidth floor")
-    add_arguments(bn)
-    bn.set_defaults(func=_cmd_bench)
+    # Every other command: the plugins' (a plugin that fails here is a problem `paged list` shows).
+    registry.call_hook("register_commands", subparsers=sub)
+    for name, dist in PROVIDERS.items():
+        if name not in sub.choices:
+            _add_missing(p, sub, name, dist)
     return p
 
 
+def _add_missing(parser: argparse.ArgumentParser, sub, name: str, dist: str) -> None:
+    """A stand-in for command ``name`` that says why it is missing and what fixes it (exit 2)."""
+    # prefix_chars no argument uses: `paged check --backend x` reaches the message, not
+    # "unrecognized arguments".
+    stub = sub.add_parser(name, help=f"(needs {dist}: pip install {dist})", add_help=False, prefix_chars="\0")
+    stub.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    stub.set_defaults(func=lambda args: parser.error(_why_missing(name, dist)))
+
+
+def _installed(dist: str) -> tuple[str, list[str]] | None:
+    """``(version, its entry-point names in the plugin group)`` of distribution ``dist``, or None."""
+    try:
+        d = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return d.version, sorted(ep.name for ep in d.entry_points if ep.group == registry.group)
+
+
+def _why_missing(name: str, dist: str) -> str:
+    found = _installed(dist)
+    if found is None:
+        return f"'{name}' is provided by {dist}, which is not installed. To fix: pip install {dist}"
+    version, plugins = found
+    wanted = os.environ.get(registry.env_var)
+    allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
+    left_out = [ep for ep in plugins if allow is not None and ep not in allow]
+    if plugins and left_out == plugins:
+        return (f"'{name}' is provided by {dist} {version}, whose plugin {left_out[0]!r} "
+                f"{registry.env_var}={wanted!r} leaves out. To fix: add {left_out[0]} to "
+                f"{registry.env_var}, or unset {registry.env_var}")
+    failed = [str(p) for p in registry.problems() if p.source in plugins]
+    if failed:
+        return f"'{name}' is provided by {dist} {version}, but its plugin failed: " + "; ".join(failed)
+    return (f"'{name}' is provided by {dist}, but the installed {dist} {version} registers no "
+            f"'{name}' command. To fix: pip install --force-reinstall {dist}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:  # a plugin added the command, then raised before it set func
+        failed = "; ".join(str(p) for p in registry.problems() if p.stage == "register_commands")
+        parser.error(f"'{args.command}' did not finish registering: {failed or 'no func was set'}")
+    return func(args)

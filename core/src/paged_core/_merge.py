@@ -4,6 +4,9 @@ If ``out_s`` is softmax attention over key set ``K_s`` normalised within ``K_s``
 log-sum-exp of its logits, attention over the union is ``Σ_s exp(lse_s - lse) · out_s`` with
 ``lse = logsumexp_s(lse_s)``. This merges Flash-Decoding splits, cascade (shared prefix + suffix)
 passes and context-parallel ranks. Convention: natural log, float32, ``[num_tokens, num_heads]``.
+
+This is plain PyTorch on every device, exact, and imports no plugin: on CUDA,
+``paged_triton_splitkv.merge_states`` is the same merge as one Triton launch.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ def merge_states(
     ``-inf`` where a part saw no key (its output is then ignored, even if NaN). ``sinks``
     (float32 ``[num_heads]``) adds one logit per head to the denominator, with no value.
     Returns ``(out, lse)`` with ``out`` in the outputs' dtype; rows where every part is empty
-    give zeros and ``-inf`` (with sinks too), never NaN. On CUDA with ``paged-triton-splitkv``
-    installed this runs its Triton kernel; elsewhere PyTorch.
+    give zeros and ``-inf`` (with sinks too), never NaN. A NaN log-sum-exp in any part makes that
+    row's ``out`` and ``lse`` NaN: a corrupted input never turns into a finite answer. PyTorch on
+    every device; ``paged_triton_splitkv.merge_states`` is the Triton kernel of the same merge.
 
     >>> o = torch.ones(2, 1, 1, 2); l = torch.tensor([[[0.0]], [[float("-inf")]]])
     >>> out, lse = merge_states(o, l)
@@ -47,23 +51,19 @@ def merge_states(
         )
     if sinks is not None and tuple(sinks.shape) != (outs.shape[2],):
         raise InputError(f"sinks has shape {list(sinks.shape)}; accepted: float32 [num_heads={outs.shape[2]}]")
-    if outs.is_cuda:
-        try:
-            from paged_triton_splitkv.launch import merge_states as merge_kernel
-        except ImportError:
-            pass  # the PyTorch path below is exact too, only slower
-        else:
-            return merge_kernel(outs, ls.float(), sinks=sinks)
     ls = ls.float()
     total = ls if sinks is None else torch.cat([ls, sinks.float().view(1, 1, -1).expand(1, *ls.shape[1:])])
     lse = torch.logsumexp(total, dim=0)  # [N, H]
     # A row that no part saw (every lse_s = -inf) has no visible key: -inf, sinks or not (the
     # kernels' convention), never the sink's own log-sum-exp.
     lse = torch.where(torch.isneginf(ls).all(dim=0), float("-inf"), lse)
-    # Guard the all-empty rows: -inf - -inf is NaN, so weigh them against 0 instead.
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    # Guard the all-empty rows: -inf - -inf is NaN, so weigh them against 0 instead. Only those:
+    # a NaN lse (NaN in some part) stays NaN, so every weight of its row is NaN.
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     w = torch.exp(ls - safe[None])  # [S, N, H]; exactly 0 for empty parts
-    out = torch.where(w[..., None] > 0, w[..., None] * outs.float(), 0.0).sum(dim=0)
+    # An empty part may hold anything (even NaN): a zero weight must not let it through. A NaN
+    # weight must, so the test is != 0, not > 0 (the Triton merge kernel's rule).
+    out = torch.where(w[..., None] != 0, w[..., None] * outs.float(), 0.0).sum(dim=0)
     return out.to(outs.dtype), lse
 
 

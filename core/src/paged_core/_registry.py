@@ -44,7 +44,8 @@ class Problem:
 
     #: The entry point / plugin name, or the backend name for a failed backend import.
     source: str
-    #: Where it failed: "import", "register_backends", "register", "backend".
+    #: Where it failed: "import", "register_backends", "register", "backend", or the name of
+    #: another hook whose implementation raised ("register_commands").
     stage: str
     message: str
     traceback: str = ""
@@ -147,6 +148,27 @@ class Registry:
             except Exception as exc:  # recorded: the other plugins still register
                 self._problems.append(Problem(plugin_name, "register_backends",
                                               f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+    def call_hook(self, hook: str, **kwargs: Any) -> None:
+        """Call hook ``hook`` of every loaded plugin with ``kwargs``, one plugin at a time.
+
+        For hooks other than ``register_backends`` (which loading calls), such as
+        ``register_commands``: a plugin whose implementation raises is recorded in
+        :meth:`problems` (stage: the hook's name) and the other plugins still run.
+        """
+        with self._lock:
+            self._ensure_loaded()
+            assert self._pm is not None
+            for impl in getattr(self._pm.hook, hook).get_hookimpls():
+                plugin_name = self._pm.get_name(impl.plugin) or repr(impl.plugin)
+                try:
+                    impl.function(**{k: kwargs[k] for k in impl.argnames})
+                except Exception as exc:  # recorded: the other plugins' hooks still run
+                    problem = Problem(plugin_name, hook, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                    # Once, however often the hook is called (a process may build several parsers).
+                    if not any((p.source, p.stage, p.message) == (problem.source, problem.stage, problem.message)
+                               for p in self._problems):
+                        self._problems.append(problem)
 
     def _register(self, name, target, *, plugin, api_version, priority, install, distribution, version):
         def problem(msg):

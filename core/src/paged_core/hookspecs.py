@@ -1,4 +1,4 @@
-"""The plugin contract of paged: one hook, ``register_backends``.
+"""The plugin contract of paged: two hooks, ``register_backends`` and ``register_commands``.
 
 A plugin is a module named by an entry point in the group ``paged_core``::
 
@@ -13,21 +13,29 @@ backend is used::
     @hookimpl
     def register_backends(register):
         register("mybackend", "paged_mybackend.backend:MyBackend")
+
+A plugin may add subcommands to the ``paged`` command line the same way (``register_commands``);
+core itself provides only ``paged list``.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Protocol
 
 import pluggy
 
-__all__ = ["PROJECT", "HOOK_API_VERSION", "hookspec", "hookimpl", "Register", "register_backends"]
+__all__ = [
+    "PROJECT", "HOOK_API_VERSION", "hookspec", "hookimpl", "Register", "register_backends", "register_commands",
+]
 
 #: The pluggy project name and the entry-point group plugins are found in.
 PROJECT = "paged_core"
 #: The version of this hook API. A plugin passes the version it was written for as
 #: ``api_version``; one newer than this core is refused with a message, not a traceback.
-HOOK_API_VERSION = 1
+#: 1: ``register_backends``. 2: adds ``register_commands`` (a plugin that needs it can compare
+#: ``paged_core.HOOK_API_VERSION``; an older core never calls it, so the commands are absent).
+HOOK_API_VERSION = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -59,4 +67,28 @@ def register_backends(register: Register) -> None:
     - ``install``: the command that installs what the backend needs, shown when it cannot load.
 
     Errors in one plugin are recorded (``registry.problems()``) and never stop the others.
+    """
+
+
+@hookspec
+def register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add this plugin's subcommands to the ``paged`` command line.
+
+    ``subparsers`` is the ``argparse`` subparsers action of ``paged`` (the object
+    ``ArgumentParser.add_subparsers`` returns). For each command, call
+    ``subparsers.add_parser(name, help=...)``, add its options, and
+    ``set_defaults(func=run)``, where ``run(args: argparse.Namespace) -> int`` does the work and
+    returns the exit status (0 success, 1 a failed result, 2 a usage error)::
+
+        @hookimpl
+        def register_commands(subparsers):
+            p = subparsers.add_parser("check", help="run the conformance cases now")
+            p.add_argument("--backend", action="append")
+            p.set_defaults(func=lambda args: run_checks(args))
+
+    Keep it cheap: it runs for every ``paged`` invocation, ``paged list`` included, so import
+    heavy modules inside ``run``. Core owns the ``paged`` entry point and ``list`` (added first);
+    do not reuse a name that is taken (argparse refuses it). A plugin whose hook raises is recorded
+    (``registry.problems()``, shown by ``paged list``) and the other plugins' commands still
+    work. ``PAGED_PLUGINS`` narrows these plugins like any other.
     """

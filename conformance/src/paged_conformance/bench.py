@@ -11,10 +11,14 @@ are built once; then, in this one process, every backend in turn:
    without Triton, a host clock on the CPU.
 
 The floors come from the same run: the read bandwidth of a streaming-read kernel and the dense
-matrix rate (see ``_floor``). Each row reports ms, GB/s of the K/V (and scales, Q and O) the
+matrix rate (see :mod:`.floor`). Each row reports ms, GB/s of the K/V (and scales, Q and O) the
 batch must move, the percentage of the bandwidth floor, TFLOP/s where the case computes, and the
 ratio to the fastest row of the case. PyTorch's ``scaled_dot_product_attention`` (flash and
 cuDNN) on the same data laid out contiguously runs beside them, labelled non-paged.
+
+The correctness check uses the suite's output tolerances (:mod:`.tolerances`) and the cases'
+per-request lengths are the suite's :class:`.cases.Batch`; the batches themselves are the
+benchmark's own (large, timed), not the suite's (small, exhaustive).
 """
 
 from __future__ import annotations
@@ -34,15 +38,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from paged_core import (
+    AttentionSpec,
+    Backend,
+    BatchMeta,
+    BlockAllocator,
+    KVCache,
+    PagedError,
+    Registry,
+    allocate_kv_cache,
+    kv_bytes_per_token,
+    quantize_kv,
+    reference_attention,
+)
 
-from . import _floor
-from ._backend import Backend
-from ._batch import BatchMeta, BlockAllocator
-from ._cache import KVCache, allocate_kv_cache, kv_bytes_per_token, quantize_kv
-from ._errors import PagedError
-from ._reference import reference_attention
-from ._registry import Registry
-from ._spec import AttentionSpec, dtype_name
+from . import floor as _floor
+from .cases import Batch
+from .tolerances import Tolerance, output_tolerance
+from .workload import allocate_tables, blocks_needed
 
 __all__ = ["add_arguments", "main", "run", "CASE_IDS"]
 
@@ -60,10 +73,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "float32": torch.float32, "fp32": torch.float32,
 }
-# (atol, rtol) per model dtype, elementwise against the float32 reference on the same (dequantized)
-# cache values, doubled for int8/fp8 caches: paged_conformance.tolerances' numbers, used when
-# that package is not installed.
-_LOCAL_TOL = {torch.bfloat16: (1.5e-2, 1e-2), torch.float16: (2e-3, 2e-3), torch.float32: (2e-3, 2e-3)}
 _CPU_NOTE = "CPU timings — not representative; run on a GPU for real numbers"
 
 
@@ -106,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of data and block placement")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _split(values: Sequence[str] | None) -> list[str]:
     return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
 
@@ -146,7 +159,7 @@ class Config:
     def public(self) -> dict:
         d = dataclasses.asdict(self)
         d["device"] = str(self.device)
-        d["dtype"] = dtype_name(self.dtype)
+        d["dtype"] = _dtype_name(self.dtype)
         return d
 
 
@@ -208,19 +221,25 @@ def _config(args: argparse.Namespace) -> Config:
 # ============================================================================================ cases
 @dataclasses.dataclass
 class Case:
-    """One batch shape. ``query_lens[r]`` new tokens, ``seq_lens[r]`` tokens of context after them."""
+    """One timed batch: its per-request lengths (the suite's :class:`.cases.Batch`) and labels."""
 
     id: str
     kind: str  # decode | mixed | prefill | cascade
     shape: str
-    query_lens: list[int]
-    seq_lens: list[int]
+    #: ``query_lens[r]`` new tokens of ``seq_lens[r]`` in all, and the blocks every request shares.
+    lengths: Batch
     kv_dtype: str = "auto"
-    #: Tokens at the start of every request held in the same physical blocks (cascade).
-    prefix_tokens: int = 0
     group: str = ""  # "sweep" for sweep points
     batch: int = 0
     description: str = ""
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        return self.lengths.query_lens
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self.lengths.seq_lens
 
     @property
     def uniform(self) -> bool:
@@ -236,7 +255,7 @@ def _cases(cfg: Config) -> list[Case]:
     g = torch.Generator().manual_seed(cfg.seed + 1)
 
     def decode(cid, b, n, desc, kv="auto"):
-        return Case(cid, "decode", f"{b}x{n}", [1] * b, [n] * b, kv_dtype=kv, description=desc)
+        return Case(cid, "decode", f"{b}x{n}", Batch((1,) * b, (n,) * b), kv_dtype=kv, description=desc)
 
     out: list[Case] = []
     for cid in CASE_IDS:
@@ -261,14 +280,14 @@ def _cases(cfg: Config) -> list[Case]:
             chunk, ctxs, ndec, dlen, spread = (
                 (8, [8, 24], 2, 40, 8) if t else (512, [1024, 3072], 30, 2000, 100))
             dec = [dlen + int(x) for x in torch.randint(-spread, spread + 1, (ndec,), generator=g)]
-            qlens = [1] * ndec + [chunk] * len(ctxs)
-            slens = dec + [c + chunk for c in ctxs]
-            out.append(Case(cid, "mixed", f"{len(ctxs)}x{chunk}+{ndec}x~{dlen}", qlens, slens,
+            qlens = (1,) * ndec + (chunk,) * len(ctxs)
+            slens = (*dec, *(c + chunk for c in ctxs))
+            out.append(Case(cid, "mixed", f"{len(ctxs)}x{chunk}+{ndec}x~{dlen}", Batch(qlens, slens),
                             description=f"{len(ctxs)} prefill chunks of {chunk} (context {ctxs}) + "
                                         f"{ndec} decodes at ~{dlen}"))
         elif cid == "prefill":
             b, n = (2, 16) if t else (8, 2048)
-            out.append(Case(cid, "prefill", f"{b}x{n}", [n] * b, [n] * b,
+            out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b),
                             description="whole prompts, causal"))
         elif cid in ("decode-int8", "decode-fp8"):
             b, n = (2, 64) if t else (64, 4096)
@@ -277,8 +296,9 @@ def _cases(cfg: Config) -> list[Case]:
         elif cid == "cascade":
             b, prefix, suffix = (4, 32, 8) if t else (64, 4000, 100)
             shared = prefix // cfg.block_size * cfg.block_size
-            out.append(Case(cid, "cascade", f"{b}x({prefix}+{suffix})", [1] * b, [prefix + suffix] * b,
-                            prefix_tokens=shared,
+            out.append(Case(cid, "cascade", f"{b}x({prefix}+{suffix})",
+                            Batch((1,) * b, (prefix + suffix,) * b,
+                                  shared_prefix_blocks=prefix // cfg.block_size),
                             description=f"{b} decodes sharing a {prefix}-token prefix ({shared} tokens "
                                         f"in the same physical blocks) + {suffix}-token suffixes"))
         elif cid == "sweep":
@@ -398,17 +418,14 @@ def _unique_kv_tokens(tables: list[list[int]], slens: list[int], bs: int) -> int
 def _build_pool(cfg: Config, case: Case, seed: int):
     """The meta (random, non-contiguous blocks; the prefix shared for cascade) and a filled cache."""
     bs = cfg.block_size
-    pb = case.prefix_tokens // bs
-    need = pb + sum(max(0, math.ceil(s / bs) - pb) for s in case.seq_lens)
+    pb = case.lengths.shared_prefix_blocks
+    need = blocks_needed(case.seq_lens, bs, shared_prefix_blocks=pb)
     per_block = bs * kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype)
     num_blocks = max(need + 1, cfg.min_pool_bytes // per_block)
     alloc = BlockAllocator(num_blocks, shuffle=True, seed=seed)
-    prefix = alloc.allocate(pb) if pb else []
-    tables = []
-    for s in case.seq_lens:
-        n = math.ceil(s / bs)
-        tables.append(prefix[: min(pb, n)] + alloc.allocate(max(0, n - pb)))
-    meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=bs, device=cfg.device)
+    tables = allocate_tables(case.seq_lens, bs, alloc, shared_prefix_blocks=pb)
+    meta = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
+                                device=cfg.device)
     cache = allocate_kv_cache(num_blocks, bs, cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype,
                               kv_dtype=case.kv_dtype, device=cfg.device)
     _fill_cache(cache, seed)
@@ -444,7 +461,7 @@ def _materialize(cfg: Config, cases: list[Case]):
                 sweep_pools.clear()
                 _free(cfg.device)
                 bmax = max(c.batch for c in cases if c.group == "sweep" and c.seq_lens[0] == n)
-                big = Case("sweep-pool", "decode", f"{bmax}x{n}", [1] * bmax, [n] * bmax)
+                big = Case("sweep-pool", "decode", f"{bmax}x{n}", Batch((1,) * bmax, (n,) * bmax))
                 sweep_pools[n] = _build_pool(cfg, big, seed)
             meta_all, cache, tables_all = sweep_pools[n]
             b = case.batch
@@ -488,32 +505,12 @@ def _free(device: torch.device) -> None:
 
 
 # ============================================================================================ checking
-@dataclasses.dataclass(frozen=True)
-class Tol:
-    """Elementwise ``|out - ref| <= atol + rtol * |ref|`` (the conformance suite's rule)."""
-
-    atol: float
-    rtol: float
-    source: str
-
-    def __str__(self) -> str:
-        return f"{self.atol:.1e} + {self.rtol:.1e}*|ref| ({self.source})"
+def _tolerance_label(tol: Tolerance) -> str:
+    """How rows and case infos name the tolerance (the suite's, elementwise against the reference)."""
+    return f"{tol} (paged_conformance)"
 
 
-def _tolerance(dtype: torch.dtype, kv_dtype: str) -> Tol:
-    """paged_conformance's output tolerance when it is installed, else the same numbers kept here."""
-    try:
-        from paged_conformance.tolerances import output_tolerance  # type: ignore
-
-        t = output_tolerance(dtype, kv_dtype)
-        return Tol(float(t.atol), float(t.rtol), "paged_conformance")
-    except Exception:
-        atol, rtol = _LOCAL_TOL.get(dtype, _LOCAL_TOL[torch.bfloat16])
-        factor = 1.0 if kv_dtype == "auto" else 2.0
-        return Tol(atol * factor, rtol * factor, "paged bench")
-
-
-def _check(out_rows: torch.Tensor, ref: torch.Tensor, tol: Tol) -> tuple[bool, float, str]:
+def _check(out_rows: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, float, str]:
     """(passed, max|out-ref| / max|ref|, status). NaN or inf anywhere fails (poisoned rows unwritten)."""
     o = out_rows.float()
     if not bool(torch.isfinite(o).all()):
@@ -523,7 +520,7 @@ def _check(out_rows: torch.Tensor, ref: torch.Tensor, tol: Tol) -> tuple[bool, f
     rel = float(diff.max()) / float(ref.abs().max().clamp_min(1e-6))
     over = float((diff / (tol.atol + tol.rtol * ref.abs())).max())
     if over > 1.0:
-        return False, rel, (f"WRONG: |out-ref| reaches {over:.3g}x the tolerance {tol} "
+        return False, rel, (f"WRONG: |out-ref| reaches {over:.3g}x the tolerance {_tolerance_label(tol)} "
                             f"(max|out-ref|/max|ref| = {rel:.3g})")
     return True, rel, "ok"
 
@@ -582,8 +579,9 @@ def _graph_fn(fn, device):
         return None, _short(exc)
 
 
-def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tol) -> Row:
-    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, name, True, tolerance=str(tol))
+def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tolerance) -> Row:
+    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, name, True,
+              tolerance=_tolerance_label(tol))
     spec = AttentionSpec(
         num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=cfg.block_size,
         dtype=cfg.dtype, kv_dtype=case.kv_dtype, device=cfg.device.type, decode_only=data.meta.decode_only,
@@ -663,7 +661,7 @@ def _contiguous(t: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     return x.reshape(x.shape[0], nblk * t.shape[1], *t.shape[2:])[:, :n].transpose(1, 2).contiguous()
 
 
-def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: Tol) -> list[Row]:
+def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: Tolerance) -> list[Row]:
     import torch.nn.functional as F
 
     try:
@@ -688,7 +686,7 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     rep_kv: tuple | None = None
     for b in wanted:
         row = Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
-                  tolerance=str(tol))
+                  tolerance=_tolerance_label(tol))
         rows.append(row)
         if b not in kinds:
             row.status = f"skip: unknown baseline {b}"
@@ -821,7 +819,7 @@ def _print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not
       + f" · triton {env['triton'] or 'absent'} · {env['date']}\n")
     w(f"floor: read {env['read_bandwidth_Bps'] / 1e12:.3f} TB/s ({env['read_bandwidth_method']}) · "
       f"matmul {env['matmul_flops'] / 1e12:.1f} TFLOP/s ({env['matmul_method']})\n")
-    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, {dtype_name(cfg.dtype)}, "
+    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, {_dtype_name(cfg.dtype)}, "
       f"block {cfg.block_size}"
       + ("  (tiny CPU sizes)" if cfg.tiny else "") + "\n")
     if cfg.device.type != "cuda":
@@ -895,7 +893,7 @@ def _plot(path: str, env: dict, cfg: Config, rows: list[Row]) -> str | None:
         ax.set_xlabel("decode batch size (requests)")
         ax.set_ylabel("achieved GB/s of K/V needed")
         ax.set_title(f"decode at {n} tokens · {cfg.heads}/{cfg.kv_heads}x{cfg.head_dim} "
-                     f"{dtype_name(cfg.dtype)} block {cfg.block_size}")
+                     f"{_dtype_name(cfg.dtype)} block {cfg.block_size}")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -921,7 +919,7 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
         # --device cpu on a GPU machine it stays off: Triton backends then skip with their reason.
         os.environ["TRITON_INTERPRET"] = "1"
     if registry is None:
-        from ._registry import registry as default_registry
+        from paged_core import registry as default_registry
 
         registry = default_registry
     cfg = _config(args)
@@ -937,9 +935,7 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
     if asked:
         missing = [a for a in asked if a not in names and a not in SDPA_BASELINES]
         if missing:
-            from ._errors import BackendNotFoundError
-
-            raise BackendNotFoundError(registry._not_found(missing[0]))
+            registry.registration(missing[0])  # raises BackendNotFoundError: which, and what to install
         chosen = [a for a in asked if a in names]
     else:
         chosen = [n for n in names if not (n == "reference" and cfg.device.type == "cuda")]
@@ -1005,14 +1001,14 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
             "description": case.description, "num_reqs": len(case.seq_lens),
             "num_tokens": sum(case.query_lens),
             "max_seq_len": max(case.seq_lens), "total_context": sum(case.seq_lens), "kv_dtype": case.kv_dtype,
-            "prefix_tokens": case.prefix_tokens, "kv_bytes": data.kv_bytes,
+            "prefix_tokens": case.lengths.shared_prefix_blocks * cfg.block_size, "kv_bytes": data.kv_bytes,
             "kv_bytes_logical": data.kv_bytes_logical, "qo_bytes": data.qo_bytes, "flops": data.flops,
             "checked_requests": data.checked_reqs, "pool_bytes": _pool_bytes(data.cache),
         }
         case_infos.append(info)
         case_rows: list[Row] = []
-        tol = _tolerance(cfg.dtype, case.kv_dtype)
-        info["tolerance"] = str(tol)
+        tol = output_tolerance(cfg.dtype, case.kv_dtype)
+        info["tolerance"] = _tolerance_label(tol)
         for name, backend in backends.items():
             row = _run_backend(cfg, case, data, name, backend, tol)
             case_rows.append(row)

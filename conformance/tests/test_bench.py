@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
-from paged_core import KV_DTYPES, Backend, Capabilities, Registry, _bench, _cli, hookimpl, reference_attention
+from paged_conformance import bench as _bench
+from paged_conformance.tolerances import output_tolerance
+from paged_core import KV_DTYPES, Backend, Capabilities, Registry, _cli, hookimpl, reference_attention
 
 
 class _Counting(Backend):
@@ -215,6 +217,12 @@ def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_r
     assert data["not_run"]["sdpa-cudnn"]
 
     by_id = {c["id"]: c for c in data["cases"]}
+    # Checked with the suite's tolerance table (bf16; doubled for a quantized cache).
+    for cid in ids:
+        kv = by_id[cid]["kv_dtype"]
+        want = f"{output_tolerance(torch.bfloat16, kv)} (paged_conformance)"
+        assert by_id[cid]["tolerance"] == want and rows[(cid, "reference")]["tolerance"] == want
+    assert by_id["decode-int8"]["tolerance"] != by_id["decode"]["tolerance"]
     # Cascade: the shared prefix counts once in the bytes the batch needs.
     casc = by_id["cascade"]
     assert casc["prefix_tokens"] == 32 and casc["kv_bytes"] < casc["kv_bytes_logical"]

@@ -1,0 +1,42 @@
+"""``paged check`` and ``paged bench`` reach core's ``paged`` through this distribution's plugin."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+
+def _paged(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PAGED_PLUGINS"}
+    return subprocess.run([sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_the_plugin_is_an_entry_point_of_the_paged_core_group():
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="paged_core")}
+    assert eps.get("conformance") == "paged_conformance.commands"
+
+
+def test_paged_help_lists_check_and_bench_from_the_plugin():
+    proc = _paged("--help")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("    ")}
+    assert "run the conformance cases" in lines["check"]
+    assert "bandwidth floor" in lines["bench"]
+    assert "needs paged-conformance" not in proc.stdout
+    # Loading the commands is no problem of any plugin.
+    listed = _paged("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [p for p in json.loads(listed.stdout)["problems"] if p["source"] == "conformance"] == []
+
+
+def test_paged_bench_help_keeps_its_options():
+    proc = _paged("bench", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--backend", "--cases", "--heads", "--kv-heads", "--head-dim", "--block-size", "--dtype",
+                   "--sweep-len", "--sweep-batches", "--json", "--plot", "--quick", "--device", "--warmup",
+                   "--rep", "--no-cuda-graph", "--no-baselines", "--seed"):
+        assert option in proc.stdout, option

@@ -1,0 +1,92 @@
+"""Dependencies point one way: paged-core imports nothing of this repository's other distributions.
+
+Plugins, the conformance suite and integrations depend on core; core reaches them only through
+its hooks (``register_backends``, ``register_commands``) and dotted paths they register. Every
+import statement of every module of ``paged_core`` is read from its source (the AST, so
+function-local and ``try``-guarded imports count too), as is every ``importlib.import_module``
+or ``__import__`` of a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core" / "src" / "paged_core"
+
+
+def _distributions() -> dict[str, str]:
+    """Top-level import name -> distribution, for every distribution of this repository but core
+    (each ``pyproject.toml`` with a ``[project]``; its packages are the ``src/`` folders)."""
+    out = {}
+    for pyproject in sorted(ROOT.glob("**/pyproject.toml")):
+        if ".git" in pyproject.parts or pyproject.parent in (ROOT, CORE.parents[1]):
+            continue
+        # Only [project].name is needed: a regex, since tomllib is Python 3.11+ and core supports 3.10.
+        name = re.search(r'^\[project\]\s*$.*?^name\s*=\s*"([^"]+)"', pyproject.read_text(), re.M | re.S)
+        if not name:
+            continue
+        for pkg in sorted((pyproject.parent / "src").glob("*/__init__.py")):
+            out[pkg.parent.name] = name.group(1)
+    return out
+
+
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """``(line, absolute module name)`` of every import in ``source``, relative ones excluded."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_the_other_distributions_are_found():
+    names = _distributions()
+    assert {"paged_conformance", "paged_triton_unified", "paged_triton_splitkv", "paged_flashinfer",
+            "paged_flash_attn2"} <= set(names), names
+    assert "paged_core" not in names
+
+
+def test_the_walker_sees_every_kind_of_import():
+    source = (
+        "import os, paged_flashinfer.backend as fb\n"
+        "from . import _merge\n"
+        "def f():\n"
+        "    try:\n"
+        "        from paged_triton_splitkv.launch import merge_states\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "    importlib.import_module('paged_conformance.runner')\n"
+    )
+    assert imported_modules(source) == [
+        (1, "os"), (1, "paged_flashinfer.backend"), (5, "paged_triton_splitkv.launch"),
+        (8, "paged_conformance.runner"),
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_imports_no_other_distribution(path):
+    others = _distributions()
+    bad = []
+    for line, module in imported_modules(path.read_text()):
+        top = module.split(".")[0]
+        # Also any paged_* package that is not core: a distribution not written yet (the
+        # integrations paged_transformers, paged_vllm) is caught before it lands.
+        if top in others or (top.startswith("paged_") and top != "paged_core"):
+            dist = others.get(top, "another distribution")
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {module} ({dist})")
+    assert not bad, (
+        "paged-core must not import the distributions that depend on it; reach them through a hook "
+        "(paged_core.hookspecs) or a registered dotted path instead:\n" + "\n".join(bad)
+    )
