@@ -38,8 +38,8 @@ SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
-# tiles re-read the causal prefix once per few queries (NVIDIA H200, 2026-11-28: 61-71 TFLOP/s
-# for such designs, against 232 for 128-row tiles).
+# tiles re-read the causal prefix once per few queries (NVIDIA H200, Triton 3.6: 61-71 TFLOP/s
+# for such designs; this kernel's 128-row tiles 232, docs/benchmarks.md run 6, 2026-11-29).
 BLOCK_M_SMALL = 16
 BLOCK_M_LARGE = 128
 # Head dims padded to 256 double every register tile; 64 rows keep the accumulator in registers.
@@ -120,9 +120,9 @@ class LaunchConfig:
     ones), whose small tiles step ``block_n`` keys (``None``: ``FUSED_BLOCK_N_SMALL``).
 
     Quantized caches: fp8 codes with fp16/bf16 q run both dots in fp16 (native e4m3 -> f16
-    conversion); int8 codes convert to q's dtype. NVIDIA H200, 64 x 4,096 decode, CUDA graph,
-    2026-11-29: fp8 0.281 ms this way vs 0.306 converting to bf16; int8 0.271 ms converting to
-    bf16 vs 0.301 with fp16 dots.
+    conversion); int8 codes convert to q's dtype. Measured on the NVIDIA H200 (64 x 4,096 decode,
+    CUDA graph; docs/benchmarks.md): fp8 0.281 ms this way vs 0.306 converting to bf16; int8
+    0.271 ms converting to bf16 vs 0.301 with fp16 dots.
     """
 
     block_q_small: int
