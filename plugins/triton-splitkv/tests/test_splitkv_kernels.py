@@ -522,11 +522,11 @@ def test_cascade_prefix_split_count_on_a_gpu(monkeypatch):
 def test_cascade_refuses_window_and_bad_prefix():
     q, kc, vc, _, _, qsl, sl, bt = cascade_case([1, 1], [40, 50], 2)
     base = dict(query_start_loc=qsl, seq_lens=sl, block_table=bt, max_query_len=1, max_seq_len=50, scale=0.1)
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(InputError, match="window"):
         cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=2, window=8, **base)
-    with pytest.raises(ValueError, match="prefix_blocks"):
+    with pytest.raises(InputError, match="prefix_blocks"):
         cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=99, **base)
-    with pytest.raises(ValueError, match="prefix_splits"):
+    with pytest.raises(InputError, match="prefix_splits"):
         cascade_attention(q, kc, vc, torch.empty_like(q), prefix_blocks=2, prefix_splits=0, **base)
 
 

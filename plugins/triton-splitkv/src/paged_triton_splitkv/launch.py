@@ -549,7 +549,7 @@ def cascade_attention(
     (``None``: about two programs per SM, at least 256 keys a split; 1 on a CPU).
 
     Shapes as in ``split_decode_attention``, except q, out ``[num_tokens, ...]`` with
-    query_start_loc int32 ``[num_reqs + 1]``. Sliding windows are refused (ValueError).
+    query_start_loc int32 ``[num_reqs + 1]``. Sliding windows are refused (``paged_core.InputError``).
     """
     if window != 0:
         _fail("window", window, "0: cascade attention has no sliding window",
