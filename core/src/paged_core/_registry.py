@@ -44,7 +44,8 @@ class Problem:
 
     #: The entry point / plugin name, or the backend name for a failed backend import.
     source: str
-    #: Where it failed: "import", "register_backends", "register", "backend".
+    #: Where it failed: "import", "register_backends", "register", "backend", or the
+    #: environment variable (``PAGED_PLUGINS``) that names a plugin not installed.
     stage: str
     message: str
     traceback: str = ""
@@ -116,6 +117,13 @@ class Registry:
             wanted = os.environ.get(self.env_var)
             allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
             names = sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
+            for typo in sorted(allow - set(names)) if allow is not None else ():
+                # A misspelt name would otherwise just load less, silently.
+                self._problems.append(Problem(
+                    typo, self.env_var,
+                    f"{self.env_var} names {typo!r}, but no installed plugin has that entry point; "
+                    f"installed: {', '.join(names) or 'none'} (fix the spelling, or install the plugin)",
+                ))
             for ep_name in names:
                 if allow is not None and ep_name not in allow:
                     self._skipped.append(ep_name)
@@ -156,6 +164,18 @@ class Registry:
             return problem(
                 f"register_backends(register) was called with name {name!r}; accepted: lowercase "
                 "words joined by '-', such as 'triton-unified'"
+            )
+        if not isinstance(api_version, int) or isinstance(api_version, bool) or api_version < 1:
+            return problem(
+                f"backend {name!r}: register(..., api_version={api_version!r}); accepted: an int "
+                f"from 1 to {hookspecs.HOOK_API_VERSION} (paged_core.hookspecs.HOOK_API_VERSION)"
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return problem(f"backend {name!r}: register(..., priority={priority!r}); accepted: an int")
+        if install is not None and not isinstance(install, str):
+            return problem(
+                f"backend {name!r}: register(..., install={install!r}); accepted: None or the "
+                "install command as a str"
             )
         if api_version > hookspecs.HOOK_API_VERSION:
             return problem(
@@ -217,6 +237,12 @@ class Registry:
     def registration(self, name: str) -> Registration:
         with self._lock:
             self._ensure_loaded()
+            if not isinstance(name, str):
+                installed = ", ".join(r.name for r in self._sorted()) or "none"
+                raise InputError(
+                    f"backend name is {name!r} (a {type(name).__name__}); accepted: a backend name "
+                    f"as a str, one of: {installed}"
+                )
             if name not in self._regs:
                 raise BackendNotFoundError(self._not_found(name))
             return self._regs[name]
