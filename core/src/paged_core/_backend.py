@@ -99,7 +99,8 @@ class Backend:
     """Base class of every attention backend.
 
     Subclasses set ``name`` and ``capabilities`` and implement :meth:`_forward`; planning backends
-    also override :meth:`_plan` (the public :meth:`plan` checks the layer first). Constructor options are keyword-only and validated by the subclass.
+    also override :meth:`_plan` (the public :meth:`plan` checks the layer first). Constructor
+    options are keyword-only and validated by the subclass.
     """
 
     #: The registry key (``registry.get(name)``).

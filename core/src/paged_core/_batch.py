@@ -345,8 +345,9 @@ class BatchMeta:
         if table_width is not None and (not _is_int(table_width) or table_width < 0):
             raise BatchMetaError(f"table_width is {table_width!r}; accepted: None or an int >= 0")
         if not isinstance(block_tables, Sequence) or len(block_tables) != len(seq_lens):
+            found = len(block_tables) if isinstance(block_tables, Sequence) else "no"
             raise BatchMetaError(
-                f"block_tables has {len(block_tables) if isinstance(block_tables, Sequence) else 'no'} entries but seq_lens has {len(seq_lens)}; "
+                f"block_tables has {found} entries but seq_lens has {len(seq_lens)}; "
                 "give one block list per request"
             )
         for r, (s, t) in enumerate(zip(seq_lens, block_tables, strict=True)):
