@@ -317,8 +317,11 @@ class BatchMeta:
         _check_lengths(query_lens, seq_lens, block_size)
         device = check_device(device)
         nblocks = [math.ceil(s / block_size) for s in seq_lens]
-        if allocator is not None and not isinstance(allocator, BlockAllocator):
-            raise BatchMetaError(f"allocator is a {type(allocator).__name__}; accepted: a BlockAllocator or None")
+        if allocator is not None and not callable(getattr(allocator, "allocate", None)):
+            raise BatchMetaError(
+                f"allocator is a {type(allocator).__name__}; accepted: None or an object with "
+                "allocate(n) -> list of block ids, such as a BlockAllocator"
+            )
         if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
             raise BatchMetaError(f"num_blocks is {num_blocks!r}; accepted: None or a positive int")
         if allocator is None:

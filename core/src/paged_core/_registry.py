@@ -165,10 +165,10 @@ class Registry:
                 f"register_backends(register) was called with name {name!r}; accepted: lowercase "
                 "words joined by '-', such as 'triton-unified'"
             )
-        if not isinstance(api_version, int) or isinstance(api_version, bool) or api_version < 1:
+        if not isinstance(api_version, int) or isinstance(api_version, bool):
             return problem(
-                f"backend {name!r}: register(..., api_version={api_version!r}); accepted: an int "
-                f"from 1 to {hookspecs.HOOK_API_VERSION} (paged_core.hookspecs.HOOK_API_VERSION)"
+                f"backend {name!r}: register(..., api_version={api_version!r}) is not an int; accepted: "
+                f"an int up to {hookspecs.HOOK_API_VERSION} (pass paged_core.hookspecs.HOOK_API_VERSION)"
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             return problem(f"backend {name!r}: register(..., priority={priority!r}); accepted: an int")
