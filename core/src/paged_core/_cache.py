@@ -149,7 +149,7 @@ class KVCache:
                 found = (f"{_desc(t)} on {t.device}" if isinstance(t, torch.Tensor)
                          else "None" if t is None else f"a {type(t).__name__}")
                 raise InputError(
-                    f"cache.{name} is {found}; a {self.kv_dtype} cache needs float32 "
+                    f"cache.{name} is {found}; an {self.kv_dtype} cache needs float32 "
                     f"[num_blocks, block_size, num_kv_heads] = {list(want)} on {self.k.device} "
                     "(allocate it with allocate_kv_cache(..., kv_dtype=...))"
                 )
