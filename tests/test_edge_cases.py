@@ -448,3 +448,23 @@ def test_backend_write_slot_past_the_end(backend_args, monkeypatch):
                 if row != 1:
                     assert torch.equal(flat[slot], k[row])
             assert int((flat.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # nothing else written
+
+
+# ------------------------------------------------------------------------------ strided sinks
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_strided_sinks_are_read_by_head(backend_args, shape):
+    """Sinks that are every other element of a buffer: the Triton kernels used to read them as
+    if contiguous (head h got buffer[h], a neighbour's value). forward now hands every backend
+    contiguous sinks."""
+    name, opts = backend_args
+    backend = _backend(name, opts)
+    if not backend.capabilities.sinks:
+        pytest.skip(f"{name}: attention sinks are not supported")
+    q, cache, meta = batch(*SHAPES[shape])
+    buf = torch.tensor([1.5, -40.0, -0.5, 40.0, 2.5, -40.0, 0.0, 40.0], device=DEVICE)
+    sinks = buf[::2]
+    assert not sinks.is_contiguous()
+    out = backend.forward(q, cache, meta, sinks=sinks)
+    want = reference_attention(q, cache, meta, sinks=torch.tensor([1.5, -0.5, 2.5, 0.0], device=DEVICE),
+                               compute_dtype=torch.float64)
+    assert_close(out, want, torch.float32, what=f"{name}/strided sinks")
