@@ -76,6 +76,11 @@ def _is_int(v) -> bool:
 
 def _check_scalars(window, softcap, scale) -> None:
     """The host scalars of a layer, shared by ``plan`` and ``forward``."""
+    # Fast path for the plain int/float every caller passes: isinstance against the numbers
+    # ABCs costs microseconds, and this runs on every layer call.
+    if type(window) is int and window >= 0 and type(softcap) in (float, int) and 0 <= softcap < math.inf \
+            and (scale is None or (type(scale) in (float, int) and math.isfinite(scale))):
+        return
     if not _is_int(window) or window < 0:
         raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) \
@@ -349,7 +354,7 @@ class Backend:
         return batch
 
     @staticmethod
-    def _check_batch_fits(batch: BatchMeta, cache: KVCache) -> None:
+    def _check_batch_fits(batch: BatchMeta, cache: KVCache, *, device: bool = True) -> None:
         """A structurally sound batch and cache that belong together (block size, device)."""
         if batch.block_size != cache.block_size:
             raise InputError(
@@ -357,7 +362,7 @@ class Backend:
                 f"{cache.block_size}; accepted: one block size (build the BatchMeta with "
                 f"block_size={cache.block_size})"
             )
-        if batch.device != cache.device:
+        if device and batch.device != cache.device:
             raise InputError(
                 f"the batch is on {batch.device} but the cache is on {cache.device}; accepted: one "
                 f"device (meta.to({str(cache.device)!r}))"
@@ -402,14 +407,15 @@ class Backend:
             raise InputError(
                 f"q's last dimension has stride {q.stride(-1)}; accepted: stride 1 (call q.contiguous())"
             )
-        if cache.device != q.device:
+        dev = q.device
+        if cache.k.device != dev:
             raise InputError(f"cache.k is on {cache.device} but q is on {q.device}; accepted: one device")
-        if meta.device != q.device:
+        if meta.seq_lens.device != dev:
             raise InputError(
                 f"the batch is on {meta.device} but q is on {q.device}; accepted: one device "
                 f"(meta.to({str(q.device)!r}))"
             )
-        cls._check_batch_fits(meta, cache)
+        cls._check_batch_fits(meta, cache, device=False)  # both are on q's device
         _check_scalars(window, softcap, scale)
         if sinks is not None and (
             not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,) or sinks.dtype != torch.float32

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -441,7 +442,7 @@ class BatchMeta:
                   self.block_size, self.max_query_len, self.max_seq_len, self.query_start_loc_cpu,
                   self.seq_lens_cpu)
         last = self._checked
-        if last is not None and all(a is b for a, b in zip(fields, last, strict=True)):
+        if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
             return self
         R = self.num_reqs
         if not _is_int(R) or not 0 <= R < INT32_LIMIT:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 
 import torch
 
@@ -95,7 +96,7 @@ class KVCache:
         """
         fields = (self.k, self.v, self.kv_dtype, self.k_scale, self.v_scale, self.dtype, self._spill)
         last = self._checked
-        if last is not None and all(a is b for a, b in zip(fields, last, strict=True)):
+        if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
             return self
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(
