@@ -544,3 +544,11 @@ def test_a_typo_in_paged_plugins_is_a_problem(monkeypatch):
     assert p.stage == "PAGED_PLUGINS"
     assert "PAGED_PLUGINS names 'refrence', but no installed plugin has that entry point" in p.message
     assert "reference" in p.message.split("installed:")[1]
+
+
+@pytest.mark.parametrize("bad", [{"num_heads": 4}, "4/2x16"])
+def test_explain_and_select_of_something_that_is_not_a_spec(reference_only, bad):
+    # select() used to raise an AttributeError from spec.describe().
+    for call_ in (reference_only.explain, reference_only.select, reference_only.available):
+        with pytest.raises(InputError, match=f"spec is a {type(bad).__name__}; accepted: a paged_core.AttentionSpec"):
+            call_(bad)

@@ -292,6 +292,11 @@ class Registry:
 
     def explain(self, spec: AttentionSpec | None = None) -> dict[str, list[str]]:
         """Every backend with the reasons it cannot serve ``spec`` (empty list: it can)."""
+        if spec is not None and not isinstance(spec, AttentionSpec):
+            raise InputError(
+                f"spec is a {type(spec).__name__}; accepted: a paged_core.AttentionSpec (or None for "
+                "every backend that can run here)"
+            )
         out = {}
         for reg in self._sorted_locked():
             reasons = self.unavailable(reg.name)
