@@ -39,19 +39,19 @@ def raw(t: torch.Tensor) -> torch.Tensor:
                                                                      else torch.int32)
 
 
-def pool_cache(layout: str, dtype: torch.dtype, kv_dtype: str):
+def pool_cache(layout: str, dtype: torch.dtype, kv_dtype: str, device: str = "cpu"):
     """A cache of views over one pool per kind (codes, scales); returns (cache, pools, view_fns)."""
     store = STORE[kv_dtype] or dtype
     g = torch.Generator().manual_seed(1)
     if layout == "pool":
-        codes = (torch.randn(NB, 2, BS, H, D, generator=g) * 3).to(store)
-        scales = torch.rand(NB, 2, BS, H, generator=g)
+        codes = (torch.randn(NB, 2, BS, H, D, generator=g) * 3).to(store).to(device)
+        scales = torch.rand(NB, 2, BS, H, generator=g).to(device)
 
         def kv(p, i):
             return p[:, i]
     else:  # HND storage, one tensor for k and one for v, seen as NHD
-        codes = (torch.randn(2, NB, H, BS, D, generator=g) * 3).to(store)
-        scales = torch.rand(2, NB, H, BS, generator=g)
+        codes = (torch.randn(2, NB, H, BS, D, generator=g) * 3).to(store).to(device)
+        scales = torch.rand(2, NB, H, BS, generator=g).to(device)
 
         def kv(p, i):
             return p[i].transpose(1, 2)
@@ -63,17 +63,23 @@ def pool_cache(layout: str, dtype: torch.dtype, kv_dtype: str):
     return cache, codes, scales, kv
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the GPU machine)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["pool", "hnd"])
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES)
-def test_write_kv_writes_through_the_views(layout, dtype, kv_dtype):
-    cache, codes, scales, kv = pool_cache(layout, dtype, kv_dtype)
-    codes_before, scales_before = codes.clone(), scales.clone()
+def test_write_kv_writes_through_the_views(layout, dtype, kv_dtype, device):
+    cache, codes, scales, kv = pool_cache(layout, dtype, kv_dtype, device)
+    codes_before, scales_before = codes.clone().cpu(), scales.clone().cpu()
     # Valid slots in several blocks, a padding row (-1) and slots past the pool (never written).
     slots = torch.tensor([0, 7, -1, 13, NB * BS, 19, NB * BS + 3])
     g = torch.Generator().manual_seed(2)
     k = torch.randn(len(slots), H, D, generator=g).to(dtype)
     v = torch.randn(len(slots), H, D, generator=g).to(dtype)
-    write_kv(cache, k, v, slots)
+    write_kv(cache, k.to(device), v.to(device), slots.to(device))
+    codes, scales = codes.cpu(), scales.cpu()
 
     want_codes, want_scales = codes_before.clone(), scales_before.clone()
     for i, s in enumerate(slots.tolist()):
