@@ -13,7 +13,8 @@ from typing import NoReturn
 import torch
 from paged_core import InputError
 
-from .kernels import INTERPRET, INTERPRET_CONFIG, tile_plan_kernel, unified_attention_kernel
+from .direct import DirectKernel
+from .kernels import INTERPRET, INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
 
 __all__ = [
     "BLOCK_M_LARGE",
@@ -46,6 +47,12 @@ BLOCK_M_LARGE = 128
 BLOCK_M_LARGE_WIDE_HEAD = 64
 
 _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
+
+# Launched directly once compiled (a few us instead of Triton's ~100 us of per-call Python), and
+# compiled safely inside a CUDA-graph capture on a first call (paged_triton_unified.direct).
+_attention = DirectKernel(unified_attention_kernel, capture_config=capture_config)
+_attention_fixed = DirectKernel(unified_attention_kernel.fn)
+_tile_plan = DirectKernel(tile_plan_kernel)
 
 
 # Keys per step of the decode tiles inside a fused launch when the autotuner picks the config
@@ -294,7 +301,7 @@ def unified_attention(
     if fused:
         tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
         tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
-        tile_plan_kernel[(1,)](
+        _tile_plan[(1,)](
             query_start_loc_ptr=query_start_loc,
             tile_end_small_ptr=tile_end_small,
             tile_end_large_ptr=tile_end_large,
@@ -314,10 +321,10 @@ def unified_attention(
         num_large_tiles = 0
         grid = (num_reqs, num_kv_heads)
 
-    kernel = unified_attention_kernel
+    kernel = _attention
     fixed = {}
     if config.block_n is not None:
-        kernel = kernel.fn  # the jitted kernel under the autotuner
+        kernel = _attention_fixed  # the jitted kernel under the autotuner
         fixed = {
             "BLOCK_N": config.block_n,
             "num_warps": config.num_warps or 4,
