@@ -164,6 +164,19 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Lau
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _batch_config(num_q_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int, max_query_len: int,
+                  num_sms: int | None) -> LaunchConfig:
+    """The default config adapted to a batch (cached: every layer of a step asks the same)."""
+    config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if num_sms is not None and max_query_len > config.block_q_small:
+        # Only the default adapts to the batch: an explicit config is taken as given.
+        config = dataclasses.replace(config, block_q_large=large_tile_tokens(
+            num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
+            group_pad=_next_power_of_2(num_q_heads // num_kv_heads), num_sms=num_sms))
+    return config
+
+
 def _fail(what: str, found: object, accepted: str, fix: str) -> NoReturn:
     raise InputError(f"{what} is {found}; triton-unified accepts {accepted}; {fix}")
 
@@ -202,6 +215,7 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Paged attention for a flattened batch of requests in any mix of prefill and decode.
 
@@ -232,6 +246,8 @@ def unified_attention(
             log-sum-exp of the scaled (soft-capped) logits over the visible keys, sinks
             included; ``-inf`` for rows with no visible key.
         config: tiling/kernel config; default :func:`default_config` (autotuned on the GPU).
+        check: False skips this function's own checks (below), for a caller that passes the
+            default config and arguments ``paged_core.Backend.forward`` has checked.
 
     Returns:
         ``out``.
@@ -269,13 +285,9 @@ def unified_attention(
     head_dim_pad = max(16, _next_power_of_2(head_dim))
     num_sms = sm_count(q.device)
     if config is None:
-        config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        if num_sms is not None and max_query_len > config.block_q_small:
-            # Only the default adapts to the batch: an explicit config is taken as given.
-            config = dataclasses.replace(config, block_q_large=large_tile_tokens(
-                num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
-                group_pad=group_pad, num_sms=num_sms))
-    _check(q, k_cache, v_cache, out, config, group_pad)
+        config = _batch_config(num_q_heads, num_kv_heads, head_dim, num_tokens, max_query_len, num_sms)
+    if check:
+        _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
     if k_cache.dtype == torch.int8:
