@@ -870,8 +870,8 @@ def _print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not
             if r.note:
                 extra.append(r.note)
             status = "ok" + (f" ({'; '.join(extra)})" if extra else "")
-        w(f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} {_fmt(r.host_us, 8, 1)} "
-          f"{_fmt(r.gbps, 8, 0)} "
+        w(f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} "
+          f"{_fmt(r.host_us, 8, 1)} {_fmt(r.gbps, 8, 0)} "
           f"{_fmt(r.pct_bw_floor, 6, 1, '%')} {_fmt(r.tflops if compute else None, 8, 1)} "
           f"{_fmt(r.pct_mm_floor if compute else None, 6, 1, '%')} {_fmt(r.x_fastest, 7, 2, 'x')}"
           f"  {status}\n")

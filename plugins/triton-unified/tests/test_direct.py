@@ -34,6 +34,7 @@ def test_same_specialisation_same_key():
         pytest.param(dict(stride=72), id="int-not-divisible-by-16"),
         pytest.param(dict(stride=2**31), id="int-beyond-int32"),
         pytest.param(dict(n=2**31), id="unspecialised-int-beyond-int32"),
+        pytest.param(dict(stride=2**63), id="int-beyond-int64"),
     ],
 )
 def test_each_specialisation_changes_the_key(change):
