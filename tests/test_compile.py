@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import inspect
+import pathlib
+import re
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from paged_conformance.tolerances import assert_close_to_reference, lse_toleranc
 from paged_core import BatchMeta, InputError, KVCache, UnsupportedSpecError, _ops, reference_attention, registry
 from torch._dynamo.testing import CompileCounterWithBackend
 
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 32, 16, 12
 #: Physical blocks per request: a prefill chunk, a decode, a padding request (seq_len 0).
 TABLES = [[3, 7], [5, 1, 9], []]
@@ -130,19 +133,23 @@ def test_compiled_step_equals_eager_and_the_float64_reference(name, kv_dtype):
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse), f"[{name}] compiled output differs from eager"
 
 
-def test_inductor_compiles_the_step_and_writes_the_cache_in_place():
-    """The default backend (inductor) too: the write lands in the caller's cache tensors."""
-    backend = get("reference")
-    meta = batch(*MIXED)
-    cache = backend.allocate(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32)
-    fill(backend, cache)
-    k_storage = cache.k.data_ptr()
-    q, k, v = inputs(meta)
-    out, lse = torch.compile(step, fullgraph=True)(backend, q, k, v, cache, backend.plan(meta))
-    assert cache.k.data_ptr() == k_storage
+def test_the_readme_example_compiles_once_with_inductor_and_computes_attention():
+    """The README's torch.compile block, as written: the default backend (inductor), two layers,
+    three steps with a new plan each; the last step checked against the float64 reference."""
+    section = README.split("## torch.compile\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    ns: dict = {}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    exec(compile(block, "README.md#torch.compile", "exec"), ns)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    outs, meta, q, k, v = ns["outs"], ns["meta"], ns["q"], ns["k"], ns["v"]
     slots = meta.slot_mapping
-    assert torch.equal(cache.v.reshape(-1, KV_HEADS, HEAD_DIM)[slots[slots >= 0]], v[slots >= 0])
-    check_against_reference("reference", out, lse, q, cache, meta, "inductor")
+    for layer, cache in enumerate(ns["caches"]):
+        # Written in place, into the caller's cache (expected values: the inputs themselves).
+        assert torch.equal(cache.v.reshape(-1, 2, 64)[slots], v) and torch.equal(cache.k.reshape(-1, 2, 64)[slots], k)
+        ref = reference_attention(q, cache, meta, compute_dtype=torch.float64)
+        assert_close_to_reference(outs[layer], ref, backend="reference", case=f"readme-layer{layer}",
+                                  tolerance=output_tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)

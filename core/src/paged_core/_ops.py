@@ -48,7 +48,7 @@ from ._errors import InputError
 if TYPE_CHECKING:
     from ._backend import Backend
 
-__all__ = ["register", "write", "forward", "write_op", "forward_op", "KEPT_PLANS"]
+__all__ = ["register", "remember", "write", "forward", "write_op", "forward_op", "KEPT_PLANS"]
 
 #: Plans remembered per backend instance, newest first. One step needs one; a few more let a
 #: compiled step use the plan of the step before (an engine double-buffering its batches).
@@ -73,14 +73,18 @@ def register(backend: Backend) -> int:
 
     def plan(meta: BatchMeta, *args: Any, **kwargs: Any) -> Any:
         owner = ref()
-        result = planner(owner, meta, *args, **kwargs)
-        owner.__dict__["_op_plans"].appendleft(result)
-        return result
+        return remember(owner, planner(owner, meta, *args, **kwargs))
 
     plan.__doc__ = planner.__doc__
     plan.__wrapped__ = planner.__get__(backend)  # inspect.signature shows the class's signature
     backend.__dict__["plan"] = plan
     return handle
+
+
+def remember(backend: Backend, plan: Any) -> Any:
+    """Keep ``plan`` (what ``backend.plan`` returned) as the newest plan the ops look up; returns it."""
+    backend.__dict__["_op_plans"].appendleft(plan)
+    return plan
 
 
 # --------------------------------------------------------------------------------- traced side
