@@ -53,11 +53,13 @@ def step(backend, q, k, v, cache, plan):
 
 
 def get(name: str):
-    backend = registry.get(name)
-    reasons = backend.unavailable()
+    """The backend, or a skip with the registry's reason it cannot run here."""
+    if name not in registry.names():
+        pytest.skip(f"{name}: not installed (no registered backend of that name)")
+    reasons = registry.unavailable(name)
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
-    return backend
+    return registry.get(name)
 
 
 def inputs(meta: BatchMeta, dtype=torch.float32, seed=0):
@@ -71,9 +73,9 @@ def inputs(meta: BatchMeta, dtype=torch.float32, seed=0):
 def fill(backend, cache: KVCache, seed=1) -> None:
     """Random contents for every block, so forward reads real context (not zeros)."""
     g = torch.Generator().manual_seed(seed)
-    slots = cache.num_blocks * cache.block_size
-    k, v = (torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(cache.dtype) for _ in range(2))
-    full = BatchMeta.from_lists([slots], [slots], [list(range(cache.num_blocks))], block_size=BLOCK)
+    slots, heads, dim = cache.num_blocks * cache.block_size, cache.num_kv_heads, cache.head_dim
+    k, v = (torch.randn(slots, heads, dim, generator=g).to(cache.device, cache.dtype) for _ in range(2))
+    full = BatchMeta.from_lists([slots], [slots], [list(range(cache.num_blocks))], block_size=cache.block_size)
     backend.write(cache, k, v, full.to(cache.device))
 
 
@@ -284,33 +286,45 @@ def test_a_handle_whose_backend_is_gone_is_an_input_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("name", ["triton-unified", "triton-splitkv", "flashinfer", "flash-attn2"])
-def test_gpu_compiled_step_equals_eager_and_the_float64_reference(name):
-    """Every CUDA backend, vendor calls included, compiled by inductor with fullgraph=True."""
+def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype):
+    """Every CUDA backend, vendor calls included, compiled by inductor with fullgraph=True: a
+    mixed step, then decode steps (split-KV's split path, FlashInfer's decode wrapper) with a
+    new plan each; one compilation per shape."""
     backend = get(name)
     block = 256 if name == "flash-attn2" else BLOCK  # FlashAttention 2's paged path: block_size % 256 == 0
     head_dim, dtype = 128, torch.bfloat16
-    meta = BatchMeta.from_lists(*MIXED, TABLES, block_size=block, table_width=WIDTH, device="cuda")
-    caches = [backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, device="cuda") for _ in range(2)]
-    g = torch.Generator(device="cuda")
-    for cache in caches:  # the same random context in both
-        cache.k.copy_(torch.randn(cache.k.shape, generator=g.manual_seed(1), device="cuda"))
-        cache.v.copy_(torch.randn(cache.v.shape, generator=g.manual_seed(2), device="cuda"))
-    n = meta.num_tokens
-    q = torch.randn(n, HEADS, head_dim, device="cuda", generator=g).to(dtype)
-    k, v = (torch.randn(n, KV_HEADS, head_dim, device="cuda", generator=g).to(dtype) for _ in range(2))
-    plan = backend.plan(meta, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype)
-    try:
-        eager_out, _ = step(backend, q, k, v, caches[0], plan)
-    except UnsupportedSpecError as exc:
-        pytest.skip(f"{name}: {exc}")
+    caches = [backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, kv_dtype=kv_dtype,
+                               device="cuda") for _ in range(2)]
+    for cache in caches:
+        fill(backend, cache)  # the same random context in both
     counter = CompileCounterWithBackend("inductor")
-    out, lse = torch.compile(step, fullgraph=True, backend=counter)(backend, q, k, v, caches[1], plan)
-    torch.cuda.synchronize()
-    assert counter.frame_count == 1
-    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), \
-        f"[{name}] the compiled write left the cache different from the eager write"
-    check_against_reference(name, out, lse, q, caches[1], meta, "compiled-gpu")
-    assert torch.equal(out, eager_out), (
-        f"[{name}] compiled output differs from eager: max abs {float((out.float() - eager_out.float()).abs().max())}"
-    )
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for i, (query_lens, seq_lens) in enumerate([MIXED, *STEPS]):
+        meta = BatchMeta.from_lists(query_lens, seq_lens, TABLES, block_size=block, table_width=WIDTH,
+                                    device="cuda")
+        g = torch.Generator().manual_seed(i)
+        n = meta.num_tokens
+        q = torch.randn(n, HEADS, head_dim, generator=g).to("cuda", dtype)
+        k, v = (torch.randn(n, KV_HEADS, head_dim, generator=g).to("cuda", dtype) for _ in range(2))
+        plan = backend.plan(meta, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim, dtype=dtype)
+        try:
+            eager_out, eager_lse = step(backend, q, k, v, caches[0], plan)
+        except UnsupportedSpecError as exc:
+            pytest.skip(f"{name}: {exc}")
+        out, lse = compiled(backend, q, k, v, caches[1], plan)
+        torch.cuda.synchronize()
+        case = f"compiled-step{i}-{kv_dtype}"
+        for field in ("k", "v", "k_scale", "v_scale"):
+            a, b = getattr(caches[1], field), getattr(caches[0], field)
+            if a is not None:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                    f"[{name}/{case}] the compiled write left cache.{field} different from the eager write"
+        check_against_reference(name, out, lse, q, caches[1], meta, case)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse), (
+            f"[{name}/{case}] compiled output differs from eager: max abs "
+            f"{float((out.float() - eager_out.float()).abs().max())}"
+        )
+    # The mixed shape, then the decode shape (dynamic from then on): new plans compile nothing.
+    assert counter.frame_count == 2, f"[{name}] {counter.frame_count} compilations for 2 shapes"
