@@ -105,7 +105,7 @@ def test_write_and_forward_trace_to_one_graph_without_breaks(name):
     assert ops.count(torch.ops.paged.write.default) == 1 and ops.count(torch.ops.paged.forward.default) == 1, ops
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_compiled_step_equals_eager_and_the_float64_reference(name, kv_dtype):
     backend = get(name)
