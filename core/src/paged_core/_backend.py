@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import _ops
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
@@ -116,6 +117,8 @@ class Backend:
     def __init__(self, *, validate: bool | None = None) -> None:
         #: Run the host-syncing checks of :meth:`BatchMeta.validate` on each call.
         self.validate = validation_enabled(validate)
+        #: This instance's handle in the torch custom ops (stable for its life; see ``_ops``).
+        self._op_handle = _ops.register(self)
 
     # ----------------------------------------------------------------------------- capability
     @classmethod
@@ -166,7 +169,10 @@ class Backend:
 
         With validation on, the batch is validated against the cache first, so a slot past the
         pool is a :class:`BatchMetaError`; with it off, such a slot is skipped (never written).
+        Under ``torch.compile`` this is the custom op ``paged::write`` (README, "torch.compile").
         """
+        if torch.compiler.is_compiling():
+            return _ops.write(self, cache, k, v, meta)
         batch = self._batch_of(meta)
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
@@ -272,8 +278,12 @@ class Backend:
         tanh(s / softcap)``; ``sinks`` (float32 ``[num_heads]``) adds one logit per head to every
         softmax denominator. ``out`` receives the result if given. With ``return_lse`` the
         result is ``(out, lse)``, ``lse`` float32 ``[num_tokens, num_heads]`` in natural log
-        (``-inf`` for rows that see no key).
+        (``-inf`` for rows that see no key). Under ``torch.compile`` this is the custom op
+        ``paged::forward`` (README, "torch.compile").
         """
+        if torch.compiler.is_compiling():
+            return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,
+                                sinks=sinks, out=out, return_lse=return_lse)
         batch = self._batch_of(meta)
         self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
         spec = AttentionSpec(
