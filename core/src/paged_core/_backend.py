@@ -214,7 +214,9 @@ class Backend:
             )
         self._check_layer(meta, layer)
         passed = layer if takes_any else {k: v for k, v in layer.items() if k in names}
-        return self._plan(meta, **passed)
+        # The custom ops of torch.compile find the step's plan here (host ints never travel as op
+        # arguments: dynamo would guard on them and recompile every step).
+        return _ops.remember(self, self._plan(meta, **passed))
 
     def _plan(self, meta: BatchMeta, **layer: Any) -> Any:
         """The backend's own planning; ``meta`` and the keywords are checked. Default: ``meta``.

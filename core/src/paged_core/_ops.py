@@ -59,25 +59,15 @@ _handles = itertools.count(1)
 
 
 def register(backend: Backend) -> int:
-    """Give ``backend`` its op handle (unique in the process) and make its ``plan`` remembered.
+    """Give ``backend`` its op handle (unique in the process) and a place for its recent plans.
 
-    Called once, by :meth:`Backend.__init__`. The instance's ``plan`` becomes a thin wrapper of
-    the class's ``plan`` that keeps the last :data:`KEPT_PLANS` results on the instance, where
-    the ops find them; the registry holds the instance weakly.
+    Called once, by :meth:`Backend.__init__`; :meth:`Backend.plan` then keeps its last
+    :data:`KEPT_PLANS` results there (:func:`remember`), where the ops find them. The registry
+    holds the instance weakly.
     """
     handle = next(_handles)
     _backends[handle] = backend
     backend.__dict__["_op_plans"] = collections.deque(maxlen=KEPT_PLANS)
-    planner = type(backend).plan
-    ref = weakref.ref(backend)  # no cycle through the wrapper: the instance dies with its users
-
-    def plan(meta: BatchMeta, *args: Any, **kwargs: Any) -> Any:
-        owner = ref()
-        return remember(owner, planner(owner, meta, *args, **kwargs))
-
-    plan.__doc__ = planner.__doc__
-    plan.__wrapped__ = planner.__get__(backend)  # inspect.signature shows the class's signature
-    backend.__dict__["plan"] = plan
     return handle
 
 

@@ -254,10 +254,9 @@ class FlashAttn2Backend(Backend):
     def unavailable(cls) -> list[str]:
         return list(_probe())
 
-    def plan(self, meta: BatchMeta, **layer) -> FlashAttn2Plan:
+    def _plan(self, meta: BatchMeta, **layer) -> FlashAttn2Plan:
         """flash-attn's description of ``meta``: pure PyTorch on its device, no host sync. The
-        layer keywords of :meth:`paged_core.Backend.plan` are accepted and unused."""
-        super().plan(meta, **layer)  # the base signature checks the keywords
+        layer keywords of :meth:`paged_core.Backend.plan` are checked there and unused here."""
         args = to_flash_attn_args(meta)
         dev = meta.device
         n = meta.num_tokens
