@@ -13,7 +13,8 @@ Per layer the function views the layer's pool ``[(num_blocks + 2) * block_size, 
 head_dim]`` as paged's ``[blocks, block_size, kv_heads, head_dim]`` (a view: no copy), writes the
 new K/V with ``backend.write`` and runs ``backend.forward``. The ``BatchMeta`` and the backend's
 plan are built at the first layer of a step and reused by every other layer; a new step is
-recognised by the identity of transformers' per-step tensors (each step slices new views).
+recognised by the identity of transformers' per-step tensors (each step slices new views), and
+a CUDA-graph capture of a step plans again inside the capture, so replays recompute the metadata.
 """
 
 from __future__ import annotations
@@ -150,9 +151,12 @@ class PagedAttention:
     def _plan(self, kwargs: dict, group: int, cache: Any, query: torch.Tensor, kv: KVCache,
               scaling: float | None) -> Any:
         write_index = kwargs["write_index"][group]
-        step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"])
+        # transformers captures a CUDA graph by running the same step twice, eagerly and then under
+        # capture: a plan built by the eager run holds tensors computed outside the graph, which a
+        # replay would never recompute, so a capture starts a new step.
+        step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"], _capturing())
         step = self._step
-        if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):
+        if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
             step = self._step = _Step(step_key)
         plan = step.plans.get(group)
         if plan is None:
@@ -211,6 +215,11 @@ class PagedAttention:
                 f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
             ])
         self._checked_layers.add(layer)
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (a host query, no sync)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _view_pool(cache: Any, index_in_group: int) -> KVCache:
