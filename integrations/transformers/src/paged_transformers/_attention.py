@@ -9,9 +9,9 @@ one that is not ``paged|eager`` or ``paged|sdpa`` gets no attention mask (transf
 ``[tokens, pool]`` mask only for those two), and one that contains ``flash`` is treated as a
 flash-attention package and looked up on the Hub, so names never contain it.
 
-Per layer the function views the layer's pool ``[(num_blocks + 2) * block_size, kv_heads,
-head_dim]`` as paged's ``[blocks, block_size, kv_heads, head_dim]`` (a view: no copy), writes the
-new K/V with ``backend.write`` and runs ``backend.forward``. The ``BatchMeta`` and the backend's
+Per layer the function views the layer's pool as paged's ``[blocks, block_size, kv_heads,
+head_dim]`` (a view: no copy; :func:`_view_pool` has each release's layout), writes the new K/V
+with ``backend.write`` and runs ``backend.forward``. The ``BatchMeta`` and the backend's
 plan are built at the first layer of a step and reused by every other layer; a new step is
 recognised by the identity of transformers' per-step tensors (each step slices new views), and
 a CUDA-graph capture of a step plans again inside the capture, so replays recompute the metadata.
@@ -133,11 +133,10 @@ class PagedAttention:
         if dropout:
             raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
                                                            "training mode); paged serves inference: call model.eval()"])
-        group, index_in_group = cache.layer_index_to_group_indices[layer]
         if layer not in self._checked_layers:
             self._check_layer(module, cache, layer)
-        kv = self._pool(cache, layer, index_in_group)
-        plan = self._plan(kwargs, group, cache, query, kv, scaling)
+        group, kv, padding_slot = self._pool(cache, layer)
+        plan = self._plan(kwargs, group, query, kv, scaling, padding_slot)
         # [1, H, N, D] -> [N, H, D]; q must be dense in head_dim, which a transpose keeps.
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
@@ -148,8 +147,8 @@ class PagedAttention:
         return out.unsqueeze(0), None  # [1, N, H, D], as transformers' paged paths return
 
     # ----------------------------------------------------------------------------- per step
-    def _plan(self, kwargs: dict, group: int, cache: Any, query: torch.Tensor, kv: KVCache,
-              scaling: float | None) -> Any:
+    def _plan(self, kwargs: dict, group: int, query: torch.Tensor, kv: KVCache, scaling: float | None,
+              padding_slot: int | None) -> Any:
         write_index = kwargs["write_index"][group]
         # transformers captures a CUDA graph by running the same step twice, eagerly and then under
         # capture: a plan built by the eager run holds tensors computed outside the graph, which a
@@ -170,7 +169,8 @@ class PagedAttention:
                 read_index=kwargs["read_index"][group],
                 write_index=write_index,
                 num_tokens=query.shape[2],
-                block_size=cache.block_size,
+                block_size=kv.block_size,
+                padding_slot=padding_slot,
                 max_query_len=int(kwargs["max_seqlen_q"]),
                 max_seq_len=int(max_k),
             )
@@ -182,7 +182,7 @@ class PagedAttention:
         return plan
 
     # ----------------------------------------------------------------------------- per cache
-    def _pool(self, cache: Any, layer: int, index_in_group: int) -> KVCache:
+    def _pool(self, cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
         pools = self._pools
         if pools is None or pools[0]() is not cache:
             pools = self._pools = (weakref.ref(cache), {})
@@ -190,10 +190,10 @@ class PagedAttention:
             self._step = None
             weakref.finalize(cache, self._forget, pools[0])
         views = pools[1]
-        kv = views.get(layer)
-        if kv is None:
-            kv = views[layer] = _view_pool(cache, index_in_group)
-        return kv
+        entry = views.get(layer)
+        if entry is None:
+            entry = views[layer] = _view_pool(cache, layer)
+        return entry
 
     def _forget(self, ref: weakref.ref) -> None:
         if self._pools is not None and self._pools[0] is ref:
@@ -201,8 +201,8 @@ class PagedAttention:
             self._step = None
 
     def _check_layer(self, module: torch.nn.Module, cache: Any, layer: int) -> None:
-        window = cache.sliding_windows.get(layer, 1)
-        if window != 1:
+        window = _layer_window(module, cache, layer)
+        if window:
             raise UnsupportedSpecError(self.backend.name, [
                 f"layer {layer} ({type(module).__name__}) is a sliding-window layer (window {window}); "
                 "transformers keeps such layers in a rolling buffer whose slots are not paged's "
@@ -217,34 +217,55 @@ class PagedAttention:
         self._checked_layers.add(layer)
 
 
+def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:
+    """The sliding window of ``layer`` as transformers' cache keeps it (0: full attention)."""
+    if hasattr(cache, "sliding_windows"):  # 5.17: 1 means full attention
+        window = cache.sliding_windows.get(layer, 1)
+        return 0 if window == 1 else int(window)
+    allocator = cache.layer_to_allocator[layer]  # 5.18: one allocator per attention type
+    return int(getattr(allocator, "sliding_window", 0) or getattr(module, "sliding_window", 0) or 0)
+
+
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (a host query, no sync)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _view_pool(cache: Any, index_in_group: int) -> KVCache:
-    """transformers' pools of one layer as a paged ``KVCache``, without a copy.
+def _view_pool(cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
+    """(layer group, transformers' pools of ``layer`` as a paged ``KVCache``, the slot of padding
+    rows), without a copy.
 
-    transformers allocates ``[(num_blocks + 2) * block_size, kv_heads, head_dim]`` per layer:
-    the blocks its allocator hands out, then a zeroed read-trash block, then a write-trash block
-    that padding tokens write to. Seen as ``[num_blocks + 2, block_size, kv_heads, head_dim]``,
-    the first ``num_blocks + 1`` blocks are the pool paged reads, and the write-trash block is
-    the block past the pool where paged's writes of padding rows (slot -1) land.
+    - 5.17 allocates ``[(num_blocks + 2) * block_size, kv_heads, head_dim]`` per layer: the
+      blocks its allocator hands out, then a zeroed read-trash block, then a write-trash block
+      that padding tokens write to. Seen as ``[num_blocks + 2, block_size, kv_heads, head_dim]``,
+      the first ``num_blocks + 1`` blocks are the pool paged reads, and the write-trash block is
+      the block past the pool where paged's writes of padding rows (slot -1) land.
+    - 5.18 interleaves every layer's K and V pages in one byte tensor and hands out
+      ``get_cache_for_block_table(layer)``: this layer's pages as ``[pages, page_size, kv_heads,
+      head_dim]`` (its own decode path's view), where slot ``s`` is page ``s // page_size``. Its
+      trash sectors lie inside that view, so it has no block past the pool: padding rows keep
+      transformers' write-trash slot (inside the view, never read), where transformers' own
+      paths write them too. (``BatchMeta.validate`` expects slot -1 there, so on 5.18 it
+      reports padded CUDA-graph steps; eager steps have no padding rows.)
     """
-    k_all = cache.key_cache[index_in_group]
-    v_all = cache.value_cache[index_in_group]
-    bs = cache.block_size
-    if k_all.dim() != 3 or k_all.shape[0] % bs or not k_all.is_contiguous() or not v_all.is_contiguous():
+    if hasattr(cache, "layer_index_to_group_indices"):
+        group, index_in_group = cache.layer_index_to_group_indices[layer]
+        k_all, v_all = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+        bs = cache.block_size
+        if k_all.dim() != 3 or k_all.shape[0] % bs or not k_all.is_contiguous() or not v_all.is_contiguous():
+            raise PagedError(
+                f"transformers' KV pool of layer {layer} is {list(k_all.shape)} (contiguous: "
+                f"{k_all.is_contiguous()}); accepted: a contiguous [(num_blocks + 2) * {bs}, num_kv_heads, "
+                "head_dim] pool as transformers 5.17 allocates"
+            )
+        shape = (k_all.shape[0] // bs, bs, k_all.shape[1], k_all.shape[2])
+        k_blocks, v_blocks = k_all.view(shape), v_all.view(shape)
+        return group, KVCache(k=k_blocks[:-1], v=v_blocks[:-1], kv_dtype="auto", dtype=k_all.dtype,
+                              _spill=(k_blocks, v_blocks)), -1
+    group, k_pages, v_pages = cache.get_cache_for_block_table(layer)
+    if k_pages.dim() != 4 or k_pages.stride(-1) != 1 or k_pages.shape != v_pages.shape:
         raise PagedError(
-            f"transformers' KV pool is {list(k_all.shape)} (contiguous: {k_all.is_contiguous()}); accepted: a "
-            f"contiguous [(num_blocks + 2) * {bs}, num_kv_heads, head_dim] pool as in transformers 5.17-5.18"
+            f"transformers' page views of layer {layer} are {list(k_pages.shape)} and {list(v_pages.shape)}; "
+            "accepted: two [pages, page_size, num_kv_heads, head_dim] views as transformers 5.18 returns"
         )
-    shape = (k_all.shape[0] // bs, bs, k_all.shape[1], k_all.shape[2])
-    k_blocks, v_blocks = k_all.view(shape), v_all.view(shape)
-    return KVCache(
-        k=k_blocks[:-1],
-        v=v_blocks[:-1],
-        kv_dtype="auto",
-        dtype=k_all.dtype,
-        _spill=(k_blocks, v_blocks),
-    )
+    return group, KVCache(k=k_pages, v=v_pages, kv_dtype="auto", dtype=k_pages.dtype), None

@@ -36,12 +36,15 @@ def batch_meta_from_transformers(
     block_size: int,
     max_query_len: int,
     max_seq_len: int,
+    padding_slot: int | None = -1,
 ) -> BatchMeta:
     """The ``BatchMeta`` of one transformers step (one full-attention layer group).
 
     ``max_query_len`` and ``max_seq_len`` are transformers' host ints ``max_seqlen_q`` and
     ``max_seqlen_k``: the true maxima, or (with padding for CUDA graphs) upper bounds, which is
     what ``BatchMeta`` accepts. The table is ``ceil(max_seq_len / block_size)`` wide.
+    ``padding_slot`` is the slot of rows past ``cu_q[R]``: -1 (paged's padding slot, for a cache
+    with a block past the pool), or None to keep transformers' own write-trash slot.
 
     Two whole prompts of 3 and 5 tokens in blocks 4 and 1 (block_size 4), padded to 10 rows:
 
@@ -87,7 +90,9 @@ def batch_meta_from_transformers(
     zero = torch.zeros(1, dtype=torch.int32, device=device)
     query_start_loc = torch.cat([cu_q, torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
     row = torch.arange(num_tokens, device=device)
-    slot_mapping = torch.where(row < cu_q[-1], write_index.to(torch.int64), -1)
+    slot_mapping = write_index.to(torch.int64)
+    if padding_slot is not None:
+        slot_mapping = torch.where(row < cu_q[-1], slot_mapping, padding_slot)
     return BatchMeta(
         num_reqs=num_reqs + 1,
         query_start_loc=query_start_loc,
