@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from paged_core import (
+    KV_DTYPES,
     Backend,
     InputError,
     KVCache,
@@ -54,12 +55,11 @@ def implementation_name(backend: str, options: dict[str, Any]) -> str:
     >>> implementation_name("flashinfer", {"validate": True})
     'paged|paged-fl-ashinfer-validate=True'
     """
-    parts = [backend, *(f"{k}={options[k]!r}" if isinstance(options[k], str) else f"{k}={options[k]}"
-                        for k in sorted(options))]
+    parts = [backend, *(f"{k}={options[k]}" for k in sorted(options))]
     return "paged|paged-" + "-".join(parts).replace("flash", "fl-ash")
 
 
-def enable(backend: str = "triton-unified", **backend_options: Any) -> str:
+def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend_options: Any) -> str:
     """Register paged backend ``backend`` as an attention implementation of transformers.
 
     Returns the implementation name; ``model.set_attn_implementation(name)`` (or
@@ -68,18 +68,26 @@ def enable(backend: str = "triton-unified", **backend_options: Any) -> str:
     ``backend_options`` go to ``paged_core.registry.get(backend, **backend_options)``.
     Calling it again with the same arguments returns the same name.
 
+    ``kv_dtype="int8"`` or ``"fp8"`` keeps K/V in pools of paged's quantized format (codes and
+    one float32 scale per slot and KV head), one per layer, with transformers' slot arithmetic;
+    transformers still allocates (and no longer uses) its own pool, so this measures what
+    quantization costs in accuracy, not what it saves in memory. transformers 5.17 only.
+
     Raises :class:`paged_core.UnsupportedSpecError` on a transformers release without a
     supported hook, and the registry's errors for an unknown or unavailable backend.
     """
     check_transformers_version()
-    name = implementation_name(backend, backend_options)
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    name = implementation_name(backend, backend_options if kv_dtype == "auto" else
+                               {**backend_options, "kv_dtype": kv_dtype})
     with _LOCK:
         if name not in _ENABLED:
             # Fails here, with the registry's message, for a missing or broken backend.
             instance = registry.get(backend, **backend_options)
             from transformers import AttentionInterface
 
-            adapter = PagedAttention(instance, name)
+            adapter = PagedAttention(instance, name, kv_dtype=kv_dtype)
             AttentionInterface.register(name, adapter)
             _ENABLED[name] = adapter
     return name
@@ -98,9 +106,10 @@ class _Step:
 class PagedAttention:
     """transformers' attention-function signature over one paged backend instance."""
 
-    def __init__(self, backend: Backend, name: str) -> None:
+    def __init__(self, backend: Backend, name: str, *, kv_dtype: str = "auto") -> None:
         self.backend = backend
         self.name = name
+        self.kv_dtype = kv_dtype
         self._step: _Step | None = None
         # (transformers' cache object, its layers viewed as paged caches): views only, dropped
         # when transformers drops its cache, so a finished generate_batch frees its pools.
@@ -192,8 +201,26 @@ class PagedAttention:
         views = pools[1]
         entry = views.get(layer)
         if entry is None:
-            entry = views[layer] = _view_pool(cache, layer)
+            entry = _view_pool(cache, layer)
+            if self.kv_dtype != "auto":
+                entry = self._quantized_pool(cache, layer, *entry)
+            views[layer] = entry
         return entry
+
+    def _quantized_pool(self, cache: Any, layer: int, group: int, kv: KVCache,
+                        padding_slot: int | None) -> tuple[int, KVCache, int | None]:
+        """A pool of paged's quantized format covering the same slots as transformers' view."""
+        if padding_slot is None:
+            raise UnsupportedSpecError(self.backend.name, [
+                f"kv_dtype={self.kv_dtype!r} on transformers {_transformers_version()}: its pages interleave "
+                "every layer, so a pool of paged's format with the same slots would hold every layer's "
+                "pages for each layer; accepted: kv_dtype='auto', or transformers 5.17"
+            ])
+        quantized = self.backend.allocate(
+            kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, dtype=kv.dtype, kv_dtype=self.kv_dtype,
+            device=kv.device,
+        )
+        return group, quantized, -1
 
     def _forget(self, ref: weakref.ref) -> None:
         if self._pools is not None and self._pools[0] is ref:
@@ -224,6 +251,12 @@ def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:
         return 0 if window == 1 else int(window)
     allocator = cache.layer_to_allocator[layer]  # 5.18: one allocator per attention type
     return int(getattr(allocator, "sliding_window", 0) or getattr(module, "sliding_window", 0) or 0)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _capturing() -> bool:
