@@ -102,8 +102,8 @@ def generate(model, implementation, prompts, args, use_cuda_graph):
     return seconds, [out[r].generated_tokens for r in ids], [out[r].logprobs for r in ids]
 
 
-def implementations(args) -> list[tuple[str, str]]:
-    """(label, attention-implementation name) of every row."""
+def implementations(args) -> list[tuple[str, str, bool]]:
+    """(label, attention-implementation name or why not, whether it claims CUDA graphs) of every row."""
     import paged_core
     import paged_transformers
     import transformers.utils as tu
@@ -111,17 +111,18 @@ def implementations(args) -> list[tuple[str, str]]:
     rows = []
     for name in [p for p in args.transformers_paths.split(",") if p]:
         if "flash_attention_2" in name and not tu.is_flash_attn_2_available():
-            rows.append((name, "unavailable: flash-attn is not installed"))
+            rows.append((name, "unavailable: flash-attn is not installed", True))
             continue
-        rows.append((name, name))
+        rows.append((name, name, True))
     wanted = [b for b in args.backends.split(",") if b] or paged_core.registry.names()
     for backend in wanted:
         reasons = paged_core.registry.unavailable(backend) if backend in paged_core.registry.names() else [
             "not installed"]
         if reasons:
-            rows.append((f"paged: {backend}", "unavailable: " + "; ".join(reasons)))
+            rows.append((f"paged: {backend}", "unavailable: " + "; ".join(reasons), False))
             continue
-        rows.append((f"paged: {backend}", paged_transformers.enable(backend)))
+        graphs = paged_core.registry.backend_class(backend).capabilities.cuda_graphs
+        rows.append((f"paged: {backend}", paged_transformers.enable(backend), graphs))
     return rows
 
 
@@ -172,11 +173,11 @@ def main(argv=None) -> int:
 
     rows = []
     baseline_tokens = None
-    for label, impl in implementations(args):
+    for label, impl, graphs_ok in implementations(args):
         for mode in modes:
             row = {"implementation": label, "mode": mode}
-            if impl.startswith("unavailable"):
-                row["error"] = impl
+            if impl.startswith("unavailable") or (mode == "graphs" and not graphs_ok):
+                row["error"] = impl if impl.startswith("unavailable") else "skipped: does not claim CUDA graphs"
                 rows.append(row)
                 print_row(row, header=len(rows) == 1)
                 continue

@@ -165,6 +165,12 @@ class PagedAttention:
         step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"], _capturing())
         step = self._step
         if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
+            if step_key[-1] and not self.backend.capabilities.cuda_graphs:
+                raise UnsupportedSpecError(self.backend.name, [
+                    "running inside a CUDA-graph capture, which this backend does not claim to be safe in "
+                    "(capabilities.cuda_graphs is False); accepted: ContinuousBatchingConfig(use_cuda_graph=False), "
+                    "or a backend whose capabilities claim CUDA graphs (e.g. triton-unified)"
+                ])
             step = self._step = _Step(step_key)
         plan = step.plans.get(group)
         if plan is None:
