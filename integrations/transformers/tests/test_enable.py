@@ -49,9 +49,12 @@ def test_releases_without_a_hook_are_refused(version, says):
 
 
 def test_sliding_window_layer_is_refused_by_name():
+    name = paged_transformers.enable("reference")
+    # The same implementation served an all-full-attention model first: its checks are per model.
+    ok = generate(tiny_model("qwen3"), name, random_prompts([3]), max_new_tokens=1)
+    assert ok.errors == {"req_0": None}
     # Qwen3 with layer 1 on a sliding window (layer 0 stays full attention).
     model = tiny_model("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    name = paged_transformers.enable("reference")
     run = generate(model, name, random_prompts([3]), max_new_tokens=1)
     (error,) = run.errors.values()
     assert "layer 1 (Qwen3Attention) is a sliding-window layer (window 8)" in error

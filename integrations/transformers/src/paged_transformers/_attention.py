@@ -114,7 +114,6 @@ class PagedAttention:
         # (transformers' cache object, its layers viewed as paged caches): views only, dropped
         # when transformers drops its cache, so a finished generate_batch frees its pools.
         self._pools: tuple[weakref.ref, dict[int, KVCache]] | None = None
-        self._checked_layers: set[int] = set()
 
     def __repr__(self) -> str:
         return f"PagedAttention({self.name!r}, backend={self.backend.name!r})"
@@ -142,9 +141,7 @@ class PagedAttention:
         if dropout:
             raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
                                                            "training mode); paged serves inference: call model.eval()"])
-        if layer not in self._checked_layers:
-            self._check_layer(module, cache, layer)
-        group, kv, padding_slot = self._pool(cache, layer)
+        group, kv, padding_slot = self._pool(module, cache, layer)
         plan = self._plan(kwargs, group, query, kv, scaling, padding_slot)
         # [1, H, N, D] -> [N, H, D]; q must be dense in head_dim, which a transpose keeps.
         q = query[0].transpose(0, 1)
@@ -197,7 +194,7 @@ class PagedAttention:
         return plan
 
     # ----------------------------------------------------------------------------- per cache
-    def _pool(self, cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
+    def _pool(self, module: torch.nn.Module, cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
         pools = self._pools
         if pools is None or pools[0]() is not cache:
             pools = self._pools = (weakref.ref(cache), {})
@@ -207,6 +204,8 @@ class PagedAttention:
         views = pools[1]
         entry = views.get(layer)
         if entry is None:
+            # Once per layer of each cache (a new generate_batch may bring another model).
+            self._check_layer(module, cache, layer)
             entry = _view_pool(cache, layer)
             if self.kv_dtype != "auto":
                 entry = self._quantized_pool(cache, layer, *entry)
@@ -247,7 +246,6 @@ class PagedAttention:
             raise UnsupportedSpecError(self.backend.name, [
                 f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
             ])
-        self._checked_layers.add(layer)
 
 
 def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:
