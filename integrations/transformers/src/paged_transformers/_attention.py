@@ -111,9 +111,10 @@ class PagedAttention:
         self.name = name
         self.kv_dtype = kv_dtype
         self._step: _Step | None = None
-        # (transformers' cache object, its layers viewed as paged caches): views only, dropped
-        # when transformers drops its cache, so a finished generate_batch frees its pools.
-        self._pools: tuple[weakref.ref, dict[int, KVCache]] | None = None
+        # (transformers' cache object, per layer: (group, the layer as a paged cache, padding slot)):
+        # views (or, for kv_dtype, pools of paged's format), dropped when transformers drops its
+        # cache, so a finished generate_batch frees its pools.
+        self._pools: tuple[weakref.ref, dict[int, tuple[int, KVCache, int | None]]] | None = None
 
     def __repr__(self) -> str:
         return f"PagedAttention({self.name!r}, backend={self.backend.name!r})"
