@@ -23,11 +23,12 @@ TRITON = "triton==3.9.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 # The distributions' build backend; installs below run without build isolation, so it must be here.
 SETUPTOOLS = "setuptools>=77"
-DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS]]
 # The transformers release the integration's tests run against (its supported range is stated
 # in integrations/transformers/pyproject.toml); psutil: transformers sizes its CPU cache with it.
 TRANSFORMERS = "transformers==5.17.0"
 INTEGRATIONS = ["transformers"]
+DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS],
+                 *[f"integrations/{i}" for i in INTEGRATIONS]]
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
