@@ -57,8 +57,9 @@ def reference_attention(
     if cache.quantized:
         # Dequantize in compute_dtype: code * scale needs ~31 bits, so a float32 product would
         # round the values a float64 oracle is meant to use exactly.
-        kf = cache.k.to(compute_dtype) * cache.k_scale.to(compute_dtype)[..., None]
-        vf = cache.v.to(compute_dtype) * cache.v_scale.to(compute_dtype)[..., None]
+        k_scale, v_scale = cache._scales()
+        kf = cache.k.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
+        vf = cache.v.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
     else:
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
     out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)

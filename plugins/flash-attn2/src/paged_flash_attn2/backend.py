@@ -18,7 +18,7 @@ import importlib.metadata
 import importlib.util
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 from paged_core import Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
@@ -95,6 +95,7 @@ def _probe() -> tuple[str, ...]:
 def _package_reasons() -> list[str]:
     if importlib.util.find_spec("flash_attn") is None:
         return [f"flash-attn is not installed (to fix: {INSTALL})"]
+    version: str | None
     try:
         version = importlib.metadata.version("flash-attn")
     except importlib.metadata.PackageNotFoundError:
@@ -105,7 +106,8 @@ def _package_reasons() -> list[str]:
     except Exception as exc:  # undefined symbols, CUDA/torch ABI mismatch, missing libcudart ...
         return [f"flash-attn is installed but does not import: {type(exc).__name__}: {exc} (to fix: "
                 "pip install --force-reinstall --no-build-isolation 'flash-attn>=2.6,<3')"]
-    version = version or getattr(flash_attn, "__version__", "0.0")
+    # ``flash_attn.__version__`` is the version string (the module is untyped to mypy).
+    version = cast(str, version or getattr(flash_attn, "__version__", "0.0"))
     v = _version_tuple(version)
     if not (MIN_VERSION <= v and v[0] < MAX_MAJOR):
         return [f"flash-attn {version} is installed; accepted: >=2.6,<3 (to fix: "

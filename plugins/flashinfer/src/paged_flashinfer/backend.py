@@ -344,7 +344,7 @@ class FlashInferBackend(Backend):
         plan = prepare_plan(meta)
         given = [num_heads, num_kv_heads, head_dim, dtype]
         if any(v is not None for v in given):
-            if any(v is None for v in given):
+            if num_heads is None or num_kv_heads is None or head_dim is None or dtype is None:
                 raise InputError(
                     "plan() got some of num_heads, num_kv_heads, head_dim, dtype but not all; "
                     "accepted: all four (plan now) or none (plan on the first forward)"
