@@ -235,7 +235,7 @@ def _check_size(name: str, val: object) -> None:
         raise InputError(f"{name} is {val!r}; accepted: a positive int (below 2**31)")
 
 
-def _check_dtypes(dtype, kv_dtype) -> None:
+def _check_dtypes(dtype: object, kv_dtype: object) -> None:
     if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     if not isinstance(dtype, torch.dtype) or dtype not in _ELEM_BYTES:

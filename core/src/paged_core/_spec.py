@@ -37,7 +37,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def check_device(device) -> torch.device:
+def check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here, or an InputError saying what does."""
     try:
         dev = torch.device(device)
@@ -205,7 +205,7 @@ class Capabilities:
     def summary(self) -> str:
         """A compact one-line form for ``paged list``."""
 
-        def s(v):
+        def s(v: Iterable[Any] | None) -> str:
             return "any" if v is None else ",".join(str(x) for x in _sorted(v))
 
         flags = [

@@ -18,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import math
 import re
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -127,7 +128,7 @@ def _device_reasons() -> list[str]:
     return []
 
 
-def _varlen_func():
+def _varlen_func() -> Callable[..., Any]:
     return importlib.import_module("flash_attn").flash_attn_varlen_func
 
 
@@ -256,7 +257,7 @@ class FlashAttn2Backend(Backend):
     def unavailable(cls) -> list[str]:
         return list(_probe())
 
-    def plan(self, meta: BatchMeta, **layer) -> FlashAttn2Plan:
+    def plan(self, meta: BatchMeta, **layer: Any) -> FlashAttn2Plan:
         """flash-attn's description of ``meta``: pure PyTorch on its device, no host sync. The
         layer keywords of :meth:`paged_core.Backend.plan` are accepted and unused."""
         super().plan(meta, **layer)  # the base signature checks the keywords
@@ -291,7 +292,19 @@ class FlashAttn2Backend(Backend):
             pad_rows=pad_rows,
         )
 
-    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+    def _forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Any,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
         # A BatchMeta, or another backend's plan of one: plan it here (cheap, no host sync).
         p = plan if isinstance(plan, FlashAttn2Plan) else self.plan(self._batch_of(plan))
         if q.shape[0] == 0:
