@@ -218,7 +218,7 @@ class Backend:
         # arguments: dynamo would guard on them and recompile every step).
         return _ops.remember(self, self._plan(meta, **passed))
 
-    def _plan(self, meta: BatchMeta, **layer: Any) -> Any:
+    def _plan(self, meta: BatchMeta, *args: Any, **layer: Any) -> Any:
         """The backend's own planning; ``meta`` and the keywords are checked. Default: ``meta``.
 
         Receives the keywords of :data:`PLAN_KEYWORDS` that it declares (all of them given
