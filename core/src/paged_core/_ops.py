@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -85,12 +85,14 @@ def remember(backend: Backend, plan: Any) -> Any:
 def write(backend: Backend, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
     """What :meth:`Backend.write` does under ``torch.compile``: one ``paged::write`` call."""
     batch = meta if isinstance(meta, BatchMeta) else meta.meta
-    views = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+    views: tuple[torch.Tensor | None, ...] = (cache.k, cache.v, cache.k_scale, cache.v_scale)
     stores, spill = views, False
     if cache._spill is not None and _spill_holds(cache._spill, views):
         stores = (*cache._spill, None, None)[:4]
         spill = True
-    write_op(backend._op_handle, k, v, *stores, cache.kv_dtype, spill, batch.slot_mapping)
+    k_store, v_store, ks_store, vs_store = stores
+    write_op(backend._op_handle, k, v, cast(torch.Tensor, k_store), cast(torch.Tensor, v_store), ks_store, vs_store,
+             cache.kv_dtype, spill, batch.slot_mapping)
 
 
 def forward(
@@ -116,7 +118,7 @@ def forward(
         batch.query_start_loc, batch.seq_lens, batch.block_table, batch.slot_mapping,
         out, lse, sinks, scale, window, softcap,
     )
-    return (out, lse) if return_lse else out
+    return (out, cast(torch.Tensor, lse)) if return_lse else out
 
 
 def _spill_holds(spill: tuple[torch.Tensor, ...], views: tuple[torch.Tensor | None, ...]) -> bool:
@@ -158,8 +160,9 @@ def write_op(
     backend = _backend(handle)
     stores = (k_cache, v_cache, k_scale, v_scale)
     if spill:
-        views = tuple(None if t is None else t[:-1] for t in stores)
-        cache = KVCache(*views[:2], kv_dtype=kv_dtype, k_scale=views[2], v_scale=views[3],
+        ks_view = None if k_scale is None else k_scale[:-1]
+        vs_view = None if v_scale is None else v_scale[:-1]
+        cache = KVCache(k_cache[:-1], v_cache[:-1], kv_dtype=kv_dtype, k_scale=ks_view, v_scale=vs_view,
                         dtype=key.dtype, _spill=tuple(t for t in stores if t is not None))
     else:
         cache = KVCache(k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, dtype=key.dtype)
