@@ -534,6 +534,10 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
     Raises :class:`NotApplicable` with the backend's reasons (cannot run here, does not take a
     case's option, does not claim the case's spec) and whatever the check raises on failure.
     """
+    refused = pool.refused(backend_name)
+    if refused is not None:
+        case_id = case.id if case is not None else RANDOM_BATCHES
+        raise ConformanceFailure(f"[{backend_name}/{case_id}] {refused}")
     reasons = pool.unavailable(backend_name)
     if not reasons and case is not None:
         reasons = pool.option_reasons(backend_name, case.options)
