@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# The H200 run behind docs/benchmarks.md and docs/reliability.md, in one device call:
-#   device run: bash scripts/gpu_run.sh   (carry: .whl, see scripts/gpu_install.sh)
-# Installs offline, then `paged bench` (every installed backend, alone on the GPU) and the
-# compute-sanitizer run, each bounded in time so the call ends inside the 10-minute limit.
-# Logs under $OUT. The conformance suite has its own call: scripts/gpu_conformance.sh.
-# Knobs: BENCH_S, SANITIZE_S (seconds), BENCH_ARGS (extra `paged bench` options).
+# The benchmark of record and the memory check, on a GPU machine without a package index:
+#   bash scripts/gpu_run.sh
+# Installs offline (scripts/gpu_install.sh), then runs `paged bench` (every installed backend,
+# alone on the GPU) and the compute-sanitizer run, writing to $OUT: list.txt, bench.txt,
+# bench.json, bench-sweep.png, bench.err, sanitize.txt. The conformance suite has its own
+# script: scripts/gpu_conformance.sh.
+# Knobs (environment): BENCH_ARGS, extra `paged bench` options; BENCH_S and SANITIZE_S, optional
+# wall-clock limits in seconds for the two steps (unset: no limit).
 set -uo pipefail
 source scripts/gpu_install.sh
+
+bounded() {  # bounded SECONDS COMMAND...: COMMAND, stopped after SECONDS if SECONDS is not empty
+  local s=$1; shift
+  if [ -n "$s" ]; then timeout "$s" "$@"; else "$@"; fi
+}
+
 paged list > "$OUT/list.txt" 2>&1
 
-timeout "${BENCH_S:-300}" paged bench --sweep-len 4096,32768 --json "$OUT/bench.json" \
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+bounded "${BENCH_S:-}" paged bench --sweep-len 4096,32768 --json "$OUT/bench.json" \
   --plot "$OUT/bench-sweep.png" ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
 echo "bench rc=$?"
 
-PAGED_AUTOTUNE=0 timeout "${SANITIZE_S:-120}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+bounded "${SANITIZE_S:-}" env PAGED_AUTOTUNE=0 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 scripts/sanitize.py > "$OUT/sanitize.txt" 2>&1
 echo "sanitize rc=$?"
 tail -4 "$OUT/sanitize.txt"; sed -n 1,70p "$OUT/bench.txt"

@@ -4,8 +4,8 @@ No GPU needed: Triton compiles the kernel to a cubin with its bundled ptxas and 
 the resource usage. It answers "does this config spill?" before a device call is spent on it:
     python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
     python scripts/kernel_resources.py --head-dim 256 --group 8
-    python scripts/kernel_resources.py --tiles prefill --configs 64/8/2,64/8/3
-    python scripts/kernel_resources.py --tiles split --prefetch-block-ids   # triton-splitkv's split kernel
+    python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
+    python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
 
 The arguments get the specialisation they get at run time (pointers and strides divisible by
 16, a last-dim stride equal to 1; the kernel's do_not_specialize ints nothing), otherwise
@@ -93,10 +93,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
-    ap.add_argument("--tiles", default="decode,prefill,fused",
-                    help="which of decode,prefill,fused (triton-unified) and split (triton-splitkv)")
-    ap.add_argument("--prefetch-block-ids", action="store_true",
-                    help="LaunchConfig.prefetch_block_ids / triton-splitkv's PREFETCH_BLOCK_IDS")
+    ap.add_argument("--tiles", default="decode,fused",
+                    help="which of decode,fused (triton-unified) and split (triton-splitkv)")
     ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
     args = ap.parse_args()
     only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
@@ -106,28 +104,25 @@ def main() -> None:
                 BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
                 BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
                 KV_QUANT=0, QDOT16=False, FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
-                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32",
-                PREFETCH_IDS=args.prefetch_block_ids)
+                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
     tiles = {
-        "decode": ("decode (direct)", {"TILING": kernels.TILING_DIRECT}, kernels._DECODE_CONFIGS),
-        "prefill": (f"prefill ({args.block_q_large * group_pad} rows)",
-                    {"TILING": kernels.TILING_PLAN, "BLOCK_Q": args.block_q_large}, kernels._PREFILL_CONFIGS),
-        "fused": ("fused (both classes)", {"TILING": kernels.TILING_FUSED}, kernels._PREFILL_CONFIGS),
+        "decode": ("decode (direct)", {"FUSED": False}, kernels._DECODE_CONFIGS),
+        # A batch with any prefill runs fused: its configs are timed by the large tiles.
+        "fused": (f"fused ({args.block_q_large * group_pad}-row large)", {"FUSED": True}, kernels._PREFILL_CONFIGS),
     }
     if split_kernels is not None:
         split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
                           HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
                           HAS_QSL=False, FIXED_SPLITS=False, QUANT=False, FP8=False, V_SCALE_ON_P=False,
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
-                          DIRECT_OUT=False, HAS_SINKS=False, STORE_LSE=False,
-                          PREFETCH_IDS=args.prefetch_block_ids)
+                          DIRECT_OUT=False, HAS_SINKS=False, STORE_LSE=False)
         split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
         tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
-          f"block {args.block_size}, bf16{', block ids prefetched' if args.prefetch_block_ids else ''}")
+          f"block {args.block_size}, bf16")
     print(f"{'tile':24s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]

@@ -24,7 +24,9 @@ def _distributions() -> dict[str, str]:
     (each ``pyproject.toml`` with a ``[project]``; its packages are the ``src/`` folders)."""
     out = {}
     for pyproject in sorted(ROOT.glob("**/pyproject.toml")):
-        if ".git" in pyproject.parts or pyproject.parent in (ROOT, CORE.parents[1]):
+        # Hidden folders (.git, .nox virtualenvs, scratch copies) hold no distribution of ours.
+        if any(part.startswith(".") for part in pyproject.relative_to(ROOT).parts) or pyproject.parent in (
+                ROOT, CORE.parents[1]):
             continue
         # Only [project].name is needed: a regex, since tomllib is Python 3.11+ and core supports 3.10.
         name = re.search(r'^\[project\]\s*$.*?^name\s*=\s*"([^"]+)"', pyproject.read_text(), re.M | re.S)

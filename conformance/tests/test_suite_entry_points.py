@@ -208,7 +208,7 @@ def test_a_cell_where_not_every_check_ran_says_so(use_registry, tmp_path, capsys
 
 
 def test_reports_from_before_the_block_size_field_still_say_where_a_case_ran():
-    """docs/h200/ holds reports whose rebased cells said their block size only in the note."""
+    """The H200 reports of 2026-11-29 said a rebased cell's block size only in the note."""
     from paged_conformance.report import Matrix
 
     legacy = {"size": "full", "device": "cuda", "backends": {"fa": {"available": True, "reasons": []}},

@@ -54,16 +54,16 @@
 #   flash_attn-2.8.3.tar.gz, 8.4 MB (8,447,812 bytes), 107 MB unpacked, and it *does* include
 #   csrc/cutlass (CUTLASS 4.0.0, 55 MB unpacked) -- no git submodule fetch needed. (pip download
 #   builds metadata after fetching: run it with FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE and
-#   --no-build-isolation, or it fails for want of torch in the isolated env.) The build machine is
-#   offline: carry the tarball. composable_kernel (AMD, 48 MB) is not unpacked.
+#   --no-build-isolation, or it fails for want of torch in the isolated env.) On a build machine
+#   without an index, copy the tarball there. composable_kernel (AMD, 48 MB) is not unpacked.
 # * Time. Measured on a 2-core CPU machine, nvcc 13.0, -std=c++20, these flags, sm_90 only:
 #   flash_fwd_split_hdim128_bf16_causal_sm80.cu 169 s, flash_fwd_split_hdim128_bf16_sm80.cu 248 s
 #   (non-causal adds the sliding-window variants); the patched flash_api.cpp compiles (g++, ~30 s)
-#   and leaves exactly the 4 compiled run_mha_fwd_splitkv_dispatch<...> symbols undefined. So the
-#   default build (4 files in parallel + flash_api.cpp + link) should take ~4-5 min on the 16-core
-#   H200 host; each extra head dim adds 4 such files. The sdist's 72 files for one arch take tens
-#   of minutes (estimate; the backward files are the slowest). The link against a CUDA torch was
-#   not tried (CPU torch there).
+#   and leaves exactly the 4 compiled run_mha_fwd_splitkv_dispatch<...> symbols undefined. On an
+#   NVIDIA H200 host (2026-11-29, nvcc 13.0, torch 2.11.0+cu130, MAX_JOBS=8, beside other work)
+#   head dims 128 and 256 (8 files) + flash_api.cpp compiled and linked in 464 s; each extra head
+#   dim adds 4 such files. The sdist's 72 files for one arch take tens of minutes (estimate; the
+#   backward files are the slowest).
 # * Risks: torch 2.11's own flags/-std (torch picks -std; do not force one; c++20 was tested),
 #   the final link, and the runtime. A compile error shows within the first minute: run in the
 #   background and poll the log:

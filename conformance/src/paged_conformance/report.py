@@ -84,7 +84,7 @@ class Matrix:
         for r in data.get("results", []):
             outcome = Outcome(**{k: v for k, v in r.items() if k in fields})
             if "block_size" not in r and outcome.status == PASS and outcome.message.startswith("at block_size "):
-                # Reports from before the field (2026-11-29, docs/h200/) said it only in the note.
+                # Reports from before the field (the H200 runs of 2026-11-29) said it only in the note.
                 outcome.block_size = int(outcome.message.split()[2])
             matrix.add(outcome)
         return matrix

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_core import BatchMeta, InputError
-from paged_triton_unified.backend import TritonBackend, TritonUnifiedBackend
-from paged_triton_unified.launch import unified_attention
+from paged_triton_unified import TritonBackend, TritonUnifiedBackend, unified_attention
 
 from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
 

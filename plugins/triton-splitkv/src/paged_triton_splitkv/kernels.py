@@ -18,17 +18,14 @@ Conventions shared by every kernel of this file:
   untouched so they run on tensor cores.
 * float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast here: the
   interpreter cannot load ``float8_e4m3fn`` tensors, the GPU does not care.
+* Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``), and
+  so do the interpreter and autotuning flags and ``tanh``: one definition of each, imported from
+  triton-unified's public API.
 """
-
-import os
 
 import triton
 import triton.language as tl
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# PAGED_AUTOTUNE=0 runs one fixed GPU config per kernel: for test runs, where tuning every tiny
-# shape would cost minutes of compiles and the chosen config never changes the result.
-_AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
+from paged_triton_unified import AUTOTUNE, INTERPRET, tanh
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -36,17 +33,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _tanh(x):
-    # Portable across Triton 3.6 / 3.9 and the interpreter (libdevice is not). Saturates cleanly:
-    # exp overflow -> inf -> 1, underflow -> 0 -> -1. Absolute error ~1e-7, fine after * softcap.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _tile_block_ids(bt_row_ptr, t0, start, end, stride_btb, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_block_ids(bt_row_ptr, t0, start, end, stride_bt_b, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Physical blocks of keys t0 .. t0 + BLOCK_N - 1 of one request; -1 outside [start, end)."""
     offs_n = t0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_btb, mask=(offs_n >= start) & (offs_n < end),
+    return tl.load(bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=(offs_n >= start) & (offs_n < end),
                    other=-1)
 
 
@@ -69,10 +59,10 @@ def _attend_tile(
     v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
     scale,
     softcap,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ksb, stride_kss, stride_ksh,
-    stride_vsb, stride_vss, stride_vsh,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
     V_SCALE_ON_P: tl.constexpr,
@@ -80,10 +70,10 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
-    k_off = blk * stride_kb + offs_in_blk * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+    k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
     # K is loaded already transposed so the score tile is a plain q @ kt.
     kt = tl.load(
-        k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
+        k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
         mask=key_ok[None, :] & d_mask[:, None],
         other=0,
     )  # [HEAD_DIM_PAD, BLOCK_N]
@@ -95,12 +85,12 @@ def _attend_tile(
     kt = kt.to(q.dtype)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT:
-        ks_off = blk * stride_ksb + offs_in_blk * stride_kss + kv_head * stride_ksh
+        ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
         s = s * k_sc[None, :]
     s = s * scale
     if USE_SOFTCAP:
-        s = softcap * _tanh(s / softcap)
+        s = softcap * tanh(s / softcap)
     # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
     s = tl.where(vis, s * LOG2E, float("-inf"))
 
@@ -112,16 +102,16 @@ def _attend_tile(
     alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v_off = blk * stride_vb + offs_in_blk * stride_vs + kv_head * stride_vh  # [BLOCK_N] int64
+    v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
     v = tl.load(
-        v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
+        v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
         mask=key_ok[:, None] & d_mask[None, :],
         other=0,
     )  # [BLOCK_N, HEAD_DIM_PAD]
     if FP8:
         v = v.to(tl.float8e4nv, bitcast=True)
     if QUANT:
-        vs_off = blk * stride_vsb + offs_in_blk * stride_vss + kv_head * stride_vsh
+        vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
         if V_SCALE_ON_P:
             # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
@@ -147,8 +137,8 @@ def _store_partial(
     head,  # [BLOCK_M]
     row_valid,  # [BLOCK_M] bool
     offs_d, d_mask,
-    stride_pot, stride_poh, stride_pod,
-    stride_plt, stride_plh,
+    stride_po_t, stride_po_h, stride_po_d,
+    stride_pl_t, stride_pl_h,
 ):
     """Write out normalized within this key range and its natural-log LSE (-inf, zeros if empty)."""
     # != rather than >: a NaN sum (NaN in this request's q or K) must stay NaN, not become 0.
@@ -157,11 +147,11 @@ def _store_partial(
     out = acc * inv_l[:, None]
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(
-        part_out_ptr + token[:, None] * stride_pot + head[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+        part_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :] * stride_po_d,
         out,
         mask=row_valid[:, None] & d_mask[None, :],
     )
-    tl.store(part_lse_ptr + token * stride_plt + head * stride_plh, lse, mask=row_valid)
+    tl.store(part_lse_ptr + token * stride_pl_t + head * stride_pl_h, lse, mask=row_valid)
 
 
 @triton.jit
@@ -174,8 +164,8 @@ def _store_final(
     head,  # [BLOCK_M]
     row_valid,  # [BLOCK_M] bool
     offs_d, d_mask,
-    stride_ot, stride_oh, stride_od,
-    stride_olt, stride_olh,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_lse_t, stride_lse_h,
     HAS_SINKS: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
@@ -197,13 +187,13 @@ def _store_final(
     # acc * (1 / l) as in _store_partial: without sinks this is bit-identical to merging one part.
     out = acc * (1.0 / l_safe)[:, None]
     tl.store(
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & d_mask[None, :],
     )
     if STORE_LSE:
         lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
-        tl.store(lse_ptr + token * stride_olt + head * stride_olh, lse, mask=row_valid)
+        tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_valid)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,9 +202,12 @@ def _store_final(
 
 # BLOCK_N 64-128 with 2-4 stages keeps ~2-3 tiles of K/V in flight per program (cp.async), which
 # is what a memory-bound loop needs when one program per SM carries the whole bandwidth (few
-# long requests); 4 warps suffice for 16-row tiles. Compiled offline for sm_90 (bf16, d 128,
-# GROUP 4): 64/4w/2st uses 39 KB shared memory and 90 registers, 128/4w/3st 139 KB.
-if _INTERPRET:
+# long requests); 4 warps suffice for 16-row tiles. With each tile's block ids loaded a tile
+# ahead, the pipeliner buffers the gathered K/V num_stages deep (offline sm_90a compile, bf16,
+# d 128, GROUP 4: 64 keys take 38 / 70 / 102 KB of shared memory at 2 / 3 / 4 stages). NVIDIA
+# H200, Triton 3.6, CUDA-graph replays, 2026-12-01: 64 keys / 4 warps / 3 stages ran 4 x 32,768
+# (9 splits) in 0.1672 ms and 16 x 8,192 (3 splits) in 0.1469 ms; 4 stages 0.2512 / 0.1970.
+if INTERPRET:
     # One fixed config under the interpreter: autotuning there only multiplies the run time.
     # 32 spans two 16-token blocks and is smaller than a 64-token block: both gather paths.
     _SPLIT_CONFIGS = [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
@@ -232,8 +225,8 @@ else:
             (128, 8, 2),
         ]
     ]
-    if not _AUTOTUNE:
-        _SPLIT_CONFIGS = _SPLIT_CONFIGS[1:2]  # (64, 4 warps, 2 stages)
+    if not AUTOTUNE:
+        _SPLIT_CONFIGS = _SPLIT_CONFIGS[2:3]  # (64, 4 warps, 3 stages)
 
 
 # The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
@@ -241,7 +234,7 @@ else:
 # (one split) is in it, but the launcher never uses it in that mode (blocks_per_split).
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
 @triton.autotune(
-    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "PREFETCH_IDS"]
+    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"]
 )
 @triton.jit
 def split_kv_attention_kernel(
@@ -267,16 +260,16 @@ def split_kv_attention_kernel(
     num_splits,  # int (not FIXED_SPLITS): splits per request
     tokens_per_split,  # int (FIXED_SPLITS only): key tokens per split, batch independent
     num_q_tiles,  # int, query tiles per request (grid axis 0 = num_reqs * num_q_tiles)
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ksb, stride_kss, stride_ksh,
-    stride_vsb, stride_vss, stride_vsh,
-    stride_btr, stride_btb,
-    stride_pos, stride_pot, stride_poh, stride_pod,
-    stride_pls, stride_plt, stride_plh,
-    stride_ot, stride_oh, stride_od,
-    stride_olt, stride_olh,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_bt_r, stride_bt_b,
+    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_lse_t, stride_lse_h,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per tile (1 for decode)
@@ -296,7 +289,6 @@ def split_kv_attention_kernel(
     DIRECT_OUT: tl.constexpr,  # one split: write the final out (and lse) instead of a partial
     HAS_SINKS: tl.constexpr,  # DIRECT_OUT only
     STORE_LSE: tl.constexpr,  # DIRECT_OUT only
-    PREFETCH_IDS: tl.constexpr,  # each tile's block ids loaded one tile ahead
     BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
 ):
     """One program: BLOCK_Q queries of one request x the GROUP heads of one KV head, against the
@@ -336,7 +328,7 @@ def split_kv_attention_kernel(
     d_mask = offs_d < HEAD_DIM
 
     q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
@@ -372,19 +364,15 @@ def split_kv_attention_kernel(
     # Tiles stay aligned to split_lo (not to `start`), so the summation order of a split depends
     # only on the request itself: needed for the batch-invariant mode.
     t_begin = split_lo + ((start - split_lo) // BLOCK_N) * BLOCK_N
-    bt_row = block_table_ptr + req * stride_btr
-    if PREFETCH_IDS:
-        blk_next = _tile_block_ids(bt_row, t_begin, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
+    bt_row = block_table_ptr + req * stride_bt_r
+    blk_next = _tile_block_ids(bt_row, t_begin, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
     for t0 in range(t_begin, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         key_in = (offs_n >= start) & (offs_n < end)
-        if PREFETCH_IDS:
-            # This tile's ids were loaded one tile earlier: no load inside the step feeds the K/V
-            # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
-            blk = blk_next
-            blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
-        else:
-            blk = _tile_block_ids(bt_row, t0, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)  # [BLOCK_N] int32
+        # This tile's ids were loaded one tile earlier: no load inside the step feeds the K/V
+        # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
+        blk = blk_next  # [BLOCK_N] int32
+        blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
         key_ok = key_in & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         if BLOCK_Q > 1:
@@ -397,25 +385,25 @@ def split_kv_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
-            stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_ksb, stride_kss, stride_ksh,
-            stride_vsb, stride_vss, stride_vsh,
+            stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+            stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+            stride_ks_b, stride_ks_s, stride_ks_h,
+            stride_vs_b, stride_vs_s, stride_vs_h,
             QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
         )
 
     if DIRECT_OUT:
         _store_final(
             out_ptr, out_lse_ptr, sinks_ptr, m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
-            stride_ot, stride_oh, stride_od, stride_olt, stride_olh, HAS_SINKS, STORE_LSE,
+            stride_o_t, stride_o_h, stride_o_d, stride_lse_t, stride_lse_h, HAS_SINKS, STORE_LSE,
         )
     else:
         # int64: with blocks_per_split, thousands of splits x a large batch overflow int32 offsets.
         split64 = split.to(tl.int64)
         _store_partial(
-            part_out_ptr + split64 * stride_pos, part_lse_ptr + split64 * stride_pls,
+            part_out_ptr + split64 * stride_po_s, part_lse_ptr + split64 * stride_pl_s,
             m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
-            stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
+            stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
         )
 
 
@@ -425,7 +413,7 @@ def split_kv_attention_kernel(
 
 # Prefix tiles are real matrix tiles (64-128 rows): the whole point is that one K/V read serves
 # many requests, so the tile is compute-shaped, unlike the 16-row decode tiles above.
-if _INTERPRET:
+if INTERPRET:
     _PREFIX_CONFIGS = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
 else:
     _PREFIX_CONFIGS = [
@@ -439,7 +427,7 @@ else:
             (128, 64, 8, 3),
         ]
     ]
-    if not _AUTOTUNE:
+    if not AUTOTUNE:
         _PREFIX_CONFIGS = _PREFIX_CONFIGS[1:2]  # (64 rows, 64 keys, 4 warps, 2 stages)
 
 
@@ -465,14 +453,14 @@ def cascade_prefix_kernel(
     search_steps,  # int, ceil(log2(num_reqs)): binary-search steps from token to request
     num_blocks,
     max_blocks,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ksb, stride_kss, stride_ksh,
-    stride_vsb, stride_vss, stride_vsh,
-    stride_btb,
-    stride_pos, stride_pot, stride_poh, stride_pod,
-    stride_pls, stride_plt, stride_plh,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_ks_b, stride_ks_s, stride_ks_h,
+    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_bt_b,
+    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+    stride_pl_s, stride_pl_t, stride_pl_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -524,7 +512,7 @@ def cascade_prefix_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
-        q_ptr + token64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr + token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
@@ -542,24 +530,24 @@ def cascade_prefix_kernel(
     for t0 in range(start, end, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
-        blk = _tile_block_ids(block_table_ptr, t0, start, end, stride_btb, BLOCK_SIZE, BLOCK_N)
+        blk = _tile_block_ids(block_table_ptr, t0, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
         key_ok = key_in & (blk >= 0) & (blk < num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
-            stride_kb, stride_ks, stride_kh, stride_kd,
-            stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_ksb, stride_kss, stride_ksh,
-            stride_vsb, stride_vss, stride_vsh,
+            stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+            stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+            stride_ks_b, stride_ks_s, stride_ks_h,
+            stride_vs_b, stride_vs_s, stride_vs_h,
             QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
         )
 
     _store_partial(
-        part_out_ptr + split.to(tl.int64) * stride_pos, part_lse_ptr + split.to(tl.int64) * stride_pls,
+        part_out_ptr + split.to(tl.int64) * stride_po_s, part_lse_ptr + split.to(tl.int64) * stride_pl_s,
         m_i, l_i, acc, token64, head, row_valid, offs_d, d_mask,
-        stride_pot, stride_poh, stride_pod, stride_plt, stride_plh,
+        stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
     )
 
 
@@ -576,10 +564,10 @@ def merge_states_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
     out_lse_ptr,  # [num_tokens, num_heads] float32 (STORE_LSE only)
     num_parts,
-    stride_pos, stride_pot, stride_poh, stride_pod,
-    stride_pls, stride_plt, stride_plh,
-    stride_ot, stride_oh, stride_od,
-    stride_olt, stride_olh,
+    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_lse_t, stride_lse_h,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -596,13 +584,13 @@ def merge_states_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     offs_p = tl.arange(0, PARTS_CHUNK)
-    lse_base = parts_lse_ptr + token * stride_plt + head * stride_plh
-    out_base = parts_out_ptr + token * stride_pot + head * stride_poh
+    lse_base = parts_lse_ptr + token * stride_pl_t + head * stride_pl_h
+    out_base = parts_out_ptr + token * stride_po_t + head * stride_po_h
 
     m = tl.full([], float("-inf"), tl.float32)
     for s in range(0, num_parts, PARTS_CHUNK):
         part = s + offs_p
-        lse = tl.load(lse_base + part * stride_pls, mask=part < num_parts, other=float("-inf"))
+        lse = tl.load(lse_base + part * stride_pl_s, mask=part < num_parts, other=float("-inf"))
         m = tl.maximum(m, tl.max(lse, 0))
     empty = m == float("-inf")
     m_all = m
@@ -620,8 +608,8 @@ def merge_states_kernel(
     for s in range(0, num_parts, PARTS_CHUNK):
         part = s + offs_p
         in_range = part < num_parts
-        w = tl.exp(tl.load(lse_base + part * stride_pls, mask=in_range, other=float("-inf")) - m_safe)
-        o = tl.load(out_base + part[:, None] * stride_pos + offs_d[None, :] * stride_pod,
+        w = tl.exp(tl.load(lse_base + part * stride_pl_s, mask=in_range, other=float("-inf")) - m_safe)
+        o = tl.load(out_base + part[:, None] * stride_po_s + offs_d[None, :] * stride_po_d,
                     mask=in_range[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         denom += tl.sum(w, 0)
         # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
@@ -633,10 +621,10 @@ def merge_states_kernel(
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, denom))
     out = acc * inv
     tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+        out_ptr + token * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
         out.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
     if STORE_LSE:
         lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, denom)))
-        tl.store(out_lse_ptr + token * stride_olt + head * stride_olh, lse)
+        tl.store(out_lse_ptr + token * stride_lse_t + head * stride_lse_h, lse)

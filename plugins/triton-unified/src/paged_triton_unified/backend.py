@@ -5,21 +5,20 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from paged_core import Backend, Capabilities
-from paged_core._spec import KV_DTYPES, AttentionSpec
+from paged_core import KV_DTYPES, AttentionSpec, Backend, Capabilities
 
+from . import kernels
 from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, unified_attention
 
 __all__ = ["TritonBackend", "TritonUnifiedBackend", "interpreter_reasons"]
 
-# Triton picks interpreter or compiler when a kernel is defined (the import of .launch above),
-# not when it runs: setting TRITON_INTERPRET=1 later ends in "0 active drivers" on a CPU.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def interpreter_reasons(spec: AttentionSpec) -> list[str]:
-    """Triton runs on the CPU only through its interpreter, which must be on before import."""
-    if spec.device_type != "cpu" or _INTERPRETED:
+    """Triton runs on the CPU only through its interpreter, which must be on before import:
+    Triton picks interpreter or compiler when a kernel is defined (``kernels.INTERPRET``, read
+    at import), not when it runs, and setting TRITON_INTERPRET=1 later ends in "0 active
+    drivers" on a CPU."""
+    if spec.device_type != "cpu" or kernels.INTERPRET:
         return []
     if os.environ.get("TRITON_INTERPRET") == "1":
         return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported, and Triton reads it "

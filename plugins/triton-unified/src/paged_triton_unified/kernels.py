@@ -1,7 +1,8 @@
 """Triton kernels of the triton-unified backend: one launch per layer for a whole mixed batch.
 
-Only ``@triton.jit`` code lives here (plus the autotuning configs of the kernel they tune);
-the launcher that validates arguments and sizes the grid is ``launch.py``.
+Only ``@triton.jit`` code lives here, plus the autotuning configs of the kernel right below them
+and the flags the other Triton plugin shares (``INTERPRET``, ``AUTOTUNE``, ``tanh``); the launcher
+that checks arguments and sizes the grid is ``launch.py``.
 
 Vocabulary, for one request of a flattened batch::
 
@@ -12,6 +13,11 @@ Vocabulary, for one request of a flattened batch::
 Query ``i`` of a request sits at position ``context_len + i`` and sees keys ``0 .. position``
 (and with a window ``w > 0`` only keys ``> position - w``). Logical key ``j`` lives in physical
 slot ``block_table[r, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE`` of the cache.
+
+Stride names, here and in triton-splitkv: ``stride_<tensor>_<dim>`` with tensors ``q``, ``k``/``v``
+(the caches), ``ks``/``vs`` (their scales), ``o`` (out), ``lse``, ``bt`` (block table), ``po``/``pl``
+(partial outputs / LSEs) and dims ``t`` (token), ``h`` (head), ``d`` (head dim), ``b`` (cache
+block, or block-table column), ``s`` (slot in a block, or split), ``r`` (request).
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import os
 import triton
 import triton.language as tl
 
-# Under TRITON_INTERPRET=1 the launcher runs one fixed config: autotuning there would only
-# multiply the (already slow) interpreted run time by the number of configs.
+__all__ = ["AUTOTUNE", "INTERPRET", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
+
+# Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
+# it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
+# only multiply the (already slow) interpreted run time by the number of configs.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
 # tiny shape would cost minutes of compiles and the chosen config never changes the result.
@@ -30,6 +39,18 @@ AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
 
 # Literals 1.4426950408889634 (log2 e) and 0.6931471805599453 (ln 2) appear inline in the
 # kernels: plain Python globals are not readable from @triton.jit code.
+
+# Tilings of one launch (the FUSED constexpr): False, a decode-shaped batch (every request fits
+# one small tile): tile r is request r, no tile plan launch and no search; True, both size
+# classes in one launch, large tiles first, found through the tile plan's prefix sums.
+
+
+@triton.jit
+def tanh(x):
+    """tanh for float32 ``x``: ``tl`` has no portable tanh across Triton 3.6..3.9 and the
+    interpreter (libdevice is not). Saturates cleanly: exp overflow -> inf -> 1, underflow -> 0
+    -> -1. Absolute error ~2e-7 over [-20, 20] (tests/test_kernel.py compares it with torch)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,13 +66,12 @@ def tile_plan_kernel(
     num_reqs,
     BLOCK_Q_SMALL: tl.constexpr,
     BLOCK_Q_LARGE: tl.constexpr,
-    SPLIT: tl.constexpr,  # False: every request goes to the small class
     BLOCK_R: tl.constexpr,
 ):
     """One program writes, for each size class, the running count of query tiles per request.
 
     A request with ``query_len <= BLOCK_Q_SMALL`` (a decode, a short verification block) fits in
-    one small tile; longer ones go to the large class when SPLIT, so that a long prefill gets
+    one small tile; longer ones go to the large class, so that a long prefill gets
     tensor-core-sized tiles without inflating the tiles of the decodes it is batched with.
     This is a single tiny launch instead of a chain of torch ops (diff, clamp, div, where,
     cumsum), which matters when it is paid once per layer.
@@ -67,15 +87,12 @@ def tile_plan_kernel(
         # A non-monotone query_start_loc (bad metadata) must not produce negative counts:
         # the binary search in the attention kernel needs a monotone prefix sum.
         q_len = tl.maximum(q_end - q_begin, 0)
-        if SPLIT:
-            is_large = q_len > BLOCK_Q_SMALL
-            n_small = tl.where(is_large, 0, (q_len + BLOCK_Q_SMALL - 1) // BLOCK_Q_SMALL)
-            n_large = tl.where(is_large, (q_len + BLOCK_Q_LARGE - 1) // BLOCK_Q_LARGE, 0)
-            ends_large = carry_large + tl.cumsum(n_large, 0)
-            tl.store(tile_end_large_ptr + offs, ends_large, mask=in_range)
-            carry_large += tl.sum(n_large, 0)
-        else:
-            n_small = (q_len + BLOCK_Q_SMALL - 1) // BLOCK_Q_SMALL
+        is_large = q_len > BLOCK_Q_SMALL
+        n_small = tl.where(is_large, 0, (q_len + BLOCK_Q_SMALL - 1) // BLOCK_Q_SMALL)
+        n_large = tl.where(is_large, (q_len + BLOCK_Q_LARGE - 1) // BLOCK_Q_LARGE, 0)
+        ends_large = carry_large + tl.cumsum(n_large, 0)
+        tl.store(tile_end_large_ptr + offs, ends_large, mask=in_range)
+        carry_large += tl.sum(n_large, 0)
         ends_small = carry_small + tl.cumsum(n_small, 0)
         tl.store(tile_end_small_ptr + offs, ends_small, mask=in_range)
         carry_small += tl.sum(n_small, 0)
@@ -87,62 +104,19 @@ def tile_plan_kernel(
 
 
 @triton.jit
-def _tanh(x):
-    # tl has no portable tanh across Triton 3.6..3.9 and the interpreter; this form saturates
-    # cleanly to +-1 (exp2 overflows to inf, 2/inf = 0) instead of producing inf/inf = NaN.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
-
-
-@triton.jit
-def _int8_to_fp16(codes):
-    """int8 codes -> exactly equal fp16 values with integer and half ops only (no I2F).
-
-    The byte b of code c (two's complement) XOR 0x80 is c + 128 in [0, 255]; zero-extended and
-    XORed into 0x6400 (fp16 1024, whose ulp is 1) that is fp16 1024 + 128 + c; XOR 0x6480 on the
-    zero-extended byte does both at once. One fp16 subtraction of 1152 leaves c exactly. Byte
-    extraction (PRMT), XOR and HSUB2 each handle two lanes per instruction.
-    """
-    b = codes.to(tl.uint8, bitcast=True).to(tl.uint16)  # zero-extension
-    biased = b ^ tl.full(b.shape, 0x6480, tl.uint16)  # a uint16 constant keeps the op 16-bit
-    return biased.to(tl.float16, bitcast=True) - 1152.0  # fp16 - weak Python float stays fp16
-
-
-@triton.jit
-def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr, QDOT16: tl.constexpr):
+def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr):
     """A loaded K/V tile (values, int8 codes, or fp8 codes as uint8) in the dot dtype."""
     if KV_QUANT == 2:
         # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
         x = x.to(tl.float8e4nv, bitcast=True)
-    if QDOT16 and KV_QUANT == 1:
-        return _int8_to_fp16(x)
     # Quantized codes convert exactly to fp16/bf16. e4m3 -> fp16 is a native cvt on sm_89+
     # (cvt.rn.f16x2.e4m3x2: two codes per instruction); e4m3 -> bf16 is not, it goes through
-    # f16/f32, which is why QDOT16 runs quantized tiles in fp16.
+    # f16/f32, which is why QDOT16 runs fp8 tiles in fp16.
     return x.to(dot_dtype)
 
 
 @triton.jit
-def _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The physical block of each key of the step starting at ``start_n`` (-1 past the table)."""
-    logical_block = (start_n + tl.arange(0, BLOCK_N)) // BLOCK_SIZE
-    return tl.load(block_table_row_ptr + logical_block * stride_bt_b, mask=logical_block < max_blocks_per_req,
-                   other=-1)
-
-
-@triton.jit
-def _loop_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH_IDS: tl.constexpr):
-    """The ids a loop's first _attend_step takes: its first step's with PREFETCH_IDS, else none."""
-    if PREFETCH_IDS:
-        return _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N)
-    else:
-        return tl.zeros([BLOCK_N], tl.int32)
-
-
-@triton.jit
 def _attend_step(
-    ids,  # int32 [BLOCK_N]: this step's block ids if PREFETCH_IDS (loaded a step earlier), else unused
     acc,  # float32 [BLOCK_M, HEAD_DIM_PAD]
     l_i,  # float32 [BLOCK_M]
     m_i,  # float32 [BLOCK_M], running max in log2 units
@@ -180,31 +154,20 @@ def _attend_step(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    QDOT16: tl.constexpr,  # quantized cache: fp16 dots, bit-trick int8 decode, V scale per tile
-    FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see the kernel's docstring)
+    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: fp16 dots, V scale per tile
+    FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see unified_attention_kernel)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,  # load the next step's block ids here, use the ones passed in
 ):
-    """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile.
-
-    Returns the new state and, with PREFETCH_IDS, the next step's block ids. Loading them a step
-    ahead means no load inside the step feeds the K/V addresses, so Triton's pipeliner buffers
-    the gathered K/V ``num_stages`` deep (offline sm_90a compile, 128-row tile, 64 keys: 128 KB
-    of shared memory at 3 stages instead of 96); without it the id load takes a stage of its
-    own and K/V stay double-buffered whatever ``num_stages`` is.
-    """
+    """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
     # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per
     # key. Keys past the table, past the sequence, or in a block id outside the pool are masked
     # and their pointers clamped to block 0, so bad metadata never reads outside the cache.
-    if PREFETCH_IDS:
-        block = ids
-        ids = _step_block_ids(block_table_row_ptr, start_n + BLOCK_N, stride_bt_b, max_blocks_per_req,
-                              BLOCK_SIZE, BLOCK_N)
-    else:
-        block = _step_block_ids(block_table_row_ptr, start_n, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N)
+    logical_block = offs_n // BLOCK_SIZE
+    block = tl.load(block_table_row_ptr + logical_block * stride_bt_b, mask=logical_block < max_blocks_per_req,
+                    other=-1)
     key_ok = (block >= 0) & (block < num_blocks) & (offs_n < seq_len)  # [BLOCK_N]
     # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
     block = tl.where(key_ok, block, 0).to(tl.int64)
@@ -216,7 +179,7 @@ def _attend_step(
     k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask, other=0)
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = _codes_to_dot(k, q.dtype, KV_QUANT, QDOT16)
+    k = _codes_to_dot(k, q.dtype, KV_QUANT)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
@@ -225,15 +188,12 @@ def _attend_step(
     if KV_QUANT != 0:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_offs, mask=key_ok, other=0.0)  # [BLOCK_N] float32
-        if FOLD_SCALE:
-            # One multiply per score: the key scale and qk_scale combine per column first.
-            s = qk * (k_sc * qk_scale)[None, :]
-        else:
-            s = (qk * k_sc[None, :]) * qk_scale
+        # One multiply per score: the key scale and qk_scale combine per column first.
+        s = qk * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
-            s = _tanh(s) * (softcap * 1.4426950408889634)
+            s = tanh(s) * (softcap * 1.4426950408889634)
     elif USE_SOFTCAP:
-        s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+        s = tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
     elif RAW:
         s = qk
     else:
@@ -248,8 +208,8 @@ def _attend_step(
     s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
 
     if RAW:
-        # The launcher sets FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of
-        # the scaled scores (and -inf stays -inf).
+        # FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of the scaled scores
+        # (and -inf stays -inf).
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -268,7 +228,7 @@ def _attend_step(
     v = tl.load(
         v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0
     )
-    v = _codes_to_dot(v, q.dtype, KV_QUANT, QDOT16)
+    v = _codes_to_dot(v, q.dtype, KV_QUANT)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -289,11 +249,181 @@ def _attend_step(
         # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also
         # runs on tensor cores; accumulation stays in float32.
         acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new, ids
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _tile_program(
+    tile,  # index of this program's tile within its size class
+    kv_head,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
+    num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
+    stride_q_t, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+    stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
+    KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
+
+    No early ``return`` here: in a fused launch this runs inside a branch, and a callee with
+    several exits could not be inlined into it. A tile past the batch runs empty loops and
+    masked stores instead.
+    """
+    if FROM_PLAN:
+        # Find the request owning this tile: the first r with tile_end[r] > tile.
+        lo = num_reqs * 0
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            after = tl.load(tile_end_ptr + mid) > tile
+            hi = tl.where(after, mid, hi)
+            lo = tl.where(after, lo, mid + 1)
+        in_batch = lo < num_reqs  # False: past the batch's last tile
+        req = tl.minimum(lo, num_reqs - 1)
+        tile_begin = tl.load(tile_end_ptr + req - 1, mask=req > 0, other=0)
+        local_tile = tile - tile_begin
+    else:
+        in_batch = tile < num_reqs
+        req = tile
+        local_tile = tile * 0
+
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    tile_ok = in_batch & (local_tile * BLOCK_Q < q_len)
+
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [BLOCK_M], BLOCK_M = BLOCK_Q * GROUP_PAD
+    q_idx = local_tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the request
+    head_in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + head_in_group  # [BLOCK_M] query head of each row
+    token = q_begin + q_idx  # [BLOCK_M] row of q / out
+    # A tile past the batch gets no rows (a where, not `scalar & tensor`: the interpreter
+    # cannot mask with the result of the latter).
+    rows_len = tl.where(tile_ok, q_len, 0)
+    row_ok = (q_idx < rows_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
+    q_pos = context_len + q_idx  # [BLOCK_M] position of each row's query
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    token64 = token.to(tl.int64)
+    q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    if USE_SOFTCAP:
+        qk_scale = scale / softcap
+    else:
+        qk_scale = scale * 1.4426950408889634
+    if QDOT16:
+        # fp8 caches run their dots in fp16 (see _codes_to_dot). bf16 q is exact in fp16
+        # as long as it stays in fp16's range: scale q by a power of two (exact) so that
+        # max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
+        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+        exponent = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        shift = tl.minimum(tl.maximum(exponent - 13, 0), 100)
+        q = (q.to(tl.float32) * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+
+    # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
+    # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
+    # row's arithmetic does not depend on which tile it landed in (batch invariance).
+    first_pos = context_len + local_tile * BLOCK_Q
+    last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
+    key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
+    key_end = tl.where(tile_ok, key_end, 0)  # no keys for a tile past the batch
+    if USE_WINDOW:
+        lo_key = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+    else:
+        lo_key = first_pos * 0
+        full_lo = first_pos * 0
+    start = (lo_key // BLOCK_N) * BLOCK_N
+    full_begin = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, key_end // BLOCK_N * BLOCK_N)
+    if full_begin >= full_end:
+        full_begin = start
+        full_end = start
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
+
+    # Three key ranges, one loop each; static_range unrolls them, so each compiles with its own
+    # MASKED: the leading window edge (masked), the bulk of the context (no causal or window mask
+    # to compute), the causal diagonal (masked).
+    for part in tl.static_range(3):
+        if part == 0:
+            lo = start
+            hi = full_begin
+        elif part == 1:
+            lo = full_begin
+            hi = full_end
+        else:
+            lo = full_end
+            hi = key_end
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_step(
+                acc=acc, l_i=l_i, m_i=m_i, q=q, start_n=start_n, q_pos=q_pos, seq_len=seq_len, window=window,
+                softcap=softcap, qk_scale=qk_scale, num_blocks=num_blocks, max_blocks_per_req=max_blocks_per_req,
+                block_table_row_ptr=bt_row_ptr, stride_bt_b=stride_bt_b,
+                k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
+                kv_head=kv_head,
+                stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
+                stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
+                stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
+                stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
+                offs_d=offs_d, d_mask=d_mask,
+                MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
+                QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+                DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+
+    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
+    # such rows (padding requests) write zeros and lse = -inf, sinks or not.
+    seen = l_i > 0.0
+    if HAS_SINKS:
+        # The sink joins the denominator only; folding it in at the end is the same softmax as
+        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        rescale = tl.exp2(m_i - m_fin)
+        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
+        m_i = m_fin
+        l_i = tl.where(seen, l_fin, 0.0)
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
+    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    if HAS_LSE:
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
+
+
+# ============================================================================================
+# The attention kernel: its autotuning space, then the kernel.
+# ============================================================================================
+
+# The one config run under TRITON_INTERPRET=1. BLOCK_N = 32 spans two 16-token cache blocks and
+# half of a 64-token block, so the tests cover both sides of the block-table gather.
+INTERPRET_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 def _attention_configs():
     """The GPU search space; ``keep`` narrows it per shape class at launch time."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": INTERPRET_CONFIG["BLOCK_N"]}, num_warps=INTERPRET_CONFIG["num_warps"],
+                              num_stages=INTERPRET_CONFIG["num_stages"])]
     configs = []
     for block_n in (16, 32, 64, 128):
         for num_warps in (2, 4, 8):
@@ -353,20 +483,14 @@ _DEFAULT_DECODE = (128, 4, 2)
 _DEFAULT_PREFILL = (64, 8, 2)
 
 
-# Tilings of one launch (the TILING constexpr).
-TILING_PLAN = 0  # tiles of one size class, found through the tile plan's prefix sums
-TILING_DIRECT = 1  # decode-shaped batch: one tile per request, no tile plan launch or search
-TILING_FUSED = 2  # both size classes in one launch: large tiles first, then the small ones
-
-
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     # A fused launch is timed by its large tiles (compute-bound prefill); its small tiles run
     # with BLOCK_N_SMALL from the launcher.
-    block_q = args["BLOCK_Q_LARGE"] if args["TILING"] == TILING_FUSED else args["BLOCK_Q"]
+    block_q = args["BLOCK_Q_LARGE"] if args["FUSED"] else args["BLOCK_Q"]
     block_m = block_q * args["GROUP_PAD"]
     kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
-    if args["TILING"] == TILING_FUSED and args["HEAD_DIM_PAD"] >= 256:
+    if args["FUSED"] and args["HEAD_DIM_PAD"] >= 256:
         # Both classes' pipelined K/V buffers share the launch's shared memory.
         kept = [c for c in kept if c.num_stages <= 2]
     if not AUTOTUNE:
@@ -375,198 +499,21 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-def _autotune(fn):
-    if INTERPRET:
-        return fn
-    return triton.autotune(
-        configs=_attention_configs(),
-        # The tile shape, the cache layout, the KV format, the code path and how many programs
-        # each SM gets decide the best config; tensor dtypes are added to the key by the
-        # autotuner itself. Request counts and lengths are not in the key (each new value would
-        # re-tune), only the occupancy class (1, 2, 4 or 8+ programs per SM): 2 warps per
-        # program win when every SM has 4 programs and lose a third when it has 1. "Decode-only"
-        # is not either: BLOCK_Q already separates decode-shaped tiles from prefill tiles.
-        # (So a request's result may differ in rounding between batches of different classes:
-        # triton-unified does not claim batch invariance; triton-splitkv's batch_invariant mode
-        # does.)
-        key=["BLOCK_Q", "BLOCK_Q_LARGE", "TILING", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT",
-             "QDOT16", "FOLD_SCALE", "PREFETCH_IDS", "occupancy"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(fn)
 
-
-@triton.jit
-def _tile_program(
-    tile,  # index of this program's tile within its size class
-    kv_head,
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-    num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
-    stride_q_t, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-    stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
-    KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_IDS: tl.constexpr,
-):  # fmt: skip
-    """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
-
-    No early ``return`` here: in a fused launch this runs inside a branch, and a callee with
-    several exits could not be inlined into it. A tile past the batch runs empty loops and
-    masked stores instead.
-    """
-    if FROM_PLAN:
-        # Find the request owning this tile: the first r with tile_end[r] > tile.
-        lo = num_reqs * 0
-        hi = num_reqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            after = tl.load(tile_end_ptr + mid) > tile
-            hi = tl.where(after, mid, hi)
-            lo = tl.where(after, lo, mid + 1)
-        in_batch = lo < num_reqs  # False: past the batch's last tile
-        req = tl.minimum(lo, num_reqs - 1)
-        tile_begin = tl.load(tile_end_ptr + req - 1, mask=req > 0, other=0)
-        local_tile = tile - tile_begin
-    else:
-        in_batch = tile < num_reqs
-        req = tile
-        local_tile = tile * 0
-
-    q_begin = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
-    tile_ok = in_batch & (local_tile * BLOCK_Q < q_len)
-
-    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [BLOCK_M], BLOCK_M = BLOCK_Q * GROUP_PAD
-    q_idx = local_tile * BLOCK_Q + offs_m // GROUP_PAD  # query index within the request
-    head_in_group = offs_m % GROUP_PAD
-    head = kv_head * GROUP + head_in_group  # [BLOCK_M] query head of each row
-    token = q_begin + q_idx  # [BLOCK_M] row of q / out
-    # A tile past the batch gets no rows (a where, not `scalar & tensor`: the interpreter
-    # cannot mask with the result of the latter).
-    rows_len = tl.where(tile_ok, q_len, 0)
-    row_ok = (q_idx < rows_len) & (head_in_group < GROUP) & (token >= 0) & (token < num_tokens)
-    q_pos = context_len + q_idx  # [BLOCK_M] position of each row's query
-
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    token64 = token.to(tl.int64)
-    q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    if USE_SOFTCAP:
-        qk_scale = scale / softcap
-    else:
-        qk_scale = scale * 1.4426950408889634
-    if QDOT16:
-        # Quantized caches run their dots in fp16 (see _codes_to_dot). bf16 q is exact in fp16
-        # as long as it stays in fp16's range: scale q by a power of two (exact) so that
-        # max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
-        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        exponent = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        shift = tl.minimum(tl.maximum(exponent - 13, 0), 100)
-        q = (q.to(tl.float32) * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-        qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
-
-    # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
-    # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
-    # row's arithmetic does not depend on which tile it landed in (batch invariance).
-    first_pos = context_len + local_tile * BLOCK_Q
-    last_pos = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
-    key_end = tl.minimum(last_pos + 1, max_blocks_per_req * BLOCK_SIZE)
-    key_end = tl.where(tile_ok, key_end, 0)  # no keys for a tile past the batch
-    if USE_WINDOW:
-        lo_key = tl.maximum(first_pos - window + 1, 0)
-        full_lo = tl.maximum(last_pos - window + 1, 0)
-    else:
-        lo_key = first_pos * 0
-        full_lo = first_pos * 0
-    start = (lo_key // BLOCK_N) * BLOCK_N
-    full_begin = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
-    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, key_end // BLOCK_N * BLOCK_N)
-    if full_begin >= full_end:
-        full_begin = start
-        full_end = start
-
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
-
-    # Leading window edge, masked.
-    ids = _loop_block_ids(bt_row_ptr, start, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
-    for start_n in range(start, full_begin, BLOCK_N):
-        acc, l_i, m_i, ids = _attend_step(
-            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
-            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            offs_d, d_mask,
-            MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
-            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
-        )  # fmt: skip
-    # Bulk of the context: no causal or window mask to compute.
-    ids = _loop_block_ids(bt_row_ptr, full_begin, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
-    for start_n in range(full_begin, full_end, BLOCK_N):
-        acc, l_i, m_i, ids = _attend_step(
-            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
-            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            offs_d, d_mask,
-            MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
-            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
-        )  # fmt: skip
-    # The causal diagonal, masked.
-    ids = _loop_block_ids(bt_row_ptr, full_end, stride_bt_b, max_blocks_per_req, BLOCK_SIZE, BLOCK_N, PREFETCH_IDS)
-    for start_n in range(full_end, key_end, BLOCK_N):
-        acc, l_i, m_i, ids = _attend_step(
-            ids, acc, l_i, m_i, q, start_n, q_pos, seq_len, window, softcap, qk_scale,
-            num_blocks, max_blocks_per_req, bt_row_ptr, stride_bt_b,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head,
-            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            offs_d, d_mask,
-            MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
-            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PREFETCH_IDS=PREFETCH_IDS,
-        )  # fmt: skip
-
-    # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
-    # such rows (padding requests) write zeros and lse = -inf, sinks or not.
-    seen = l_i > 0.0
-    if HAS_SINKS:
-        # The sink joins the denominator only; folding it in at the end is the same softmax as
-        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        rescale = tl.exp2(m_i - m_fin)
-        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
-        acc = acc * rescale[:, None]
-        m_i = m_fin
-        l_i = tl.where(seen, l_fin, 0.0)
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
-    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
-    if HAS_LSE:
-        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
-
-
-@_autotune
+@triton.autotune(
+    configs=_attention_configs(),
+    # The tile shape, the cache layout, the KV format, the code path and how many programs each
+    # SM gets decide the best config; tensor dtypes are added to the key by the autotuner
+    # itself. Request counts and lengths are not in the key (each new value would re-tune), only
+    # the occupancy class (1, 2, 4 or 8+ programs per SM): 2 warps per program win when every SM
+    # has 4 programs and lose a third when it has 1. "Decode-only" is not either: BLOCK_Q
+    # already separates decode-shaped tiles from prefill tiles. (So a request's result may
+    # differ in rounding between batches of different classes: triton-unified does not claim
+    # batch invariance; triton-splitkv's batch_invariant mode does.)
+    key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT", "QDOT16",
+         "FOLD_SCALE", "occupancy"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 # Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
 # kernel for each combination as batches change; none of them feeds address alignment.
 @triton.jit(
@@ -584,14 +531,14 @@ def unified_attention_kernel(
     query_start_loc_ptr,  # int32 [num_reqs + 1]
     seq_lens_ptr,  # int32 [num_reqs]
     block_table_ptr,  # int32 [num_reqs, max_blocks_per_req]
-    tile_end_ptr,  # int32 [num_reqs], inclusive prefix sum of this launch's (small) tiles per request
-    tile_end_large_ptr,  # int32 [num_reqs], the same for large tiles (read only if TILING_FUSED)
+    tile_end_ptr,  # int32 [num_reqs], inclusive prefix sum of small tiles per request (read only if FUSED)
+    tile_end_large_ptr,  # int32 [num_reqs], the same for large tiles (read only if FUSED)
     num_tokens,
     num_reqs,
     num_blocks,
     max_blocks_per_req,
-    num_kv_heads,  # read only if TILING_FUSED (its grid is flat)
-    num_large_tiles,  # TILING_FUSED: upper bound on the large tiles; the first programs take them
+    num_kv_heads,  # read only if FUSED (its grid is flat)
+    num_large_tiles,  # FUSED: upper bound on the large tiles; the first programs take them
     occupancy,  # programs per SM class (1, 2, 4, 8): only the autotune key reads it
     scale,
     softcap,
@@ -622,80 +569,95 @@ def unified_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_Q: tl.constexpr,  # query tokens per (small) tile; BLOCK_Q * GROUP_PAD rows
-    BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (TILING_FUSED only)
-    BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (TILING_FUSED only)
-    TILING: tl.constexpr,  # TILING_PLAN / TILING_DIRECT / TILING_FUSED (see launch.py)
+    BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (FUSED only)
+    BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
+    FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
-    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: fp16 dots and bit-trick int8 decode
-    FOLD_SCALE: tl.constexpr,  # qk_scale folded into the exp2 FFMA (needs scale > 0)
+    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (see _codes_to_dot)
+    FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_LSE: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
-    PREFETCH_IDS: tl.constexpr,  # block ids loaded a step ahead (see _attend_step)
-    BLOCK_N: tl.constexpr,  # keys per loop step (of the large tiles if TILING_FUSED); autotuned
+    BLOCK_N: tl.constexpr,  # keys per loop step (of the large tiles if FUSED); autotuned
 ):
     """One program: a tile of query tokens of one request x all GROUP query heads of one KV head.
 
-    TILING_PLAN / TILING_DIRECT: grid (tiles, kv heads), one size class (BLOCK_Q). Heaviest tiles
-    first: the last tiles of a causal prefill see the most keys, and running them early evens
-    out the tail of the launch (the empty programs of the over-sized grid come first and exit).
-    TILING_FUSED: a flat grid, KV head fastest, so that the large tiles of every head are
-    scheduled before any small one: the first ``num_large_tiles * num_kv_heads`` programs take
-    the large tiles (heaviest first), the rest the small ones. Both tile shapes are constexpr,
-    so each branch compiles its own loop; one launch means the decode tiles fill the SMs that
-    the prefill tail leaves idle instead of waiting behind it in a second launch.
+    Not FUSED: grid (requests, kv heads), one small tile per request (BLOCK_Q). FUSED: a flat
+    grid, KV head fastest, so that the large tiles of every head are scheduled before any small
+    one: the first ``num_large_tiles * num_kv_heads`` programs take the large tiles (heaviest
+    first: the last tiles of a causal prefill see the most keys, and running them early evens out
+    the tail of the launch; the empty programs of the over-sized grid exit at once), the rest the
+    small ones. Both tile shapes are constexpr, so each class compiles its own loop; one launch
+    means the decode tiles fill the SMs that the prefill tail leaves idle instead of waiting
+    behind it in a second launch.
+
+    FOLD_SCALE (scale > 0) moves the softmax scale into the exp2 argument: one FFMA per score
+    instead of a multiply and a subtraction. The unfolded path stays for correctness: with
+    scale <= 0, max(s) * scale is not the max of the scaled scores.
     """
     tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
 
-    if TILING == 2:
+    if FUSED:
         tl.static_assert(BLOCK_N_SMALL >= 16, "tl.dot needs at least 16 keys")
-        pid = tl.program_id(0)
-        kv_head = pid % num_kv_heads
-        t = pid // num_kv_heads
-        if t < num_large_tiles:
-            _tile_program(
-                num_large_tiles - 1 - t, kv_head,
-                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-                query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_large_ptr,
-                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
-                stride_q_t, stride_q_h,
-                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-                stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
-                GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q_LARGE, BLOCK_N,
-                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-                UPCAST, DOT_PRECISION, PREFETCH_IDS,
-            )  # fmt: skip
-        else:
-            _tile_program(
-                t - num_large_tiles, kv_head,
-                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-                query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-                num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
-                stride_q_t, stride_q_h,
-                stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-                stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-                stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
-                GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N_SMALL,
-                True, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-                UPCAST, DOT_PRECISION, PREFETCH_IDS,
-            )  # fmt: skip
+        kv_head = tl.program_id(0) % num_kv_heads
+        t = tl.program_id(0) // num_kv_heads
+    else:
+        kv_head = tl.program_id(1)
+        t = tl.num_programs(0) - 1 - tl.program_id(0)
+    # The large tiles exist only in a fused launch: its first num_large_tiles tile indices,
+    # heaviest first; the small tiles follow. Not FUSED, `large` is a constexpr False and only the
+    # second call compiles. (One call in a static_range over the two classes, each behind its own
+    # `if`, compiled to another schedule: 176 instead of 152 spilled bytes at 32/4/3, offline.)
+    if FUSED:
+        large = t < num_large_tiles
+    else:
+        large = False
+    if large:
+        _tile_program(
+            tile=num_large_tiles - 1 - t, tile_end_ptr=tile_end_large_ptr, BLOCK_Q=BLOCK_Q_LARGE, BLOCK_N=BLOCK_N,
+            FROM_PLAN=True,
+            kv_head=kv_head,
+            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, out_ptr=out_ptr,
+            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, sinks_ptr=sinks_ptr, lse_ptr=lse_ptr,
+            query_start_loc_ptr=query_start_loc_ptr, seq_lens_ptr=seq_lens_ptr, block_table_ptr=block_table_ptr,
+            num_tokens=num_tokens, num_reqs=num_reqs, num_blocks=num_blocks,
+            max_blocks_per_req=max_blocks_per_req, scale=scale, softcap=softcap, window=window,
+            stride_q_t=stride_q_t, stride_q_h=stride_q_h,
+            stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
+            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
+            stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
+            stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
+            stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
+            stride_bt_r=stride_bt_r, stride_bt_b=stride_bt_b,
+            GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+            BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
+            USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
+            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
     else:
         _tile_program(
-            tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1),
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr,
-            query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
-            num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
-            stride_q_t, stride_q_h,
-            stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
-            stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
-            stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
-            GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_Q, BLOCK_N,
-            TILING == 0, KV_QUANT, QDOT16, FOLD_SCALE, USE_WINDOW, USE_SOFTCAP, HAS_SINKS, HAS_LSE,
-            UPCAST, DOT_PRECISION, PREFETCH_IDS,
+            tile=t - num_large_tiles if FUSED else t, tile_end_ptr=tile_end_ptr, BLOCK_Q=BLOCK_Q,
+            BLOCK_N=BLOCK_N_SMALL if FUSED else BLOCK_N, FROM_PLAN=FUSED,
+            kv_head=kv_head,
+            q_ptr=q_ptr, k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, out_ptr=out_ptr,
+            k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr, sinks_ptr=sinks_ptr, lse_ptr=lse_ptr,
+            query_start_loc_ptr=query_start_loc_ptr, seq_lens_ptr=seq_lens_ptr, block_table_ptr=block_table_ptr,
+            num_tokens=num_tokens, num_reqs=num_reqs, num_blocks=num_blocks,
+            max_blocks_per_req=max_blocks_per_req, scale=scale, softcap=softcap, window=window,
+            stride_q_t=stride_q_t, stride_q_h=stride_q_h,
+            stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
+            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
+            stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
+            stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
+            stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
+            stride_bt_r=stride_bt_r, stride_bt_b=stride_bt_b,
+            GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+            BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
+            USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
+            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Launcher of the triton-unified kernel: validation, tile sizing and the grid.
+"""Launcher of the triton-unified kernel: the checks its kernel needs, tile sizing and the grid.
 
 Everything here is host-side Python that reads only shapes, dtypes, strides and host ints, so a
 call never synchronises with the device and can be captured in a CUDA graph.
@@ -6,23 +6,14 @@ call never synchronises with the device and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
-import numbers
+from typing import NoReturn
 
 import torch
-from triton.runtime.autotuner import Autotuner
+from paged_core import InputError
 
-from .kernels import (
-    INTERPRET,
-    TILING_DIRECT,
-    TILING_FUSED,
-    TILING_PLAN,
-    tile_plan_kernel,
-    unified_attention_kernel,
-)
+from .kernels import INTERPRET, INTERPRET_CONFIG, tile_plan_kernel, unified_attention_kernel
 
 __all__ = [
     "BLOCK_M_LARGE",
@@ -35,7 +26,6 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
-    "side_branch",
     "sm_count",
     "unified_attention",
 ]
@@ -48,15 +38,12 @@ SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
-# tiles re-read the causal prefix once per few queries (GPU.md: 61-71 TFLOP/s for such designs).
+# tiles re-read the causal prefix once per few queries (NVIDIA H200, Triton 3.6: 61-71 TFLOP/s
+# for such designs; this kernel's 128-row tiles 232, docs/benchmarks.md run 6, 2026-11-29).
 BLOCK_M_SMALL = 16
 BLOCK_M_LARGE = 128
 # Head dims padded to 256 double every register tile; 64 rows keep the accumulator in registers.
 BLOCK_M_LARGE_WIDE_HEAD = 64
-
-# The one config run under TRITON_INTERPRET=1. BLOCK_N = 32 spans two 16-token cache blocks and
-# half of a 64-token block, so the tests cover both sides of the block-table gather.
-INTERPRET_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
 
@@ -87,31 +74,6 @@ def sm_count(device: torch.device | str) -> int | None:
     if device.type != "cuda":
         return None
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _side_stream_of(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device_index)
-
-
-@contextlib.contextmanager
-def side_branch(device: torch.device, enabled: bool = True):
-    """Launches that may run beside the current stream's. Yields ``side()``, a context: work
-    under ``with side():`` runs on one extra (cached) stream of ``device``, forked from the
-    current stream on entry; the rest of the block runs on the current stream; leaving the block
-    joins the two. A CUDA graph captures the fork as parallel branches. Not ``enabled``, or not
-    on CUDA: ``side()`` does nothing and everything runs in order.
-    """
-    if not enabled or device.type != "cuda":
-        yield contextlib.nullcontext
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_stream_of(device.index if device.index is not None else torch.cuda.current_device())
-    side.wait_stream(main)  # the side work may read what the current stream wrote before
-    try:
-        yield lambda: torch.cuda.stream(side)
-    finally:
-        main.wait_stream(side)
 
 
 def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
@@ -150,31 +112,17 @@ class LaunchConfig:
 
     Requests with at most ``block_q_small`` new tokens (decodes, short verification blocks) run
     with ``block_q_small``-token tiles; longer ones, if the batch has any, with
-    ``block_q_large``-token tiles. ``block_n``/``num_warps``/``num_stages`` fix the kernel config
-    (``None``: the autotuner chooses, on the GPU); ``large_*`` override them for the large tiles
-    (``None``: the same as the small ones).
+    ``block_q_large``-token tiles, in the same launch (large tiles first, then the small ones
+    fill the SMs the prefill tail leaves idle). A batch where every request fits one small tile
+    skips the tile-plan launch and the search (tile = request). ``block_n``/``num_warps``/
+    ``num_stages`` fix the kernel config (``None``: the autotuner chooses, on the GPU);
+    ``large_*`` override them for a launch with large tiles (``None``: the same as the small
+    ones), whose small tiles step ``block_n`` keys (``None``: ``FUSED_BLOCK_N_SMALL``).
 
-    Code-path switches (each selects between two exact implementations; the defaults are the
-    faster ones as far as measured, the others stay for timing and as a fallback):
-
-    - ``fuse_classes``: a batch with both classes runs in ONE launch (large tiles first, then
-      the small ones fill the SMs the prefill tail leaves idle); False: two launches back to back.
-    - ``decode_direct``: a batch where every request fits one small tile skips the tile-plan
-      launch and the binary search (tile = request); False: always plan.
-    - ``quant_fp16``: int8/fp8 caches with fp16/bf16 q run both dots in fp16 with a bit-trick
-      int8 decode (no I2F) and the native e4m3->f16 conversion; False: convert codes to q's dtype.
-      None (default): fp8 only. Measured on the H200 (64 x 4,096 decode, CUDA graph): fp8 0.281
-      vs 0.306 ms with it, int8 0.301 vs 0.271 ms, so int8 keeps the bf16 path.
-    - ``fold_scale``: the softmax scale moves into the exp2 argument (one FFMA per score instead
-      of a multiply and a subtraction); False: scale every score first.
-    - ``concurrent_classes`` (with ``fuse_classes=False``): the small tiles' launch runs on a
-      side stream beside the large tiles' (each launch with its own warps and key steps: the
-      fused launch must run both classes with one ``num_warps``, and 8 warps, good for 128-row
-      prefill tiles, made the decode tiles 1.7 x slower on the H200). Off until timed.
-    - ``prefetch_block_ids``: each key step loads the next step's block ids, so Triton's
-      pipeliner can buffer the gathered K/V ``num_stages`` deep (offline sm_90a compile: 3 K/V
-      buffers at 3 stages instead of 2). Off by default until timed on a GPU
-      (``scripts/gpu_tune.py prefill decode``).
+    Quantized caches: fp8 codes with fp16/bf16 q run both dots in fp16 (native e4m3 -> f16
+    conversion); int8 codes convert to q's dtype. Measured on the NVIDIA H200 (64 x 4,096 decode,
+    CUDA graph; docs/benchmarks.md): fp8 0.281 ms this way vs 0.306 converting to bf16; int8
+    0.271 ms converting to bf16 vs 0.301 with fp16 dots.
     """
 
     block_q_small: int
@@ -185,12 +133,6 @@ class LaunchConfig:
     large_block_n: int | None = None
     large_num_warps: int | None = None
     large_num_stages: int | None = None
-    fuse_classes: bool = True
-    decode_direct: bool = True
-    quant_fp16: bool | None = None
-    fold_scale: bool = True
-    prefetch_block_ids: bool = False
-    concurrent_classes: bool = False
 
 
 def _next_power_of_2(n: int) -> int:
@@ -215,128 +157,23 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Lau
     )
 
 
-def _fail(name: str, found, accepted: str) -> None:
-    raise ValueError(f"{name} {found} is not supported: triton-unified accepts {accepted}")
+def _fail(what: str, found: object, accepted: str, fix: str) -> NoReturn:
+    raise InputError(f"{what} is {found}; triton-unified accepts {accepted}; {fix}")
 
 
-def _check_int32_vector(name: str, t, length: int, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"of type {type(t).__name__}", "an int32 tensor")
-    if t.dtype != torch.int32:
-        _fail(name, f"with dtype {t.dtype}", "int32 (cast with .to(torch.int32))")
-    if t.dim() != 1 or t.shape[0] != length:
-        _fail(name, f"with shape {tuple(t.shape)}", f"shape ({length},)")
-    if not t.is_contiguous():
-        _fail(name, "with non-contiguous storage", "a contiguous tensor (call .contiguous())")
-    if t.device != device:
-        _fail(name, f"on {t.device}", f"tensors on q's device {device}")
-
-
-def _check_scales(name: str, t, cache: torch.Tensor) -> None:
-    expected = tuple(cache.shape[:3])
-    if t is None:
-        _fail(name, "None", f"a float32 tensor {expected} when the cache holds {cache.dtype} codes")
-    if t.dtype != torch.float32 or tuple(t.shape) != expected:
-        _fail(
-            name,
-            f"{t.dtype} {tuple(t.shape)}",
-            f"float32 of shape {expected} (num_blocks, block_size, num_kv_heads)",
-        )
-    if t.device != cache.device:
-        _fail(name, f"on {t.device}", f"tensors on q's device {cache.device}")
-
-
-def _validate(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
-              max_seq_len, scale, window, softcap, sinks, k_scale, v_scale, lse) -> None:  # fmt: skip
-    if q.dtype not in SUPPORTED_DTYPES:
-        _fail("q dtype", q.dtype, "float32, float16 and bfloat16")
-    if q.dim() != 3:
-        _fail("q", f"with shape {tuple(q.shape)}", "[num_tokens, num_q_heads, head_dim]")
-    num_tokens, num_q_heads, head_dim = q.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        _fail("head_dim", head_dim, ", ".join(map(str, SUPPORTED_HEAD_DIMS)))
-    if k_cache.dim() != 4:
-        _fail(
-            "k_cache",
-            f"with shape {tuple(k_cache.shape)}",
-            "[num_blocks, block_size, num_kv_heads, head_dim]",
-        )
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        _fail("block_size", block_size, "powers of two from 1 to 256")
-    if cache_head_dim != head_dim:
-        _fail("k_cache head_dim", cache_head_dim, f"q's head_dim {head_dim}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        _fail("num_kv_heads", num_kv_heads, f"a divisor of num_q_heads ({num_q_heads})")
-    if num_blocks == 0:
-        _fail("k_cache", "with 0 blocks", "a cache of at least one block")
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        _fail("v_cache shape", tuple(v_cache.shape), f"k_cache's shape {tuple(k_cache.shape)}")
-    if k_cache.dtype != q.dtype and k_cache.dtype not in SUPPORTED_KV_DTYPES:
-        _fail("k_cache dtype", k_cache.dtype, f"q's dtype ({q.dtype}), torch.int8 or torch.float8_e4m3fn")
-    if v_cache.dtype != k_cache.dtype:
-        _fail("v_cache dtype", v_cache.dtype, f"k_cache's dtype ({k_cache.dtype})")
-    if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape):
-        _fail("out", f"{out.dtype} {tuple(out.shape)}", f"q's dtype and shape ({q.dtype} {tuple(q.shape)})")
+def _check(q, k_cache, v_cache, out, config: LaunchConfig, group_pad: int) -> None:
+    """What the kernel needs beyond the paged contract (which ``paged_core.Backend.forward``
+    checks: shapes, dtypes, devices, cache scales, host ints). Host-only, a few attribute reads."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(-1) != 1:
-            _fail(f"{name} stride", tuple(t.stride()), "a contiguous last (head_dim) dimension")
-        if t.device != q.device:
-            _fail(name, f"on {t.device}", f"tensors on q's device {q.device}")
-
-    num_reqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else -1
-    _check_int32_vector("seq_lens", seq_lens, max(num_reqs, 0), q.device)
-    _check_int32_vector("query_start_loc", query_start_loc, num_reqs + 1, q.device)
-    if (
-        not isinstance(block_table, torch.Tensor)
-        or block_table.dtype != torch.int32
-        or block_table.dim() != 2
-        or block_table.shape[0] != num_reqs
-    ):
-        found = (
-            f"{block_table.dtype} {tuple(block_table.shape)}"
-            if isinstance(block_table, torch.Tensor)
-            else type(block_table).__name__
-        )
-        _fail("block_table", found, f"an int32 tensor [num_reqs={num_reqs}, max_blocks_per_req]")
-    if block_table.device != q.device:
-        _fail("block_table", f"on {block_table.device}", f"tensors on q's device {q.device}")
-
-    # Host numbers only: reading a device tensor here would synchronise (and break graph capture).
-    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len), ("window", window)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-            _fail(name, repr(value), "a non-negative host int (not a device tensor)")
-    if not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        _fail("scale", repr(scale), "a finite host float")
-    if not isinstance(softcap, numbers.Real) or not softcap >= 0.0 or math.isinf(softcap):
-        _fail("softcap", repr(softcap), "0 (off) or a positive host float")
-
-    if k_cache.dtype in SUPPORTED_KV_DTYPES:
-        _check_scales("k_scale", k_scale, k_cache)
-        _check_scales("v_scale", v_scale, v_cache)
-    elif k_scale is not None or v_scale is not None:
-        # A claim is a promise: scales on a full-precision cache would be silently ignored.
-        _fail(
-            "k_scale/v_scale",
-            "given",
-            f"None when the cache holds {k_cache.dtype} values (scales are for int8/fp8 caches)",
-        )
-    if sinks is not None and (
-        sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,) or sinks.device != q.device
-    ):
-        _fail(
-            "sinks",
-            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}",
-            f"None or float32 [{num_q_heads}] on {q.device}",
-        )
-    if lse is not None and (
-        lse.dtype != torch.float32 or tuple(lse.shape) != (num_tokens, num_q_heads) or lse.device != q.device
-    ):
-        _fail(
-            "lse",
-            f"{lse.dtype} {tuple(lse.shape)} on {lse.device}",
-            f"None or float32 [{num_tokens}, {num_q_heads}] on {q.device}",
-        )
+            # The kernel adds the head-dim offsets unscaled: a strided last dimension would be
+            # read (or written) at the wrong addresses.
+            _fail(f"{name}'s last-dimension stride", t.stride(-1), "stride 1 (head_dim contiguous)",
+                  f"pass {name}.contiguous() or a view whose head_dim is contiguous")
+    rows = min(config.block_q_small, config.block_q_large) * group_pad
+    if rows < 16:
+        _fail("config's smallest tile", f"{rows} rows ({config})", "at least 16 rows (tl.dot's smallest M)",
+              f"use block_q_small and block_q_large of at least {max(1, 16 // group_pad)}")
 
 
 def unified_attention(
@@ -403,7 +240,10 @@ def unified_attention(
     never a fault.
 
     The call only reads host ints, shapes, dtypes and strides: it never synchronises with the
-    device and is CUDA-graph capturable. Validation is host-only and raises ``ValueError``.
+    device and is CUDA-graph capturable. Arguments are taken to satisfy the paged contract (what
+    ``paged_core.Backend.forward`` checks); this function checks only what its kernel needs
+    beyond it (contiguous head dims, tiles of at least 16 rows) and raises
+    ``paged_core.InputError`` otherwise.
 
     Example::
 
@@ -411,8 +251,6 @@ def unified_attention(
                                 query_start_loc=qsl, seq_lens=seq_lens, block_table=bt,
                                 max_query_len=16, max_seq_len=130, scale=head_dim ** -0.5)
     """
-    _validate(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, max_query_len,
-              max_seq_len, scale, window, softcap, sinks, k_scale, v_scale, lse)  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -430,9 +268,8 @@ def unified_attention(
             config = dataclasses.replace(config, block_q_large=large_tile_tokens(
                 num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
                 group_pad=group_pad, num_sms=num_sms))
+    _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
-    if bq_small * group_pad < 16 or bq_large * group_pad < 16:
-        _fail("config", config, f"block_q_small/large of at least {max(1, 16 // group_pad)} (16 tile rows)")
 
     if k_cache.dtype == torch.int8:
         kv_quant = 1
@@ -452,18 +289,11 @@ def unified_attention(
     lse_strides = lse.stride() if lse is not None else (0, 0)
 
     # Requests longer than one small tile get large tiles, so a long prefill reaches tensor-core
-    # rates without 128-row tiles for the decodes next to it.
-    split = max_query_len > bq_small
-    if not split and config.decode_direct:
-        # Every request fits one small tile: tile r is request r, no plan needed.
-        tiling = TILING_DIRECT
-        tile_end_small = tile_end_large = seq_lens  # never read
-    else:
-        tiling = TILING_FUSED if (split and config.fuse_classes) else TILING_PLAN
+    # rates without 128-row tiles for the decodes next to it; both classes share one launch.
+    fused = max_query_len > bq_small
+    if fused:
         tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
-        tile_end_large = (
-            torch.empty(num_reqs, dtype=torch.int32, device=q.device) if split else tile_end_small
-        )
+        tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
         tile_plan_kernel[(1,)](
             query_start_loc_ptr=query_start_loc,
             tile_end_small_ptr=tile_end_small,
@@ -471,119 +301,101 @@ def unified_attention(
             num_reqs=num_reqs,
             BLOCK_Q_SMALL=bq_small,
             BLOCK_Q_LARGE=bq_large,
-            SPLIT=split,
             BLOCK_R=min(_TILE_PLAN_BLOCK_R, max(16, _next_power_of_2(num_reqs))),
         )
-
-    # Upper bounds on the tile counts from host ints only: sum(ceil(q_len / B)) over requests
-    # <= num_tokens // B + (number of requests). Programs past the last real tile exit at once.
-    num_large = min(num_reqs, num_tokens // (bq_small + 1)) if split else 0
-    large_bound = num_tokens // bq_large + num_large
-    # Direct tiling: tile r is request r.
-    small_bound = num_reqs if (split or tiling == TILING_DIRECT) else num_tokens // bq_small + num_reqs
+        # Upper bounds on the tile counts from host ints only: sum(ceil(q_len / B)) over
+        # requests <= num_tokens // B + (number of requests). Programs past the last real tile
+        # exit at once.
+        num_large_tiles = num_tokens // bq_large + min(num_reqs, num_tokens // (bq_small + 1))
+        grid = (num_kv_heads * (num_large_tiles + num_reqs),)
+    else:
+        # Every request fits one small tile: tile r is request r, no plan needed.
+        tile_end_small = tile_end_large = seq_lens  # never read
+        num_large_tiles = 0
+        grid = (num_reqs, num_kv_heads)
 
     kernel = unified_attention_kernel
-    fixed_small = fixed_large = {}
+    fixed = {}
     if config.block_n is not None:
-        if isinstance(kernel, Autotuner):
-            kernel = kernel.fn  # the jitted kernel under the autotuner
-        fixed_small = {
+        kernel = kernel.fn  # the jitted kernel under the autotuner
+        fixed = {
             "BLOCK_N": config.block_n,
             "num_warps": config.num_warps or 4,
             "num_stages": config.num_stages or 2,
         }
-        fixed_large = {
-            "BLOCK_N": config.large_block_n or fixed_small["BLOCK_N"],
-            "num_warps": config.large_num_warps or fixed_small["num_warps"],
-            "num_stages": config.large_num_stages or fixed_small["num_stages"],
-        }
+        if fused:
+            fixed = {
+                "BLOCK_N": config.large_block_n or fixed["BLOCK_N"],
+                "num_warps": config.large_num_warps or fixed["num_warps"],
+                "num_stages": config.large_num_stages or fixed["num_stages"],
+            }
 
-    # (grid, BLOCK_Q, fixed config, BLOCK_N_SMALL) per launch; a second one holds the large tiles.
-    if tiling == TILING_FUSED:
-        block_n_small = config.block_n or FUSED_BLOCK_N_SMALL
-        launches = [((num_kv_heads * (large_bound + small_bound),), bq_small, fixed_large, block_n_small)]
-    elif split:
-        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16),
-                    ((large_bound, num_kv_heads), bq_large, fixed_large, 16)]
-    else:
-        launches = [((small_bound, num_kv_heads), bq_small, fixed_small, 16)]
-
-    q_is_16bit = q.dtype in (torch.float16, torch.bfloat16)
-    # concurrent_classes: the small tiles' launch on a side stream, forked after the tile plan
-    # (both launches read it) and joined before returning. The two write disjoint rows of out.
-    with side_branch(q.device, len(launches) == 2 and config.concurrent_classes) as side:
-        for i, (grid, block_q, fixed, block_n_small) in enumerate(launches):
-            if grid[0] == 0:
-                continue
-            large_launch = tiling != TILING_FUSED and i == 1
-            with side() if i == 0 else contextlib.nullcontext():
-                kernel[grid](
-                    q_ptr=q,
-                    k_cache_ptr=k_cache,
-                    v_cache_ptr=v_cache,
-                    out_ptr=out,
-                    k_scale_ptr=ks,
-                    v_scale_ptr=vs,
-                    sinks_ptr=sinks if sinks is not None else q,
-                    lse_ptr=lse if lse is not None else out,
-                    query_start_loc_ptr=query_start_loc,
-                    seq_lens_ptr=seq_lens,
-                    block_table_ptr=block_table,
-                    tile_end_ptr=tile_end_large if large_launch else tile_end_small,
-                    tile_end_large_ptr=tile_end_large,
-                    num_tokens=num_tokens,
-                    num_reqs=num_reqs,
-                    num_blocks=num_blocks,
-                    max_blocks_per_req=block_table.shape[1],
-                    num_kv_heads=num_kv_heads,
-                    num_large_tiles=large_bound,
-                    occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
-                    scale=float(scale),
-                    softcap=float(softcap) if softcap else 1.0,
-                    window=window,
-                    stride_q_t=q.stride(0),
-                    stride_q_h=q.stride(1),
-                    stride_k_b=k_cache.stride(0),
-                    stride_k_s=k_cache.stride(1),
-                    stride_k_h=k_cache.stride(2),
-                    stride_v_b=v_cache.stride(0),
-                    stride_v_s=v_cache.stride(1),
-                    stride_v_h=v_cache.stride(2),
-                    stride_ks_b=ks_strides[0],
-                    stride_ks_s=ks_strides[1],
-                    stride_ks_h=ks_strides[2],
-                    stride_vs_b=vs_strides[0],
-                    stride_vs_s=vs_strides[1],
-                    stride_vs_h=vs_strides[2],
-                    stride_o_t=out.stride(0),
-                    stride_o_h=out.stride(1),
-                    stride_lse_t=lse_strides[0],
-                    stride_lse_h=lse_strides[1],
-                    stride_bt_r=block_table.stride(0),
-                    stride_bt_b=block_table.stride(1),
-                    GROUP=group,
-                    GROUP_PAD=group_pad,
-                    HEAD_DIM=head_dim,
-                    HEAD_DIM_PAD=head_dim_pad,
-                    BLOCK_SIZE=block_size,
-                    BLOCK_Q=block_q,
-                    BLOCK_Q_LARGE=bq_large,
-                    BLOCK_N_SMALL=block_n_small,
-                    TILING=tiling,
-                    KV_QUANT=kv_quant,
-                    # fp32 q keeps its own dtype: fp16 operands would round it.
-                    QDOT16=bool(kv_quant and q_is_16bit and (config.quant_fp16 if config.quant_fp16 is not None
-                                                             else kv_quant == 2)),
-                    # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
-                    FOLD_SCALE=bool(config.fold_scale and scale > 0),
-                    USE_WINDOW=window > 0,
-                    USE_SOFTCAP=softcap > 0,
-                    HAS_SINKS=sinks is not None,
-                    HAS_LSE=lse is not None,
-                    UPCAST=INTERPRET,
-                    # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
-                    DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
-                    PREFETCH_IDS=bool(config.prefetch_block_ids),
-                    **fixed,
-                )
+    kernel[grid](
+        q_ptr=q,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        out_ptr=out,
+        k_scale_ptr=ks,
+        v_scale_ptr=vs,
+        sinks_ptr=sinks if sinks is not None else q,
+        lse_ptr=lse if lse is not None else out,
+        query_start_loc_ptr=query_start_loc,
+        seq_lens_ptr=seq_lens,
+        block_table_ptr=block_table,
+        tile_end_ptr=tile_end_small,
+        tile_end_large_ptr=tile_end_large,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_blocks=num_blocks,
+        max_blocks_per_req=block_table.shape[1],
+        num_kv_heads=num_kv_heads,
+        num_large_tiles=num_large_tiles,
+        occupancy=occupancy_class(grid[0] * (grid[1] if len(grid) > 1 else 1), num_sms),
+        scale=float(scale),
+        softcap=float(softcap) if softcap else 1.0,
+        window=window,
+        stride_q_t=q.stride(0),
+        stride_q_h=q.stride(1),
+        stride_k_b=k_cache.stride(0),
+        stride_k_s=k_cache.stride(1),
+        stride_k_h=k_cache.stride(2),
+        stride_v_b=v_cache.stride(0),
+        stride_v_s=v_cache.stride(1),
+        stride_v_h=v_cache.stride(2),
+        stride_ks_b=ks_strides[0],
+        stride_ks_s=ks_strides[1],
+        stride_ks_h=ks_strides[2],
+        stride_vs_b=vs_strides[0],
+        stride_vs_s=vs_strides[1],
+        stride_vs_h=vs_strides[2],
+        stride_o_t=out.stride(0),
+        stride_o_h=out.stride(1),
+        stride_lse_t=lse_strides[0],
+        stride_lse_h=lse_strides[1],
+        stride_bt_r=block_table.stride(0),
+        stride_bt_b=block_table.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=bq_small,
+        BLOCK_Q_LARGE=bq_large,
+        BLOCK_N_SMALL=config.block_n or FUSED_BLOCK_N_SMALL,
+        FUSED=fused,
+        KV_QUANT=kv_quant,
+        # fp8 with 16-bit q only: fp32 q keeps its own dtype (fp16 operands would round it), and
+        # int8 is faster converted to q's dtype (LaunchConfig's docstring).
+        QDOT16=kv_quant == 2 and q.dtype in (torch.float16, torch.bfloat16),
+        # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
+        FOLD_SCALE=scale > 0,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
+        HAS_LSE=lse is not None,
+        UPCAST=INTERPRET,
+        # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
+        DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
+        **fixed,
+    )
     return out
