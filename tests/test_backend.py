@@ -80,7 +80,7 @@ def _input(change):
 
 INPUT_ERRORS = {
     "q-rank": ["q is float32 [3, 8] on cpu", "accepted: a tensor [num_tokens, num_heads, head_dim]"],
-    "q-not-a-tensor": ["q is list", "accepted: a tensor [num_tokens, num_heads, head_dim]"],
+    "q-not-a-tensor": ["q is a list", "accepted: a tensor [num_tokens, num_heads, head_dim]"],
     "cache-type": ["cache is a tuple", "accepted: a paged_core.KVCache"],
     "meta-type": ["meta is a dict", "accepted: a BatchMeta or the result of reference.plan(meta)"],
     "q-rows": ["q has 4 rows but the batch has 3 query tokens", "q.shape[0] == meta.num_tokens"],
@@ -96,13 +96,13 @@ INPUT_ERRORS = {
     "non-contiguous": ["q's last dimension has stride 2", "accepted: stride 1 (call q.contiguous())"],
     "block_size": ["the batch was built for block_size 8 but the cache has block_size 4"],
     "device": ["cache.k is on cpu but q is on meta", "accepted: one device"],
-    "table-dtype": ["block_table is int64 and seq_lens is int32", "accepted: int32 for both"],
+    "table-dtype": ["block_table is int64 [2, 3]", "accepted: int32 [num_reqs=2, max_blocks_per_req]"],
     "window-negative": ["window is -1", "accepted: 0 (no window) or a positive int"],
     "window-float": ["window is 2.5", "accepted: 0 (no window) or a positive int"],
-    "softcap-negative": ["softcap is -1.0", "accepted: 0 (off) or a positive float"],
+    "softcap-negative": ["softcap is -1.0", "accepted: 0 (off) or a positive finite float"],
     "sinks-shape": ["sinks is float32 [2] on cpu", "accepted: float32 [num_heads=4] on cpu"],
     "sinks-dtype": ["sinks is float64 [4] on cpu", "accepted: float32 [num_heads=4] on cpu"],
-    "sinks-list": ["sinks is list", "accepted: float32 [num_heads=4] on cpu"],
+    "sinks-list": ["sinks is a list", "accepted: float32 [num_heads=4] on cpu"],
     "out-shape": [
         "out is float32 [3, 4, 4] on cpu",
         "accepted: the shape, dtype and device of q (float32 [3, 4, 8] on cpu)",
@@ -112,14 +112,15 @@ INPUT_ERRORS = {
         "out is float32 [3, 4, 8] on cpu with last-dimension stride 2",
         "last-dimension stride 1",
     ],
-    "out-not-a-tensor": ["out is list", "accepted: the shape, dtype and device of q"],
+    "out-not-a-tensor": ["out is a list", "accepted: the shape, dtype and device of q"],
 }
 
 
 @pytest.mark.parametrize("change", list(INPUT_ERRORS))
 def test_forward_input_errors(change):
     q, cache, meta, kw = _input(change)
-    with pytest.raises(InputError) as exc:
+    # A field of the batch is a BatchMetaError, anything else an InputError: both are ValueErrors.
+    with pytest.raises(BatchMetaError if change == "table-dtype" else InputError) as exc:
         ReferenceBackend().forward(q, cache, meta, **kw)
     msg = str(exc.value)
     for needle in INPUT_ERRORS[change]:
@@ -320,7 +321,8 @@ def test_validation_is_skipped_while_a_cuda_graph_is_captured(monkeypatch, valid
 def test_every_installed_backend_takes_the_layer_keywords_of_plan():
     """The one per-step call of the README's CUDA-graph recipe: ``plan(meta, num_heads=...,
     num_kv_heads=..., head_dim=..., dtype=...)`` on any backend (FlashInfer plans with them;
-    the others accept and ignore them), and a misspelt keyword is a TypeError, not ignored."""
+    the others accept and ignore them), and a misspelt keyword is an InputError that lists the
+    accepted ones, never ignored."""
     from paged_core import registry
 
     meta = BatchMeta.build([1, 2], [5, 9], block_size=16)
@@ -332,5 +334,5 @@ def test_every_installed_backend_takes_the_layer_keywords_of_plan():
         backend = registry.get(name)
         plan = backend.plan(meta, **layer)
         assert plan is meta or plan.meta is meta, name
-        with pytest.raises(TypeError):
+        with pytest.raises(InputError, match=r"unknown keyword\(s\) num_head; accepted: num_heads, num_kv_heads"):
             backend.plan(meta, num_head=4)

@@ -85,9 +85,10 @@ def test_list_with_nothing_registered(monkeypatch, capsys):
     monkeypatch.setenv("PAGED_PLUGINS", "no-such-plugin")
     monkeypatch.setattr(_cli, "registry", Registry())
     assert _cli.main(["list"]) == 0
-    assert (
-        capsys.readouterr().out == "No backends registered. Install one: pip install 'paged-core[triton]'\n"
-    )
+    out = capsys.readouterr().out
+    assert out.startswith("No backends registered. Install one: pip install 'paged-core[triton]'\n")
+    # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
+    assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
 
 
 def test_unknown_command_exits_2(capsys):

@@ -312,6 +312,71 @@ def test_bad_metadata_validation_on_raises(backend_args, kind, how, monkeypatch)
         assert needle in str(exc.value), f"{needle!r} not in {exc.value}"
 
 
+def bad_rows_batch(kind):
+    """Metadata the kernels clamp or skip: (q, cache, meta, the rows no backend writes, needles).
+
+    MIXED has query_start_loc [0, 1, 6, 9] and seq_lens [37, 20, 9]. The host mirrors follow the
+    device tensors (and max_query_len the longest request), so only the device data lies.
+    """
+    q, cache, meta = batch(*MIXED)
+    unwritten: list[int] = []
+    if kind == "query_start_loc-past-the-tokens":
+        meta.query_start_loc[2] = 12  # request 1: rows 1..11 (9..11 do not exist); request 2: none
+        needles = ["request 1", "query_start_loc[2] is 12, past the 9 rows"]
+    elif kind == "query_start_loc-decreasing":
+        meta.query_start_loc[3] = 4  # request 2: 6 -> 4, no rows; rows 6..8 belong to nobody
+        unwritten = [6, 7, 8]
+        needles = ["query_start_loc[3] is 4", "slot_mapping has 9 rows"]
+    elif kind == "negative-seq_len":
+        meta.seq_lens[1] = -3  # request 1 sees no key: its rows are zeros
+        needles = ["request 1", "seq_lens[1] is -3", "accepted: >= 0"]
+    else:
+        raise AssertionError(kind)
+    meta.query_start_loc_cpu = meta.query_start_loc.cpu()
+    meta.seq_lens_cpu = meta.seq_lens.cpu()
+    meta.max_query_len = max(int((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).max()), 1)
+    meta._checked = None  # tensors edited in place
+    return q, cache, meta, unwritten, needles
+
+
+BAD_ROWS = ["query_start_loc-past-the-tokens", "query_start_loc-decreasing", "negative-seq_len"]
+
+
+@pytest.mark.parametrize("kind", BAD_ROWS)
+def test_bad_rows_validation_off_are_masked_like_the_kernels(backend_args, kind):
+    """The reference used to raise torch errors here (slicing past q, negative sizes) while the
+    kernels clamp and skip; now every backend, oracle included, does the same thing."""
+    name, opts = backend_args
+    backend = _backend(name, opts)
+    q, cache, meta, unwritten, _ = bad_rows_batch(kind)
+    out = torch.full_like(q, float("nan"))
+    backend.forward(q, cache, meta, out=out)
+    written = [i for i in range(q.shape[0]) if i not in unwritten]
+    assert out[unwritten].isnan().all(), f"{name} wrote rows that belong to no request"
+    # Computed by hand from the rule of positions, never by the code under test: request 1's
+    # rows under a negative seq_len see no key (zeros); past-the-tokens rows follow its length.
+    want = oracle(q, cache, meta)
+    assert_close(out[written], want[written], torch.float32, what=f"{name}/{kind}")
+    if kind == "negative-seq_len":
+        assert (out[rows_of(meta, 1)] == 0).all()
+    if kind == "query_start_loc-past-the-tokens":
+        # Request 1 has 11 queries at positions 9..19: row 8 is its 8th, at position 16.
+        one = BatchMeta.from_lists([1], [17], [meta.block_table[1].tolist()], block_size=BS).to(DEVICE)
+        alone = oracle(q[8:9], cache, one)
+        assert_close(out[8:9], alone, torch.float32, what=f"{name}/{kind}/row 8")
+
+
+@pytest.mark.parametrize("kind", BAD_ROWS)
+def test_bad_rows_validation_on_raise(backend_args, kind):
+    name, opts = backend_args
+    backend = _backend(name, opts, validate=True)
+    q, cache, meta, _, needles = bad_rows_batch(kind)
+    with pytest.raises(BatchMetaError) as exc:
+        backend.forward(q, cache, meta)
+    for needle in needles:
+        assert needle in str(exc.value), f"{needle!r} not in {exc.value}"
+
+
 SLOTS_PAST = {
     "num_slots": lambda n: n,
     "num_slots+5": lambda n: n + 5,
@@ -383,3 +448,23 @@ def test_backend_write_slot_past_the_end(backend_args, monkeypatch):
                 if row != 1:
                     assert torch.equal(flat[slot], k[row])
             assert int((flat.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # nothing else written
+
+
+# ------------------------------------------------------------------------------ strided sinks
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_strided_sinks_are_read_by_head(backend_args, shape):
+    """Sinks that are every other element of a buffer: the Triton kernels used to read them as
+    if contiguous (head h got buffer[h], a neighbour's value). forward now hands every backend
+    contiguous sinks."""
+    name, opts = backend_args
+    backend = _backend(name, opts)
+    if not backend.capabilities.sinks:
+        pytest.skip(f"{name}: attention sinks are not supported")
+    q, cache, meta = batch(*SHAPES[shape])
+    buf = torch.tensor([1.5, -40.0, -0.5, 40.0, 2.5, -40.0, 0.0, 40.0], device=DEVICE)
+    sinks = buf[::2]
+    assert not sinks.is_contiguous()
+    out = backend.forward(q, cache, meta, sinks=sinks)
+    want = reference_attention(q, cache, meta, sinks=torch.tensor([1.5, -0.5, 2.5, 0.0], device=DEVICE),
+                               compute_dtype=torch.float64)
+    assert_close(out, want, torch.float32, what=f"{name}/strided sinks")

@@ -497,3 +497,58 @@ def test_the_reference_registers_through_the_hook():
     plugin.register_backends(register=lambda *a, **k: calls.append((a, k)))
     assert calls == [(("reference", "paged_core._reference:ReferenceBackend"), {"priority": -100})]
     assert issubclass(ReferenceBackend, Backend)
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("bad", [None, 123, ["reference"]])
+def test_get_of_a_name_that_is_not_a_str(reference_only, bad):
+    # Used to reach difflib and raise its TypeError.
+    with pytest.raises(InputError) as exc:
+        reference_only.get(bad)
+    assert f"backend name is {bad!r}" in str(exc.value)
+    assert "accepted: a backend name as a str, one of: reference" in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", ["no", 1, 0, "true"])
+def test_validate_option_must_be_a_bool(reference_only, bad):
+    # validate="no" used to turn validation on (a non-empty string is truthy).
+    with pytest.raises(InputError, match=rf"validate is {bad!r}; accepted: True, False, or None"):
+        reference_only.get("reference", validate=bad)
+    assert reference_only.get("reference", validate=False).validate is False
+    assert reference_only.get("reference", validate=True).validate is True
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(api_version="2"), "register(..., api_version='2') is not an int"),
+        (dict(api_version=1.0), "register(..., api_version=1.0) is not an int"),
+        (dict(priority="high"), "register(..., priority='high'); accepted: an int"),
+        (dict(install=["pip"]), "register(..., install=['pip']); accepted: None or the install command"),
+    ],
+)
+def test_register_arguments_of_the_wrong_type_are_problems(reference_only, kwargs, needle):
+    # api_version="2" used to raise a raw TypeError from the comparison.
+    reg = reference_only
+    reg.add_plugin(FakePlugin(call("tiny", Tiny, **kwargs)), name="typed")
+    assert "tiny" not in reg.names()
+    (p,) = problems_of(reg, "typed")
+    assert p.stage == "register" and needle in p.message, p.message
+
+
+def test_a_typo_in_paged_plugins_is_a_problem(monkeypatch):
+    monkeypatch.setenv("PAGED_PLUGINS", "reference,refrence")
+    reg = Registry()
+    assert reg.names() == ["reference"]
+    (p,) = problems_of(reg, "refrence")
+    assert p.stage == "PAGED_PLUGINS"
+    assert "PAGED_PLUGINS names 'refrence', but no installed plugin has that entry point" in p.message
+    assert "reference" in p.message.split("installed:")[1]
+
+
+@pytest.mark.parametrize("bad", [{"num_heads": 4}, "4/2x16"])
+def test_explain_and_select_of_something_that_is_not_a_spec(reference_only, bad):
+    # select() used to raise an AttributeError from spec.describe().
+    for call_ in (reference_only.explain, reference_only.select, reference_only.available):
+        with pytest.raises(InputError, match=f"spec is a {type(bad).__name__}; accepted: a paged_core.AttentionSpec"):
+            call_(bad)

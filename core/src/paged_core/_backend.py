@@ -9,6 +9,8 @@ tensors, and runs the full ``BatchMeta`` validation when validation is on.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import os
@@ -19,9 +21,14 @@ import torch
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
-from ._spec import AttentionSpec, Capabilities, dtype_name
+from ._spec import KV_DTYPES, AttentionSpec, Capabilities, dtype_name
 
-__all__ = ["Backend", "validation_enabled"]
+__all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
+
+#: The layer keywords every backend's :meth:`Backend.plan` accepts: the description of the
+#: layers that will run the plan (the same for every layer of a step).
+PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "dtype", "kv_dtype", "window", "softcap",
+                 "scale", "sinks")
 
 
 def validation_enabled(validate: bool | None = None) -> bool:
@@ -31,6 +38,10 @@ def validation_enabled(validate: bool | None = None) -> bool:
     so the per-layer path of a server never syncs with the host.
     """
     if validate is not None:
+        if not isinstance(validate, bool):
+            raise InputError(
+                f"validate is {validate!r}; accepted: True, False, or None (PAGED_VALIDATE decides)"
+            )
         return validate
     return os.environ.get("PAGED_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
 
@@ -55,11 +66,46 @@ def _shape(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)} {list(t.shape)} on {t.device}"
 
 
+def _found(x) -> str:
+    return _shape(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_scalars(window, softcap, scale) -> None:
+    """The host scalars of a layer, shared by ``plan`` and ``forward``."""
+    # Fast path for the plain int/float every caller passes: isinstance against the numbers
+    # ABCs costs microseconds, and this runs on every layer call.
+    if type(window) is int and window >= 0 and type(softcap) in (float, int) and 0 <= softcap < math.inf \
+            and (scale is None or (type(scale) in (float, int) and math.isfinite(scale))):
+        return
+    if not _is_int(window) or window < 0:
+        raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise InputError(f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
+                              or not math.isfinite(scale)):
+        raise InputError(f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float")
+
+
+@functools.cache
+def _plan_params(cls: type) -> tuple[frozenset[str], bool]:
+    """The keywords ``cls._plan`` declares, and whether it takes ``**kwargs`` (read once per class)."""
+    params = inspect.signature(cls._plan).parameters.values()
+    names = frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                      and p.name not in ("self", "meta"))
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
 class Backend:
     """Base class of every attention backend.
 
     Subclasses set ``name`` and ``capabilities`` and implement :meth:`_forward`; planning backends
-    also override :meth:`plan`. Constructor options are keyword-only and validated by the subclass.
+    also override :meth:`_plan` (the public :meth:`plan` checks the layer first). Constructor
+    options are keyword-only and validated by the subclass.
     """
 
     #: The registry key (``registry.get(name)``).
@@ -123,34 +169,87 @@ class Backend:
         """
         batch = self._batch_of(meta)
         if not isinstance(cache, KVCache):
-            raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
+            raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
+        cache.check()
         batch.check_structure()
+        self._check_batch_fits(batch, cache)
         if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
-        write_kv(cache, k, v, batch.slot_mapping)
+        write_kv(cache, k, v, batch.slot_mapping)  # checks k and v before writing anything
 
     # ----------------------------------------------------------------------------- attention
-    def plan(
-        self,
-        meta: BatchMeta,
-        *,
-        num_heads: int | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        dtype: torch.dtype | None = None,
-        window: int = 0,
-        softcap: float = 0.0,
-        scale: float | None = None,
-    ) -> Any:
+    def plan(self, meta: BatchMeta, **layer: Any) -> Any:
         """Prepare a batch once per step; the result is passed to every layer's ``forward``.
 
         The keywords describe the layers that will use the plan (the same for every layer of a
-        step). A backend that plans on the host (FlashInfer) plans with them at once, which a
-        CUDA-graph replay needs (it runs no Python); the others accept and ignore them, so one
-        call serves every backend. The default plan is the ``BatchMeta`` itself; planning
-        backends return an object with a ``meta`` attribute.
+        step): ``num_heads``, ``num_kv_heads``, ``head_dim``, ``dtype``, ``kv_dtype``,
+        ``window``, ``softcap``, ``scale`` and ``sinks`` (a bool: whether the layers pass
+        sinks), plus any option the backend's ``_plan`` declares. They are checked here, before
+        any backend code runs: an unknown keyword is an :class:`InputError` listing the accepted
+        ones, and with ``num_heads``, ``num_kv_heads`` and ``head_dim`` given, a layer outside
+        the capabilities is an :class:`UnsupportedSpecError` with the reasons (``dtype`` and
+        ``kv_dtype``, when given, are part of that check). A backend that plans on the host
+        (FlashInfer) plans with them at once, which a CUDA-graph replay needs (it runs no
+        Python); the others ignore them, so one call serves every backend. The default plan is
+        the ``BatchMeta`` itself; planning backends return an object with a ``meta`` attribute.
+
+        Subclasses override :meth:`_plan`, never this method, and get these checks for free.
+        """
+        if not isinstance(meta, BatchMeta):
+            raise InputError(f"meta is {_found(meta)}; accepted: a paged_core.BatchMeta")
+        meta.check_structure()
+        names, takes_any = _plan_params(type(self))
+        unknown = sorted(k for k in layer if k not in PLAN_KEYWORDS and k not in names)
+        if unknown:
+            accepted = ", ".join([*PLAN_KEYWORDS, *sorted(names - set(PLAN_KEYWORDS))])
+            raise InputError(
+                f"{self.name}.plan() got unknown keyword(s) {', '.join(unknown)}; accepted: {accepted} "
+                "(check the spelling)"
+            )
+        self._check_layer(meta, layer)
+        passed = layer if takes_any else {k: v for k, v in layer.items() if k in names}
+        return self._plan(meta, **passed)
+
+    def _plan(self, meta: BatchMeta, **layer: Any) -> Any:
+        """The backend's own planning; ``meta`` and the keywords are checked. Default: ``meta``.
+
+        Receives the keywords of :data:`PLAN_KEYWORDS` that it declares (all of them given
+        with ``**layer``), plus its own options, which :meth:`plan` then accepts.
         """
         return meta
+
+    def _check_layer(self, meta: BatchMeta, layer: dict[str, Any]) -> None:
+        """The layer keywords of :meth:`plan`: their types, then the spec they describe."""
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            v = layer.get(name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise InputError(f"{name} is {v!r}; accepted: a positive int (or leave it out)")
+        dtype, kv_dtype = layer.get("dtype"), layer.get("kv_dtype")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise InputError(f"dtype is {dtype!r}; accepted: a torch.dtype such as torch.bfloat16")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise InputError(f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+        sinks = layer.get("sinks", False)
+        if not isinstance(sinks, bool):
+            raise InputError(f"sinks is {sinks!r}; accepted: True or False (whether the layers pass sinks)")
+        window, softcap = layer.get("window", 0), layer.get("softcap", 0.0)
+        _check_scalars(window, softcap, layer.get("scale"))
+        if any(layer.get(n) is None for n in ("num_heads", "num_kv_heads", "head_dim")):
+            return  # not enough to describe a spec; forward checks the layer it gets
+        caps = self.capabilities
+        spec = AttentionSpec(
+            num_heads=layer["num_heads"], num_kv_heads=layer["num_kv_heads"], head_dim=layer["head_dim"],
+            block_size=meta.block_size,
+            # Not given: one the backend takes, so only what was given can be refused.
+            dtype=dtype if dtype is not None else min(caps.dtypes, key=dtype_name, default=torch.bfloat16),
+            kv_dtype=kv_dtype if kv_dtype is not None else ("auto" if "auto" in caps.kv_dtypes
+                                                            else min(caps.kv_dtypes, default="auto")),
+            window=int(window), softcap=float(softcap), sinks=sinks, device=meta.device.type,
+            decode_only=meta.decode_only,
+        )
+        reasons = self.reasons(spec)
+        if reasons:
+            raise UnsupportedSpecError(self.name, reasons)
 
     def forward(
         self,
@@ -176,10 +275,7 @@ class Backend:
         (``-inf`` for rows that see no key).
         """
         batch = self._batch_of(meta)
-        self._check_inputs(q, cache, batch, window, softcap, sinks, out)
-        if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                                  or not math.isfinite(scale)):
-            raise InputError(f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float")
+        self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
         spec = AttentionSpec(
             num_heads=q.shape[1],
             num_kv_heads=cache.num_kv_heads,
@@ -199,14 +295,25 @@ class Backend:
             raise UnsupportedSpecError(self.name, reasons)
         if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
+            # A device read, so only here: an infinite sink gives zeros in one backend and NaN
+            # in another; with validation off it is the caller's promise (docs/reliability.md).
+            if sinks is not None and not bool(torch.isfinite(sinks).all()):
+                raise InputError(
+                    f"sinks holds non-finite values {sinks[~torch.isfinite(sinks)].tolist()}; "
+                    "accepted: finite float32 logits (use a large negative value for 'no sink')"
+                )
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         if scale is None:
             scale = q.shape[2] ** -0.5
-        if meta is not batch and type(self).plan is Backend.plan:
+        if meta is not batch and type(self)._plan is Backend._plan and type(self).plan is Backend.plan:
             # Another backend's plan: a backend without its own plan expects the BatchMeta.
             meta = batch
+        if sinks is not None:
+            # Every kernel indexes sinks by head with stride 1: a strided view (every other element
+            # of a buffer) becomes a contiguous copy here, once for all backends (a no-op if it is).
+            sinks = sinks.contiguous()
         try:
             self._forward(
                 q, cache, meta, out=out, lse=lse, scale=float(scale), window=int(window),
@@ -247,17 +354,33 @@ class Backend:
         return batch
 
     @staticmethod
-    def _check_inputs(q, cache, meta, window, softcap, sinks, out) -> None:
-        """Host-only checks (no sync, a few microseconds): shapes, dtypes, devices, strides."""
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+    def _check_batch_fits(batch: BatchMeta, cache: KVCache, *, device: bool = True) -> None:
+        """A structurally sound batch and cache that belong together (block size, device)."""
+        if batch.block_size != cache.block_size:
             raise InputError(
-                f"q is {_shape(q) if isinstance(q, torch.Tensor) else type(q).__name__}; "
-                "accepted: a tensor [num_tokens, num_heads, head_dim]"
+                f"the batch was built for block_size {batch.block_size} but the cache has block_size "
+                f"{cache.block_size}; accepted: one block size (build the BatchMeta with "
+                f"block_size={cache.block_size})"
             )
+        if device and batch.device != cache.device:
+            raise InputError(
+                f"the batch is on {batch.device} but the cache is on {cache.device}; accepted: one "
+                f"device (meta.to({str(cache.device)!r}))"
+            )
+
+    @classmethod
+    def _check_inputs(cls, q, cache, meta, window, softcap, scale, sinks, out) -> None:
+        """Every host-side check of the contract, before any backend code runs.
+
+        No device read and no sync: the structure of the cache and of the batch is checked once
+        per object (cached), the rest is a few attribute compares (microseconds per call).
+        """
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise InputError(f"q is {_found(q)}; accepted: a tensor [num_tokens, num_heads, head_dim]")
         if not isinstance(cache, KVCache):
-            raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
-        if not isinstance(meta.slot_mapping, torch.Tensor) or meta.slot_mapping.dim() == 0:
-            meta.check_structure()  # raises the BatchMetaError that names the field
+            raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
+        cache.check()
+        meta.check_structure()  # shapes, dtypes, one device, host ints: a BatchMetaError naming the field
         n, hq, d = q.shape
         if hq == 0:
             raise InputError(f"q is {_shape(q)}, with no heads; accepted: num_heads >= 1")
@@ -267,7 +390,9 @@ class Backend:
                 "q.shape[0] == meta.num_tokens (query_start_loc[-1])"
             )
         if d != cache.head_dim:
-            raise InputError(f"q has head_dim {d} but the cache has head_dim {cache.head_dim}")
+            raise InputError(
+                f"q has head_dim {d} but the cache has head_dim {cache.head_dim}; accepted: the cache's head_dim"
+            )
         if hq % cache.num_kv_heads:
             raise InputError(
                 f"q has {hq} heads, not a multiple of the cache's {cache.num_kv_heads} KV heads; "
@@ -282,40 +407,25 @@ class Backend:
             raise InputError(
                 f"q's last dimension has stride {q.stride(-1)}; accepted: stride 1 (call q.contiguous())"
             )
-        if meta.block_size != cache.block_size:
+        dev = q.device
+        if cache.k.device != dev:
+            raise InputError(f"cache.k is on {cache.device} but q is on {q.device}; accepted: one device")
+        if meta.seq_lens.device != dev:
             raise InputError(
-                f"the batch was built for block_size {meta.block_size} but the cache has "
-                f"block_size {cache.block_size}"
+                f"the batch is on {meta.device} but q is on {q.device}; accepted: one device "
+                f"(meta.to({str(q.device)!r}))"
             )
-        for name, t in (("cache.k", cache.k), ("meta.seq_lens", meta.seq_lens),
-                        ("meta.block_table", meta.block_table), ("meta.query_start_loc", meta.query_start_loc)):
-            if not isinstance(t, torch.Tensor):
-                meta.check_structure()  # raises the BatchMetaError that names the field
-            if t.device != q.device:
-                raise InputError(f"{name} is on {t.device} but q is on {q.device}; accepted: one device")
-        if meta.block_table.dtype != torch.int32 or meta.seq_lens.dtype != torch.int32:
-            raise InputError(
-                f"block_table is {dtype_name(meta.block_table.dtype)} and seq_lens is "
-                f"{dtype_name(meta.seq_lens.dtype)}; accepted: int32 for both"
-            )
-        meta.check_structure()  # host-only: shapes, dtypes and host ints, never a device read
-        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 0:
-            raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
-        if (not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap)
-                or softcap < 0):
-            raise InputError(f"softcap is {softcap!r}; accepted: 0 (off) or a positive float")
+        cls._check_batch_fits(meta, cache, device=False)  # both are on q's device
+        _check_scalars(window, softcap, scale)
         if sinks is not None and (
             not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,) or sinks.dtype != torch.float32
             or sinks.device != q.device
         ):
-            raise InputError(
-                f"sinks is {_shape(sinks) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}; "
-                f"accepted: float32 [num_heads={hq}] on {q.device}"
-            )
+            raise InputError(f"sinks is {_found(sinks)}; accepted: float32 [num_heads={hq}] on {q.device}")
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape
                                 or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1):
             found = (f"{_shape(out)} with last-dimension stride {out.stride(-1)}"
-                     if isinstance(out, torch.Tensor) else type(out).__name__)
+                     if isinstance(out, torch.Tensor) else f"a {type(out).__name__}")
             raise InputError(
                 f"out is {found}; accepted: the shape, dtype and device of q ({_shape(q)}), "
                 "last-dimension stride 1"

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
 
 from ._errors import BatchMetaError, InputError
+from ._spec import INT32_LIMIT, check_device
 
 __all__ = ["BatchMeta", "BlockAllocator"]
 
@@ -43,51 +46,89 @@ class BlockAllocator:
     def __init__(
         self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True
     ):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InputError(f"num_blocks must be at least 1, got {num_blocks!r}")
+        if not _is_int(num_blocks) or not 1 <= num_blocks < INT32_LIMIT:
+            raise InputError(f"num_blocks is {num_blocks!r}; accepted: an int from 1 to 2**31 - 1")
         self.num_blocks = num_blocks
         free = list(range(1 if reserve_zero and num_blocks > 1 else 0, num_blocks))
         if shuffle:
             g = torch.Generator().manual_seed(seed)
             free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
         self._free = free
+        self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks, taken from the pool until :meth:`free` gives them back."""
+        if not _is_int(n) or n < 0:
+            raise InputError(f"allocate({n!r}): accepted: a number of blocks, an int >= 0")
         if n > len(self._free):
             raise BatchMetaError(
                 f"out of KV blocks: asked for {n}, {len(self._free)} free of {self.num_blocks}; "
                 "allocate a larger cache"
             )
         out, self._free = self._free[:n], self._free[n:]
+        self._used.update(out)
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
+        """Give back blocks that :meth:`allocate` handed out (each once); checked before any is freed."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for b in blocks:
+            if not _is_int(b) or b not in self._used or b in seen:
+                why = ("it is not an int" if not _is_int(b)
+                       else "it is given twice" if b in seen
+                       else f"it is outside the pool 0 .. {self.num_blocks - 1}" if not 0 <= b < self.num_blocks
+                       else "it is not allocated (freed already, or never handed out)")
+                raise InputError(
+                    f"free(): block {b!r} cannot be freed: {why}; accepted: blocks this allocator "
+                    "handed out, each freed once"
+                )
+            seen.add(b)
+        self._used.difference_update(blocks)
         self._free.extend(blocks)
+
+
+def _is_int(v) -> bool:
+    # bool is an int to Python, never a length or an id here.
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int) -> None:
     """The per-request list checks shared by the builders."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise BatchMetaError(f"block_size is {block_size!r}; accepted: a positive int")
+    if not _is_int(block_size) or not 1 <= block_size < INT32_LIMIT:
+        raise BatchMetaError(f"block_size is {block_size!r}; accepted: a positive int below 2**31")
+    for name, lst in (("query_lens", query_lens), ("seq_lens", seq_lens)):
+        if not isinstance(lst, Sequence) or isinstance(lst, str):
+            raise BatchMetaError(f"{name} is a {type(lst).__name__}; accepted: a list of ints, one per request")
     if len(query_lens) != len(seq_lens):
         raise BatchMetaError(
             f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; "
             "give one of each per request"
         )
     for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if not isinstance(q, int) or not isinstance(s, int) or isinstance(q, bool) or isinstance(s, bool):
-            raise BatchMetaError(f"request {r}: query_len {q!r} and seq_len {s!r} must be ints")
+        if not _is_int(q) or not _is_int(s):
+            raise BatchMetaError(f"request {r}: query_len {q!r} and seq_len {s!r}; accepted: ints")
         if q < 0 or s < 0:
-            raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s} must be >= 0")
+            raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s}; accepted: ints >= 0")
+        if s >= INT32_LIMIT:
+            raise BatchMetaError(
+                f"request {r}: seq_len {s} does not fit the int32 seq_lens; accepted: below 2**31"
+            )
         if s and q > s:
             raise BatchMetaError(
                 f"request {r}: query_len {q} is larger than seq_len {s}; the new tokens are "
                 "part of the context, so accepted: query_len <= seq_len (or seq_len 0 for padding)"
             )
+    total = sum(query_lens)
+    if total >= INT32_LIMIT:
+        raise BatchMetaError(
+            f"the batch has {total} query tokens, past the int32 query_start_loc; accepted: fewer "
+            "than 2**31 (split the step)"
+        )
 
 
 @dataclasses.dataclass
@@ -160,6 +201,8 @@ class BatchMeta:
 
     def to(self, device: torch.device | str) -> BatchMeta:
         """The same batch with its device tensors on ``device`` (host mirrors stay on the CPU)."""
+        device = check_device(device)
+        self.check_structure()
         return dataclasses.replace(
             self,
             query_start_loc=self.query_start_loc.to(device),
@@ -173,6 +216,15 @@ class BatchMeta:
 
         Used to check batch invariance: a request's output alone must equal its output in the batch.
         """
+        self.check_structure()
+        if not isinstance(reqs, Sequence) or isinstance(reqs, str):
+            raise InputError(f"select() got a {type(reqs).__name__}; accepted: a list of request indices")
+        for r in reqs:
+            if not _is_int(r) or not 0 <= r < self.num_reqs:
+                raise InputError(
+                    f"select(): request {r!r} is not in the batch; accepted: request indices "
+                    f"0 .. {self.num_reqs - 1} (ints)"
+                )
         qlens, slens = self.host()
         qsl = self.query_start_loc.tolist()
         rows = [i for r in reqs for i in range(qsl[r], qsl[r + 1])]
@@ -236,6 +288,7 @@ class BatchMeta:
                 mine.copy_(theirs)
             else:
                 setattr(self, name, None if theirs is None else theirs.clone())
+        self._checked = None  # the mirrors changed in place: check the host ints against them again
         return self
 
     # ----------------------------------------------------------------------------- builders
@@ -263,7 +316,15 @@ class BatchMeta:
         (2, 4, 70, False)
         """
         _check_lengths(query_lens, seq_lens, block_size)
+        device = check_device(device)
         nblocks = [math.ceil(s / block_size) for s in seq_lens]
+        if allocator is not None and not callable(getattr(allocator, "allocate", None)):
+            raise BatchMetaError(
+                f"allocator is a {type(allocator).__name__}; accepted: None or an object with "
+                "allocate(n) -> list of block ids, such as a BlockAllocator"
+            )
+        if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+            raise BatchMetaError(f"num_blocks is {num_blocks!r}; accepted: None or a positive int")
         if allocator is None:
             allocator = BlockAllocator(num_blocks or sum(nblocks) + 1, seed=seed)
         tables = [allocator.allocate(n) for n in nblocks]
@@ -284,12 +345,22 @@ class BatchMeta:
     ) -> BatchMeta:
         """Build a batch from per-request lists and explicit per-request block lists."""
         _check_lengths(query_lens, seq_lens, block_size)
-        if len(block_tables) != len(seq_lens):
+        device = check_device(device)
+        if table_width is not None and (not _is_int(table_width) or table_width < 0):
+            raise BatchMetaError(f"table_width is {table_width!r}; accepted: None or an int >= 0")
+        if not isinstance(block_tables, Sequence) or len(block_tables) != len(seq_lens):
+            found = len(block_tables) if isinstance(block_tables, Sequence) else "no"
             raise BatchMetaError(
-                f"block_tables has {len(block_tables)} entries but seq_lens has {len(seq_lens)}; "
+                f"block_tables has {found} entries but seq_lens has {len(seq_lens)}; "
                 "give one block list per request"
             )
         for r, (s, t) in enumerate(zip(seq_lens, block_tables, strict=True)):
+            bad = [b for b in t if not _is_int(b) or not 0 <= b < INT32_LIMIT]
+            if bad:
+                raise BatchMetaError(
+                    f"request {r}: block {bad[0]!r} in its block list; accepted: block ids, ints "
+                    "from 0 to 2**31 - 1"
+                )
             if s and math.ceil(s / block_size) > len(t):
                 raise BatchMetaError(
                     f"request {r}: seq_len {s} needs {math.ceil(s / block_size)} blocks of {block_size} "
@@ -328,7 +399,13 @@ class BatchMeta:
         block_size: int,
         device: torch.device | str | None = None,
     ) -> BatchMeta:
-        device = torch.device(device) if device is not None else block_table.device
+        _check_lengths(query_lens, seq_lens, block_size)
+        for name, t, dims in (("block_table", block_table, 2), ("slot_mapping", slot_mapping, 1)):
+            if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex():
+                found = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" if isinstance(t, torch.Tensor)
+                         else f"a {type(t).__name__}")
+                raise BatchMetaError(f"{name} is {found}; accepted: an integer tensor of {dims} dimensions")
+        device = check_device(device) if device is not None else block_table.device
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -353,17 +430,23 @@ class BatchMeta:
 
         Reads no device value, so it costs microseconds and never syncs; ``Backend.forward`` runs
         it on every call, validation on or off, so a malformed batch is a :class:`BatchMetaError`
-        rather than an error from deep inside a kernel launcher.
+        rather than an error from deep inside a kernel launcher. Where the host mirrors exist,
+        ``max_query_len`` and ``max_seq_len`` are checked against them (host memory, no sync).
+        The result is cached per object: the fields are compared by identity, so assigning any
+        field makes the next call check again (in-place edits of a tensor are not seen).
         """
+        return self._structure(mirrors=True)
+
+    def _structure(self, *, mirrors: bool) -> BatchMeta:
         fields = (self.num_reqs, self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
                   self.block_size, self.max_query_len, self.max_seq_len, self.query_start_loc_cpu,
                   self.seq_lens_cpu)
         last = self._checked
-        if last is not None and all(a is b for a, b in zip(fields, last, strict=True)):
+        if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
             return self
         R = self.num_reqs
-        if not isinstance(R, int) or isinstance(R, bool) or R < 0:
-            raise BatchMetaError(f"num_reqs is {R!r}; accepted: an int >= 0")
+        if not _is_int(R) or not 0 <= R < INT32_LIMIT:
+            raise BatchMetaError(f"num_reqs is {R!r}; accepted: an int from 0 to 2**31 - 1")
         self._check_tensor("query_start_loc", self.query_start_loc, torch.int32, (R + 1,))
         self._check_tensor("seq_lens", self.seq_lens, torch.int32, (R,))
         if not isinstance(self.slot_mapping, torch.Tensor) or self.slot_mapping.dim() == 0:
@@ -385,18 +468,48 @@ class BatchMeta:
                     f"{name} is on {t.device} but seq_lens is on {self.device}; every BatchMeta "
                     "tensor must be on the device of q"
                 )
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise BatchMetaError(f"block_size is {self.block_size!r}; accepted: a positive int")
+        if not _is_int(self.block_size) or not 1 <= self.block_size < INT32_LIMIT:
+            raise BatchMetaError(f"block_size is {self.block_size!r}; accepted: a positive int below 2**31")
         for name in ("max_query_len", "max_seq_len"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not _is_int(v) or not 0 <= v < INT32_LIMIT:
                 raise BatchMetaError(
-                    f"{name} is {v!r}; accepted: a host int >= 0 (not a device tensor: reading one syncs)"
+                    f"{name} is {v!r}; accepted: a host int from 0 to 2**31 - 1 (not a device "
+                    "tensor: reading one syncs)"
                 )
+        if self.max_query_len * R < self.num_tokens:
+            # Pigeonhole: R requests of at most max_query_len rows cannot hold num_tokens rows.
+            raise BatchMetaError(
+                f"max_query_len is {self.max_query_len} but {R} requests share {self.num_tokens} "
+                f"query tokens, so some request has at least {-(-self.num_tokens // max(R, 1))}; "
+                "accepted: the largest query_len or an upper bound"
+            )
         for name, shape in (("query_start_loc_cpu", (R + 1,)), ("seq_lens_cpu", (R,))):
             mirror = getattr(self, name)
             if mirror is not None:
                 self._check_tensor(name, mirror, torch.int32, shape)
+                if mirror.device.type != "cpu":
+                    raise BatchMetaError(
+                        f"{name} is on {mirror.device}; accepted: a host mirror on the CPU (or None)"
+                    )
+        if not mirrors:
+            return self  # validate() words these checks itself, per request
+        # The host ints are promises the kernels size their grids by; the mirrors (host memory,
+        # no sync) let a lie be caught on every call, once per BatchMeta.
+        if R and self.seq_lens_cpu is not None:
+            top = int(self.seq_lens_cpu.max())
+            if top > self.max_seq_len:
+                raise BatchMetaError(
+                    f"max_seq_len is {self.max_seq_len} but seq_lens_cpu reaches {top}; accepted: "
+                    "the largest seq_len or an upper bound"
+                )
+        if R and self.query_start_loc_cpu is not None:
+            top = int((self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]).max())
+            if top > self.max_query_len:
+                raise BatchMetaError(
+                    f"max_query_len is {self.max_query_len} but query_start_loc_cpu has a request "
+                    f"of {top} tokens; accepted: the largest query_len or an upper bound"
+                )
         # The very objects checked (held, so an identity is never reused): assigning any field
         # a new tensor or host int makes the next call check again.
         self._checked = fields
@@ -412,7 +525,9 @@ class BatchMeta:
         The checks run as vector ops over the host copy; only the first offending request is
         then walked in Python to word the message (docs/reliability.md has the cost).
         """
-        self.check_structure()
+        self._structure(mirrors=False)
+        if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+            raise BatchMetaError(f"num_blocks is {num_blocks!r}; accepted: None or the cache's block count")
         R, N, bs = self.num_reqs, self.num_tokens, self.block_size
         width = self.block_table.shape[1]
         # One device-to-host copy (one sync) of every field, split on the host.

@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, dtype_name
+from ._spec import KV_DTYPES, check_device, dtype_name
 
 __all__ = [
     "KVCache",
@@ -53,6 +55,10 @@ class KVCache:
     dtype: torch.dtype = torch.bfloat16
     # One extra block of storage after the pool: the destination of padding writes.
     _spill: tuple[torch.Tensor, ...] | None = dataclasses.field(default=None, repr=False)
+    # The fields check() last accepted (every layer call checks the same cache object), and
+    # whether ``_spill`` still holds the storage of those very views.
+    _checked: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -78,8 +84,97 @@ class KVCache:
     def quantized(self) -> bool:
         return self.kv_dtype != "auto"
 
+    def check(self) -> KVCache:
+        """Check the structure of the cache; raise :class:`InputError` saying what is wrong.
+
+        Host-only (reads no tensor value): ``k`` and ``v`` 4-D ``[num_blocks, block_size,
+        num_kv_heads, head_dim]`` of one shape, dtype and device, last dimension contiguous, of
+        the dtype ``kv_dtype`` stores; quantized caches have float32 ``k_scale``/``v_scale`` of
+        shape ``[num_blocks, block_size, num_kv_heads]`` on that device. The result is cached
+        per object (the fields themselves are compared by identity), so the per-layer call costs
+        a tuple comparison. Returns ``self``.
+        """
+        fields = (self.k, self.v, self.kv_dtype, self.k_scale, self.v_scale, self.dtype, self._spill)
+        last = self._checked
+        if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
+            return self
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(
+                f"cache.kv_dtype is {self.kv_dtype!r}; accepted: {', '.join(KV_DTYPES)} "
+                "(allocate caches with allocate_kv_cache or backend.allocate)"
+            )
+        if self.dtype not in _ELEM_BYTES:
+            raise InputError(
+                f"cache.dtype is {self.dtype!r}; accepted: torch.float32, torch.float16, torch.bfloat16 "
+                "(the dtype K/V arrive in)"
+            )
+        store = self.dtype if self.kv_dtype == "auto" else _CODE_DTYPE[self.kv_dtype]
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                found = _desc(t) if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+                raise InputError(
+                    f"cache.{name} is {found}; accepted: a 4-D tensor [num_blocks, block_size, "
+                    "num_kv_heads, head_dim] (NHD; view other layouts as NHD)"
+                )
+            if t.dtype != store:
+                raise InputError(
+                    f"cache.{name} is {_desc(t)} but kv_dtype {self.kv_dtype!r} with dtype "
+                    f"{dtype_name(self.dtype)} stores {dtype_name(store)}; accepted: {dtype_name(store)} "
+                    "codes (or set kv_dtype/dtype to what the tensors hold)"
+                )
+            if min(t.shape) < 1:
+                raise InputError(f"cache.{name} is {_desc(t)}; accepted: every dimension >= 1")
+            if t.stride(-1) != 1:
+                raise InputError(
+                    f"cache.{name}'s last dimension has stride {t.stride(-1)}; accepted: stride 1 "
+                    "(head_dim contiguous; any strides for the other dimensions)"
+                )
+        if self.v.shape != self.k.shape or self.v.device != self.k.device:
+            raise InputError(
+                f"cache.v is {_desc(self.v)} on {self.v.device} but cache.k is {_desc(self.k)} on "
+                f"{self.k.device}; accepted: v of k's shape, dtype and device"
+            )
+        want = tuple(self.k.shape[:3])
+        for name in ("k_scale", "v_scale"):
+            t = getattr(self, name)
+            if not self.quantized:
+                if t is not None:
+                    raise InputError(
+                        f"cache.{name} is set but kv_dtype is 'auto' (no quantization); accepted: "
+                        "None, or kv_dtype 'int8'/'fp8' for a quantized cache"
+                    )
+                continue
+            if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
+                    or t.device != self.k.device):
+                found = (f"{_desc(t)} on {t.device}" if isinstance(t, torch.Tensor)
+                         else "None" if t is None else f"a {type(t).__name__}")
+                raise InputError(
+                    f"cache.{name} is {found}; an {self.kv_dtype} cache needs float32 "
+                    f"[num_blocks, block_size, num_kv_heads] = {list(want)} on {self.k.device} "
+                    "(allocate it with allocate_kv_cache(..., kv_dtype=...))"
+                )
+        self._spill_ok = self._spill_matches()
+        self._checked = fields
+        return self
+
+    def _spill_matches(self) -> bool:
+        """Whether ``_spill`` is the storage the views start at, one block longer: only then do
+        writes of invalid slots go to its hidden block (a replaced field loses it)."""
+        views = (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+        spill = self._spill
+        if spill is None or len(spill) != len(views):
+            return False
+        for view, full in zip(views, spill, strict=True):
+            if (not isinstance(full, torch.Tensor) or full.data_ptr() != view.data_ptr()
+                    or full.dtype != view.dtype or full.stride() != view.stride()
+                    or full.shape[0] != view.shape[0] + 1 or full.shape[1:] != view.shape[1:]):
+                return False
+        return True
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) as float32 values: codes times scales for quantized caches."""
+        self.check()
         if not self.quantized:
             return self.k.float(), self.v.float()
         return dequantize_kv(self.k, self.k_scale), dequantize_kv(self.v, self.v_scale)
@@ -101,15 +196,11 @@ def allocate_kv_cache(
     >>> tuple(cache.k.shape), cache.k.dtype, tuple(cache.k_scale.shape)
     ((4, 16, 2, 64), torch.int8, (4, 16, 2))
     """
-    if kv_dtype not in KV_DTYPES:
-        raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    if dtype not in _ELEM_BYTES:
-        raise InputError(f"dtype {dtype} is not supported; accepted: float32, float16, bfloat16")
+    _check_dtypes(dtype, kv_dtype)
     for name, val in (("num_blocks", num_blocks), ("block_size", block_size),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(val, int) or val < 1:
-            raise InputError(f"{name} is {val!r}; accepted: a positive int")
-    device = _check_device(device)
+        _check_size(name, val)
+    device = check_device(device)
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
@@ -131,24 +222,21 @@ def allocate_kv_cache(
     )
 
 
-def _check_device(device) -> torch.device:
-    """``device`` as a torch.device that exists here, or an InputError saying what does."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InputError(
-            f"device {device!r} is not a device ({exc}); accepted: 'cpu', 'cuda', 'cuda:0', ..."
-        ) from exc
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise InputError(
-                f"device {device!r} was asked for but this machine has no usable CUDA GPU "
-                "(torch.cuda.is_available() is False); accepted: 'cpu', or run on a GPU machine"
-            )
-        if dev.index is not None and dev.index >= count:
-            raise InputError(f"device {device!r} does not exist; accepted: cuda:0 .. cuda:{count - 1}")
-    return dev
+def _check_size(name: str, val) -> None:
+    # bool is an int to Python: allocate_kv_cache(True, ...) must not be a 1-block cache.
+    if not isinstance(val, numbers.Integral) or isinstance(val, bool) or not 1 <= val < 2**31:
+        raise InputError(f"{name} is {val!r}; accepted: a positive int (below 2**31)")
+
+
+def _check_dtypes(dtype, kv_dtype) -> None:
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+        raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _ELEM_BYTES:
+        raise InputError(f"dtype {dtype} is not supported; accepted: float32, float16, bfloat16")
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)} {list(t.shape)}"
 
 
 def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +250,11 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
     >>> codes.tolist(), round(scale.item() * 127, 4)
     ([[64, -127, 32]], 2.0)
     """
-    if kv_dtype not in Q_MAX:
+    if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX:
         raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to; accepted: int8, fp8")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
+        found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
@@ -177,19 +268,28 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 values of quantized ``codes [..., head_dim]`` with ``scales [...]``."""
+    """float32 values of quantized ``codes [..., head_dim]`` with ``scales [...]``.
+
+    >>> dequantize_kv(torch.tensor([[64, -127]], dtype=torch.int8), torch.tensor([0.5])).tolist()
+    [[32.0, -63.5]]
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dim() < 1:
+        found = _desc(codes) if isinstance(codes, torch.Tensor) else f"a {type(codes).__name__}"
+        raise InputError(f"codes is {found}; accepted: a tensor [..., head_dim]")
+    if (not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(codes.shape[:-1])
+            or scales.device != codes.device):
+        found = (f"{_desc(scales)} on {scales.device}" if isinstance(scales, torch.Tensor)
+                 else f"a {type(scales).__name__}")
+        raise InputError(
+            f"scales is {found} but codes is {_desc(codes)} on {codes.device}; accepted: one scale "
+            f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
+        )
     return codes.float() * scales.float().unsqueeze(-1)
 
 
-def _flat_rows(t: torch.Tensor) -> torch.Tensor:
-    """View a [blocks, block_size, ...] store as [slots, ...]; fp8 through uint8 (see below)."""
-    # PyTorch's CPU index_copy_/index_put_ have no float8 kernels: move fp8 bytes as uint8.
-    if t.dtype == torch.float8_e4m3fn:
-        t = t.view(torch.uint8)
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # PyTorch's CPU index_put_ has no float8 kernel: move fp8 bytes as uint8. A view of the
+    # same element size needs only a contiguous last dimension, which check() guarantees.
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
@@ -197,10 +297,21 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     """Write new tokens' ``k, v [num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``.
 
     Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
-    leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1.
+    leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1. Every
+    input is checked before anything is written.
+
+    Writes go through the cache tensors' strides (``cache.k[block, offset] = ...``), so a cache
+    whose ``k``/``v`` are views of an engine's pool (``pool[:, 0]`` of a ``[num_blocks, 2,
+    block_size, heads, dim]`` pool, or HND storage ``.transpose(1, 2)``) is written in place.
+
+    >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
+    >>> write_kv(cache, torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.tensor([5]))
+    >>> cache.k[1, 1].tolist(), int(cache.k.sum())
+    ([[1.0, 1.0]], 2)
     """
     if not isinstance(cache, KVCache):
         raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
+    cache.check()
     if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
             or slot_mapping.dtype not in (torch.int64, torch.int32)):
         found = (f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
@@ -225,12 +336,15 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
                 f"{dtype_name(cache.dtype)}; accepted: {dtype_name(cache.dtype)}"
             )
         if t.device != cache.device:
-            raise InputError(f"{name} is on {t.device} but the cache is on {cache.device}")
+            raise InputError(f"{name} is on {t.device} but the cache is on {cache.device}; accepted: one device")
     if slot_mapping.device != cache.device:
-        raise InputError(f"slot_mapping is on {slot_mapping.device} but the cache is on {cache.device}")
+        raise InputError(
+            f"slot_mapping is on {slot_mapping.device} but the cache is on {cache.device}; accepted: one device"
+        )
     if n == 0:
         return
-    num_slots = cache.num_blocks * cache.block_size
+    bs = cache.block_size
+    num_slots = cache.num_blocks * bs
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_slots)
     if cache.quantized:
@@ -241,16 +355,18 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     else:
         pairs = [(0, k), (1, v)]
         views = (cache.k, cache.v)
-    if cache._spill is not None:
+    if cache._spill_ok:
         # Invalid slots go to the hidden block past the pool: no host sync, nothing touched.
         target = torch.where(valid, slots, torch.full_like(slots, num_slots))
+        blk, off = target // bs, target % bs
         for i, src in pairs:
-            _flat_rows(cache._spill[i]).index_copy_(0, target, _as_bytes(src))
+            _as_bytes(cache._spill[i]).index_put_((blk, off), _as_bytes(src))
     else:
         # A cache wrapped around an engine's own tensors has no spill block: filter (syncs).
         keep = valid.nonzero().squeeze(1)
+        blk, off = slots[keep] // bs, slots[keep] % bs
         for i, src in pairs:
-            _flat_rows(views[i]).index_copy_(0, slots[keep], _as_bytes(src)[keep])
+            _as_bytes(views[i]).index_put_((blk, off), _as_bytes(src)[keep])
 
 
 def kv_bytes_per_token(
@@ -262,6 +378,9 @@ def kv_bytes_per_token(
     >>> kv_bytes_per_token(8, 128, num_layers=36)   # Qwen3-8B in bf16
     147456
     """
+    _check_dtypes(dtype, kv_dtype)
+    for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers)):
+        _check_size(name, val)
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4
     return num_layers * (2 * num_kv_heads * head_dim * elem + scales)

@@ -37,7 +37,19 @@ def reference_attention(
 
     Returns ``out`` in ``compute_dtype`` (cast it yourself; the backend casts to ``q.dtype``),
     plus ``lse [num_tokens, num_heads]`` (natural log, ``compute_dtype``) with ``return_lse``.
+
+    Metadata that validation would refuse is masked the way the Triton kernels mask it, from
+    the device tensors (never the host mirrors, which the kernels do not read): a request whose
+    ``query_start_loc`` decreases has no rows; rows outside ``0 .. num_tokens - 1`` are not
+    written; a request with ``seq_len <= 0`` sees no key (zeros, ``lse`` -inf); block ids outside
+    the pool and keys past the table are absent.
     """
+    if not isinstance(cache, KVCache):
+        raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
+    cache.check()
+    if not isinstance(meta, BatchMeta):
+        raise InputError(f"meta is a {type(meta).__name__}; accepted: a paged_core.BatchMeta")
+    meta._structure(mirrors=False)  # the oracle reads no host int (max_*), so holds none to account
     n, hq, d = q.shape
     hkv, bs = cache.num_kv_heads, cache.block_size
     group = hq // hkv
@@ -51,13 +63,13 @@ def reference_attention(
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
     out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)
     lse = torch.full((n, hq), -math.inf, dtype=compute_dtype, device=q.device)
-    qlens, slens = meta.host()
     qsl = meta.query_start_loc.tolist()
+    slens = meta.seq_lens.tolist()
     width = meta.block_table.shape[1]
     for r in range(meta.num_reqs):
-        t, s = qlens[r], slens[r]
-        if t == 0 or s == 0:
-            continue  # padding request: zeros, lse -inf
+        t, s = qsl[r + 1] - qsl[r], slens[r]
+        if t <= 0 or s <= 0:
+            continue  # padding request (or a negative length): zeros, lse -inf
         nblk = min(math.ceil(s / bs), width)
         blocks = meta.block_table[r, :nblk].long()
         bad = (blocks < 0) | (blocks >= cache.num_blocks)
@@ -67,28 +79,45 @@ def reference_attention(
         key_ok = (~bad).repeat_interleave(bs)[:s]  # [s]; keys past the table are absent too
         keys = keys.repeat_interleave(group, dim=1)  # [s, hq, d]
         vals = vals.repeat_interleave(group, dim=1)
-        qr = q[qsl[r] : qsl[r] + t].to(compute_dtype)  # [t, hq, d]
+        # Rows outside q are not computed; the positions still follow the request's own length.
+        lo, hi = max(qsl[r], 0), min(qsl[r] + t, n)
+        if lo >= hi:
+            continue
+        qr = q[lo:hi].to(compute_dtype)  # [t', hq, d]
         logits = torch.einsum("thd,khd->htk", qr, keys) * scale
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         kpos = torch.arange(keys.shape[0], device=q.device)
-        qpos = s - t + torch.arange(t, device=q.device)
+        qpos = s - t + torch.arange(lo - qsl[r], hi - qsl[r], device=q.device)
         visible = (kpos[None, :] <= qpos[:, None]) & key_ok[None, :]
         if window:
             visible &= kpos[None, :] > qpos[:, None] - window
         logits = logits.masked_fill(~visible[None], -math.inf)  # [hq, t, k]
         if sinks is not None:
-            sink = sinks.to(compute_dtype)[:, None, None].expand(hq, t, 1)
+            sink = sinks.to(compute_dtype)[:, None, None].expand(hq, hi - lo, 1)
             total = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)  # [hq, t]
+            # A row that sees no key is empty whatever its sink (zeros, lse -inf), as in the kernels.
+            total = total.masked_fill(~visible.any(dim=-1)[None], -math.inf)
         else:
             total = torch.logsumexp(logits, dim=-1)
         # exp(-inf - -inf) is NaN: a row with nothing visible keeps zeros. Only those rows: a NaN
         # from the inputs must reach the output, never turn into plausible zeros.
         probs = torch.exp(logits - total[..., None])
         probs = probs.masked_fill(torch.isneginf(total)[..., None], 0.0)
-        out[qsl[r] : qsl[r] + t] = torch.einsum("htk,khd->thd", probs, vals)
-        lse[qsl[r] : qsl[r] + t] = total.transpose(0, 1)
+        out[lo:hi] = torch.einsum("htk,khd->thd", probs, vals)
+        lse[lo:hi] = total.transpose(0, 1)
     return (out, lse) if return_lse else out
+
+
+def _rows_written(meta: BatchMeta, n: int) -> torch.Tensor | None:
+    """bool [n]: the rows the kernels write (those of some request, clipped to q); None: all."""
+    qsl = meta.query_start_loc.tolist()
+    written = torch.zeros(n, dtype=torch.bool)
+    for r in range(meta.num_reqs):
+        lo, hi = max(qsl[r], 0), min(qsl[r + 1], n)
+        if lo < hi:
+            written[lo:hi] = True
+    return None if bool(written.all()) else written.to(meta.device)
 
 
 class ReferenceBackend(Backend):
@@ -119,6 +148,14 @@ class ReferenceBackend(Backend):
             q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks,
             compute_dtype=self.compute_dtype, return_lse=True,
         )
-        out.copy_(res)
+        written = _rows_written(plan, q.shape[0])
+        if written is None:
+            out.copy_(res)
+            if lse is not None:
+                lse.copy_(res_lse)
+            return
+        # Bad metadata (validation off) leaves rows outside every request: like the kernels,
+        # the oracle leaves them as they are.
+        out[written] = res[written].to(out.dtype)
         if lse is not None:
-            lse.copy_(res_lse)
+            lse[written] = res_lse[written].to(lse.dtype)

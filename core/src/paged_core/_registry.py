@@ -44,8 +44,9 @@ class Problem:
 
     #: The entry point / plugin name, or the backend name for a failed backend import.
     source: str
-    #: Where it failed: "import", "register_backends", "register", "backend", or the name of
-    #: another hook whose implementation raised ("register_commands").
+    #: Where it failed: "import", "register_backends", "register", "backend", the name of
+    #: another hook whose implementation raised ("register_commands"), or the environment
+    #: variable (``PAGED_PLUGINS``) that names a plugin not installed.
     stage: str
     message: str
     traceback: str = ""
@@ -117,6 +118,13 @@ class Registry:
             wanted = os.environ.get(self.env_var)
             allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
             names = sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
+            for typo in sorted(allow - set(names)) if allow is not None else ():
+                # A misspelt name would otherwise just load less, silently.
+                self._problems.append(Problem(
+                    typo, self.env_var,
+                    f"{self.env_var} names {typo!r}, but no installed plugin has that entry point; "
+                    f"installed: {', '.join(names) or 'none'} (fix the spelling, or install the plugin)",
+                ))
             for ep_name in names:
                 if allow is not None and ep_name not in allow:
                     self._skipped.append(ep_name)
@@ -179,6 +187,18 @@ class Registry:
                 f"register_backends(register) was called with name {name!r}; accepted: lowercase "
                 "words joined by '-', such as 'triton-unified'"
             )
+        if not isinstance(api_version, int) or isinstance(api_version, bool):
+            return problem(
+                f"backend {name!r}: register(..., api_version={api_version!r}) is not an int; accepted: "
+                f"an int up to {hookspecs.HOOK_API_VERSION} (pass paged_core.hookspecs.HOOK_API_VERSION)"
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return problem(f"backend {name!r}: register(..., priority={priority!r}); accepted: an int")
+        if install is not None and not isinstance(install, str):
+            return problem(
+                f"backend {name!r}: register(..., install={install!r}); accepted: None or the "
+                "install command as a str"
+            )
         if api_version > hookspecs.HOOK_API_VERSION:
             return problem(
                 f"backend {name!r} was written for hook API {api_version}, but this paged-core speaks "
@@ -239,6 +259,12 @@ class Registry:
     def registration(self, name: str) -> Registration:
         with self._lock:
             self._ensure_loaded()
+            if not isinstance(name, str):
+                installed = ", ".join(r.name for r in self._sorted()) or "none"
+                raise InputError(
+                    f"backend name is {name!r} (a {type(name).__name__}); accepted: a backend name "
+                    f"as a str, one of: {installed}"
+                )
             if name not in self._regs:
                 raise BackendNotFoundError(self._not_found(name))
             return self._regs[name]
@@ -288,6 +314,11 @@ class Registry:
 
     def explain(self, spec: AttentionSpec | None = None) -> dict[str, list[str]]:
         """Every backend with the reasons it cannot serve ``spec`` (empty list: it can)."""
+        if spec is not None and not isinstance(spec, AttentionSpec):
+            raise InputError(
+                f"spec is a {type(spec).__name__}; accepted: a paged_core.AttentionSpec (or None for "
+                "every backend that can run here)"
+            )
         out = {}
         for reg in self._sorted_locked():
             reasons = self.unavailable(reg.name)

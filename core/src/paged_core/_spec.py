@@ -19,6 +19,9 @@ from ._errors import InputError
 
 __all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KVDtype", "ANY"]
 
+#: Host ints the metadata stores as int32 (lengths, offsets, block ids) must stay below this.
+INT32_LIMIT = 2**31
+
 KVDtype = Literal["auto", "int8", "fp8"]
 #: The cache storage formats: the model dtype itself, or symmetric int8 / fp8 (E4M3) codes with
 #: one float32 scale per (slot, KV head).
@@ -32,6 +35,34 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a torch.device that exists here, or an InputError saying what does."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(
+            f"device {device!r} is not a device ({exc}); accepted: 'cpu', 'cuda', 'cuda:0', ..."
+        ) from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InputError(
+                f"device {device!r} was asked for but this machine has no usable CUDA GPU "
+                "(torch.cuda.is_available() is False); accepted: 'cpu', or run on a GPU machine"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise InputError(f"device {device!r} does not exist; accepted: cuda:0 .. cuda:{count - 1}")
+    elif dev.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=dev)
+        except Exception as exc:  # a backend torch was not built with (xpu, mps, ...)
+            raise InputError(
+                f"device {device!r} is not usable here ({type(exc).__name__}: {exc}); accepted: 'cpu', "
+                "or 'cuda' on a GPU machine"
+            ) from exc
+    return dev
 
 
 def _sorted(values: Collection) -> list:

@@ -318,7 +318,7 @@ class FlashInferBackend(Backend):
         return reasons
 
     # ----------------------------------------------------------------------------- plan
-    def plan(
+    def _plan(
         self,
         meta: BatchMeta,
         *,
@@ -336,7 +336,8 @@ class FlashInferBackend(Backend):
         ``softcap`` and ``scale`` the layers will pass), FlashInfer plans now, on the host, and
         the first ``forward`` does no planning. Without them, FlashInfer plans on the first
         ``forward`` (outside a CUDA graph capture). ``scale`` defaults to ``head_dim ** -0.5``,
-        as in ``forward``.
+        as in ``forward``. ``plan(meta, ...)`` has checked the keywords and, with the layer's
+        shape given, refused a spec outside the capabilities before this runs.
         """
         if not isinstance(meta, BatchMeta):
             raise InputError(f"meta is a {type(meta).__name__}; accepted: a paged_core.BatchMeta")

@@ -75,11 +75,10 @@ class TritonSplitKVBackend(TritonBackend):
                 self.capabilities, batch_invariant=True, mixed_batches=False
             )
 
-    def plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> SplitKVPlan:
-        """Once per step. With ``cascade=True`` and no declared prefix, reads the block table
-        from the device (a sync) to find the shared prefix; declare it to avoid that. The layer
-        keywords of :meth:`paged_core.Backend.plan` are accepted and unused."""
-        super().plan(meta, **layer)  # the base signature checks the keywords
+    def _plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> SplitKVPlan:
+        """Once per step (``plan(meta, ...)`` checks the layer keywords, then calls this). With
+        ``cascade=True`` and no declared prefix, reads the block table from the device (a sync)
+        to find the shared prefix; declare it to avoid that. The layer keywords are unused."""
         prefix = 0
         if shared_prefix_blocks is not None:
             prefix = shared_prefix_blocks

@@ -1,0 +1,420 @@
+"""Bad input at every public entry point of core: a PagedError that names the input, never a raw
+exception from torch, difflib or Python, and never a silent acceptance or a partial write.
+
+Each test failed before the check it covers existed (the comment says how). Shapes are tiny;
+the Triton comparisons run under ``TRITON_INTERPRET=1`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from paged_core import (
+    BatchMeta,
+    BatchMetaError,
+    BlockAllocator,
+    InputError,
+    KVCache,
+    PagedError,
+    ReferenceBackend,
+    UnsupportedSpecError,
+    allocate_kv_cache,
+    dequantize_kv,
+    kv_bytes_per_token,
+    registry,
+    write_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def small(kv_dtype="auto", dtype=torch.float32, block_size=4):
+    meta = BatchMeta.build([2, 1], [5, 9], block_size=block_size, num_blocks=8, seed=0)
+    cache = allocate_kv_cache(8, block_size, 2, 8, dtype=dtype, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 8, generator=g).to(dtype)
+    return q, cache, meta
+
+
+def stores(cache: KVCache) -> list[torch.Tensor]:
+    views = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.k_scale is not None else [])
+    return [t.clone() for t in views]
+
+
+# ---------------------------------------------------------------------------------- BatchMeta
+def test_build_on_cuda_without_a_gpu(monkeypatch):
+    # Used to be torch's AssertionError ("Torch not compiled with CUDA enabled").
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InputError, match="device 'cuda' was asked for but this machine has no usable CUDA GPU"):
+        BatchMeta.build([1], [5], block_size=4, device="cuda")
+    with pytest.raises(InputError, match="device 'cuda' was asked for"):
+        BatchMeta.from_lists([1], [5], [[1]], block_size=4, device="cuda")
+    with pytest.raises(InputError, match="device 'cuda' was asked for"):
+        BatchMeta.build([1], [5], block_size=4).to("cuda")
+
+
+def test_build_on_a_bogus_device():
+    # Used to be torch's RuntimeError ("Expected one of cpu, cuda, ... device type").
+    with pytest.raises(InputError, match="device 'bogus' is not a device"):
+        BatchMeta.build([1], [5], block_size=4, device="bogus")
+
+
+@pytest.mark.parametrize(
+    ("qlens", "slens", "needle"),
+    [
+        ([1], [2**31], "request 0: seq_len 2147483648 does not fit the int32 seq_lens; accepted: below 2**31"),
+        ([2**30, 2**30], [0, 0], "the batch has 2147483648 query tokens, past the int32 query_start_loc"),
+    ],
+)
+def test_host_ints_are_bounded_to_int32(qlens, slens, needle):
+    # Used to be torch's RuntimeError (value cannot be converted to int32 without overflow).
+    with pytest.raises(BatchMetaError) as exc:
+        BatchMeta.from_lists(qlens, slens, [[0]] * len(qlens), block_size=2**30)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("tables", "needle"),
+    [
+        ([[1, "2"]], "request 0: block '2' in its block list; accepted: block ids, ints from 0 to 2**31 - 1"),
+        ([[1, 2**31]], "request 0: block 2147483648 in its block list"),
+        ([[1, -1]], "request 0: block -1 in its block list"),
+    ],
+)
+def test_from_lists_checks_block_ids(tables, needle):
+    with pytest.raises(BatchMetaError) as exc:
+        BatchMeta.from_lists([1], [5], tables, block_size=4)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("reqs", [[5], [-1], [0, 2], [True], [0.0]])
+def test_select_out_of_range(reqs):
+    # [5] used to be an IndexError; [-1] silently selected the last request.
+    meta = BatchMeta.build([2, 1], [5, 9], block_size=4)
+    with pytest.raises(InputError, match=r"select\(\): request .* is not in the batch; accepted: request "
+                                         r"indices 0 \.\. 1"):
+        meta.select(reqs)
+    assert meta.select([1, 0]).seq_lens.tolist() == [9, 5]
+
+
+def test_max_query_len_below_the_pigeonhole_bound():
+    # 2 requests of at most 1 token cannot hold 3 rows: no mirror needed to know it is a lie.
+    meta = dataclasses.replace(BatchMeta.build([2, 1], [5, 9], block_size=4), max_query_len=1,
+                               query_start_loc_cpu=None)
+    with pytest.raises(BatchMetaError, match="max_query_len is 1 but 2 requests share 3 query tokens"):
+        meta.check_structure()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("max_seq_len", 8, "max_seq_len is 8 but seq_lens_cpu reaches 9"),
+        ("max_query_len", 1, "max_query_len is 1 but query_start_loc_cpu has a request of 2 tokens"),
+    ],
+)
+def test_host_ints_below_their_mirrors_are_refused_with_validation_off(field, value, needle):
+    # Used to run with validation off and silently skip keys or queries past the bound.
+    q, cache, meta = small()
+    meta = dataclasses.replace(meta, **{field: value})
+    if field == "max_query_len":  # 2 requests, 3 tokens: keep the pigeonhole bound satisfied
+        meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:2],
+                                   query_start_loc=torch.tensor([0, 2, 2], dtype=torch.int32),
+                                   query_start_loc_cpu=torch.tensor([0, 2, 2], dtype=torch.int32))
+        q = q[:2]
+    with pytest.raises(BatchMetaError, match=needle):
+        ReferenceBackend(validate=False).forward(q, cache, meta)
+
+
+def test_host_ints_without_mirrors_are_promises():
+    # Without mirrors a lie cannot be seen without a sync: accepted with validation off (the
+    # documented contract), refused with it on.
+    q, cache, meta = small()
+    meta = dataclasses.replace(meta, max_seq_len=8, seq_lens_cpu=None, query_start_loc_cpu=None)
+    ReferenceBackend(validate=False).forward(q, cache, meta)
+    with pytest.raises(BatchMetaError, match="max_seq_len is 8 but seq_lens reach 9"):
+        ReferenceBackend(validate=True).forward(q, cache, meta)
+
+
+def test_copy_rechecks_the_host_ints():
+    static = BatchMeta.build([1, 1], [5, 9], block_size=4, table_width=4)
+    static.check_structure()
+    static.copy_(BatchMeta.build([1, 1], [13, 2], block_size=4))
+    static.max_seq_len = 13
+    static.seq_lens_cpu[0] = 15  # in place: the next check_structure must see it after copy_
+    static._checked = None
+    with pytest.raises(BatchMetaError, match="max_seq_len is 13 but seq_lens_cpu reaches 15"):
+        static.check_structure()
+
+
+# ---------------------------------------------------------------------------------- allocator
+def test_allocator_refuses_negative_counts():
+    # allocate(-1) used to hand out every block but the last.
+    alloc = BlockAllocator(4, shuffle=False)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InputError, match=rf"allocate\({bad!r}\): accepted: a number of blocks"):
+            alloc.allocate(bad)
+    assert alloc.num_free == 3
+
+
+@pytest.mark.parametrize(
+    ("blocks", "needle"),
+    [
+        ([99], "block 99 cannot be freed: it is outside the pool 0 .. 3"),
+        ([0], "block 0 cannot be freed: it is not allocated"),
+        ([2, 2], "block 2 cannot be freed: it is given twice"),
+        (["1"], "block '1' cannot be freed: it is not an int"),
+    ],
+)
+def test_allocator_free_checks_every_block_first(blocks, needle):
+    # free([99]) used to put block 99 in the pool, handed out later; double frees went unseen.
+    alloc = BlockAllocator(4, shuffle=False)
+    got = alloc.allocate(2)
+    with pytest.raises(InputError, match=needle):
+        alloc.free(blocks)
+    assert alloc.num_free == 1  # nothing was freed
+    alloc.free(got)
+    with pytest.raises(InputError, match="block 1 cannot be freed: it is not allocated"):
+        alloc.free([1])  # a double free
+    assert sorted(alloc.allocate(3)) == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------- cache
+@pytest.mark.parametrize("bad", [True, 2.0, 2**31, -1])
+def test_allocate_kv_cache_refuses_non_ints(bad):
+    # allocate_kv_cache(True, ...) used to be a 1-block cache.
+    with pytest.raises(InputError, match=rf"num_blocks is {bad!r}; accepted: a positive int"):
+        allocate_kv_cache(bad, 16, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(dtype=torch.float64), "dtype torch.float64 is not supported; accepted: float32, float16, bfloat16"),
+        (dict(kv_dtype="int4"), "kv_dtype 'int4' is not one of auto, int8, fp8"),
+        (dict(num_layers=0), "num_layers is 0; accepted: a positive int"),
+    ],
+)
+def test_kv_bytes_per_token_refuses(kwargs, needle):
+    # float64 used to be a KeyError, "int4" returned a number.
+    with pytest.raises(InputError) as exc:
+        kv_bytes_per_token(8, 128, **kwargs)
+    assert needle in str(exc.value)
+
+
+def test_dequantize_kv_with_mismatched_scales():
+    # Used to broadcast silently (or raise torch's RuntimeError for other shapes).
+    codes = torch.zeros(4, 2, 8, dtype=torch.int8)
+    for scales in (torch.ones(4, 1), torch.ones(2, 4), torch.ones(4, 2, 1)):
+        with pytest.raises(InputError, match=r"one scale per head vector, shape codes.shape\[:-1\] = \[4, 2\]"):
+            dequantize_kv(codes, scales)
+    with pytest.raises(InputError, match="scales is a NoneType"):
+        dequantize_kv(codes, None)
+
+
+def _hand_built(change):
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32,
+                              kv_dtype="int8" if change.startswith("int8") else "auto")
+    if change == "3-d":
+        return KVCache(k=cache.k[:, 0], v=cache.v[:, 0], dtype=torch.float32)
+    if change == "v-unlike-k":
+        return KVCache(k=cache.k, v=cache.v[:, :2].contiguous(), dtype=torch.float32)
+    if change == "dtype-mismatch":
+        return KVCache(k=cache.k, v=cache.v, dtype=torch.bfloat16)
+    if change == "head-dim-strided":
+        return KVCache(k=cache.k[..., ::2], v=cache.v[..., ::2], dtype=torch.float32)
+    if change == "int8-no-scales":
+        return dataclasses.replace(cache, k_scale=None, v_scale=None)
+    if change == "int8-scale-dtype":
+        return dataclasses.replace(cache, k_scale=cache.k_scale.half())
+    if change == "int8-scale-shape":
+        return dataclasses.replace(cache, v_scale=cache.v_scale[:, :2])
+    if change == "int8-scale-device":
+        return dataclasses.replace(cache, k_scale=cache.k_scale.to("meta"))
+    raise AssertionError(change)
+
+
+HAND_BUILT = {
+    "3-d": "cache.k is float32 [8, 2, 8]; accepted: a 4-D tensor [num_blocks, block_size, num_kv_heads, head_dim]",
+    "v-unlike-k": "cache.v is float32 [8, 2, 2, 8] on cpu but cache.k is float32 [8, 4, 2, 8]",
+    "dtype-mismatch": "cache.k is float32 [8, 4, 2, 8] but kv_dtype 'auto' with dtype bfloat16 stores bfloat16",
+    "head-dim-strided": "cache.k's last dimension has stride 2; accepted: stride 1",
+    "int8-no-scales": "cache.k_scale is None; an int8 cache needs float32 [num_blocks, block_size, num_kv_heads]",
+    "int8-scale-dtype": "cache.k_scale is float16 [8, 4, 2] on cpu; an int8 cache needs float32",
+    "int8-scale-shape": "cache.v_scale is float32 [8, 2, 2] on cpu; an int8 cache needs float32 "
+                        "[num_blocks, block_size, num_kv_heads] = [8, 4, 2] on cpu",
+    "int8-scale-device": "cache.k_scale is float32 [8, 4, 2] on meta",
+}
+
+
+@pytest.mark.parametrize("change", list(HAND_BUILT))
+@pytest.mark.parametrize("entry", ["forward", "write", "write_kv", "reference_attention"])
+def test_hand_built_caches_are_checked_before_use(change, entry):
+    # 3-D tensors used to be an IndexError, scales None an AttributeError in the reference, a
+    # v unlike k was read out of bounds or broadcast.
+    from paged_core import reference_attention
+
+    cache = _hand_built(change)
+    q, _, meta = small()
+    k = torch.randn(3, 2, 8)
+    before = [t.clone() for t in (cache.k, cache.v) if t.device.type != "meta"]
+    with pytest.raises(InputError) as exc:
+        if entry == "forward":
+            ReferenceBackend().forward(q, cache, meta)
+        elif entry == "write":
+            ReferenceBackend(validate=True).write(cache, k, k, meta)
+        elif entry == "write_kv":
+            write_kv(cache, k, k, meta.slot_mapping)
+        else:
+            reference_attention(q, cache, meta)
+    assert HAND_BUILT[change] in str(exc.value), str(exc.value)
+    after = [t for t in (cache.k, cache.v) if t.device.type != "meta"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nothing written
+
+
+def test_cache_check_is_cached_per_object_and_sees_reassignment():
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32)
+    assert cache.check() is cache and cache._checked is not None
+    first = cache._checked
+    cache.check()
+    assert cache._checked is first  # the second call compared identities only
+    cache.k = cache.k[:, 0]  # assigning a field makes the next call check again
+    with pytest.raises(InputError, match="cache.k is float32 \\[8, 2, 8\\]"):
+        cache.check()
+
+
+# ---------------------------------------------------------------------------------- write
+@pytest.mark.parametrize("validate", [False, True])
+def test_write_with_a_batch_of_another_block_size(validate):
+    # Used to write at slots computed for block size 8 into a cache of block size 4, even with
+    # validation on (forward refused the same pair).
+    _, cache, _ = small()
+    meta8 = BatchMeta.build([2, 1], [5, 9], block_size=8, num_blocks=4, seed=0)
+    before = stores(cache)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(InputError, match="the batch was built for block_size 8 but the cache has block_size 4"):
+        ReferenceBackend(validate=validate).write(cache, k, k, meta8)
+    assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))
+
+
+def test_a_refused_write_into_an_int8_cache_writes_nothing():
+    # With k_scale missing, the codes used to be written before the scales raised.
+    _, cache, meta = small(kv_dtype="int8")
+    broken = dataclasses.replace(cache, k_scale=None)
+    before = stores(cache)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(InputError, match="cache.k_scale is None"):
+        ReferenceBackend().write(broken, k, k, meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))
+
+
+# ---------------------------------------------------------------------------------- forward
+def test_infinite_sinks_are_refused_with_validation_on():
+    # +inf sinks gave zeros in the reference and NaN in Triton. Checking needs a device read, so
+    # only with validation on; with it off they are the caller's promise (docs/reliability.md).
+    q, cache, meta = small()
+    for bad in (math.inf, -math.inf, math.nan):
+        sinks = torch.tensor([0.0, bad, 0.0, 0.0])
+        with pytest.raises(InputError, match="sinks holds non-finite values"):
+            ReferenceBackend(validate=True).forward(q, cache, meta, sinks=sinks)
+    ReferenceBackend(validate=False).forward(q, cache, meta, sinks=torch.tensor([0.0, math.inf, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, "0.1", True])
+@pytest.mark.parametrize("field", ["scale", "softcap"])
+def test_scale_and_softcap_must_be_finite_numbers(field, bad):
+    q, cache, meta = small()
+    with pytest.raises(InputError, match=f"{field} is {bad!r}; accepted:"):
+        ReferenceBackend().forward(q, cache, meta, **{field: bad})
+
+
+def test_every_refusal_is_a_paged_error():
+    assert issubclass(InputError, PagedError) and issubclass(BatchMetaError, PagedError)
+
+
+# ---------------------------------------------------------------------------------- plan
+class Planner(ReferenceBackend):
+    """Records what reached its ``_plan``: nothing must, for a spec it cannot serve."""
+
+    name = "planner"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, head_dims=frozenset({64}),
+                                       dtypes=frozenset({torch.float16}))
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def _plan(self, meta, *, num_heads=None, head_dim=None, chunk=1):
+        self.calls.append((num_heads, head_dim, chunk))
+        return meta
+
+
+def test_plan_refuses_a_spec_before_the_backend_plans():
+    meta = BatchMeta.build([1], [5], block_size=16)
+    b = Planner()
+    with pytest.raises(UnsupportedSpecError) as exc:
+        b.plan(meta, num_heads=4, num_kv_heads=2, head_dim=96, dtype=torch.bfloat16)
+    assert exc.value.reasons == [
+        "head_dim 96 is not supported (accepted: 64)",
+        "dtype bfloat16 is not supported (accepted: float16)",
+    ]
+    with pytest.raises(UnsupportedSpecError, match="num_heads 5 is not a multiple of num_kv_heads 2"):
+        b.plan(meta, num_heads=5, num_kv_heads=2, head_dim=64)
+    assert b.calls == []
+    # Given only the shape, dtype is not held against it; _plan gets what it declares.
+    assert b.plan(meta, num_heads=4, num_kv_heads=2, head_dim=64, window=3, chunk=2) is meta
+    assert b.calls == [(4, 64, 2)]
+
+
+@pytest.mark.parametrize(
+    ("layer", "needle"),
+    [
+        (dict(num_head=8), "planner.plan() got unknown keyword(s) num_head; accepted: num_heads, num_kv_heads, "
+                           "head_dim, dtype, kv_dtype, window, softcap, scale, sinks, chunk"),
+        (dict(num_heads=0), "num_heads is 0; accepted: a positive int"),
+        (dict(dtype="bf16"), "dtype is 'bf16'; accepted: a torch.dtype"),
+        (dict(kv_dtype="int4"), "kv_dtype is 'int4'; accepted: auto, int8, fp8"),
+        (dict(window=-2), "window is -2; accepted: 0 (no window) or a positive int"),
+        (dict(softcap=math.inf), "softcap is inf; accepted: 0 (off) or a positive finite float"),
+        (dict(scale="x"), "scale is 'x'; accepted: None (head_dim ** -0.5) or a finite float"),
+        (dict(sinks=1), "sinks is 1; accepted: True or False"),
+    ],
+)
+def test_plan_keywords_are_checked(layer, needle):
+    # A misspelt keyword used to be a bare TypeError; bad values reached the vendor's plan.
+    b = Planner()
+    with pytest.raises(InputError) as exc:
+        b.plan(BatchMeta.build([1], [5], block_size=16), **layer)
+    assert needle in str(exc.value)
+    assert b.calls == []
+
+
+def test_plan_of_something_that_is_not_a_batch():
+    for name in registry.available():
+        with pytest.raises(InputError, match=r"meta is a dict; accepted: a paged_core.BatchMeta"):
+            registry.get(name).plan({})
+
+
+def test_triton_splitkv_plan_of_a_dict():
+    pytest.importorskip("paged_triton_splitkv")
+    from paged_triton_splitkv.backend import TritonSplitKVBackend
+
+    with pytest.raises(InputError, match="meta is a dict"):
+        TritonSplitKVBackend().plan({})
+    meta = BatchMeta.build([1], [5], block_size=16)
+    assert TritonSplitKVBackend().plan(meta, shared_prefix_blocks=0, num_heads=4).meta is meta
+
+
+def test_flashinfer_plan_refuses_before_flashinfer_is_called(monkeypatch):
+    fib = pytest.importorskip("paged_flashinfer.backend")
+    b = fib.FlashInferBackend()
+
+    def vendor(*a, **k):
+        raise AssertionError("FlashInfer was called for a spec it does not support")
+
+    monkeypatch.setattr(b, "_load", vendor)
+    meta = BatchMeta.build([1], [5], block_size=16).to(DEVICE)
+    with pytest.raises(UnsupportedSpecError, match="head_dim 96 is not supported"):
+        b.plan(meta, num_heads=4, num_kv_heads=2, head_dim=96, dtype=torch.bfloat16)
