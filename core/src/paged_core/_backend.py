@@ -288,6 +288,8 @@ class Backend:
                                 sinks=sinks, out=out, return_lse=return_lse)
         batch = self._batch_of(meta)
         self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
+        if not isinstance(return_lse, bool):
+            raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
         spec = AttentionSpec(
             num_heads=q.shape[1],
             num_kv_heads=cache.num_kv_heads,
