@@ -23,7 +23,12 @@ TRITON = "triton==3.9.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 # The distributions' build backend; installs below run without build isolation, so it must be here.
 SETUPTOOLS = "setuptools>=77"
-DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS]]
+# The transformers release the integration's tests run against (its supported range is stated
+# in integrations/transformers/pyproject.toml); psutil: transformers sizes its CPU cache with it.
+TRANSFORMERS = "transformers==5.17.0"
+INTEGRATIONS = ["transformers"]
+DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS],
+                 *[f"integrations/{i}" for i in INTEGRATIONS]]
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -41,6 +46,12 @@ def _with_local_deps(plugins: list[str]) -> list[str]:
     return out
 
 
+def _install_integrations(session: nox.Session) -> None:
+    """The integrations with the engine releases their tests pin (after the workspace)."""
+    session.install(TRANSFORMERS, "psutil")
+    session.install("--no-build-isolation", *[a for i in INTEGRATIONS for a in ("-e", f"integrations/{i}")])
+
+
 def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
     plugins = _with_local_deps(plugins)
     session.install(TORCH, TRITON, *TEST_DEPS, SETUPTOOLS)
@@ -56,8 +67,9 @@ def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Core, plugin and conformance tests on this machine (CPU: Triton under its interpreter)."""
+    """Core, plugin, conformance and integration tests on this machine (CPU: Triton under its interpreter)."""
     _install_workspace(session, PLUGINS)
+    _install_integrations(session)
     # Without a GPU, Triton kernels run only under its interpreter (read at import time).
     if not _has_cuda(session):
         session.env["TRITON_INTERPRET"] = "1"
@@ -71,6 +83,10 @@ def tests(session: nox.Session) -> None:
             # The plugins' doctests too: their launch heuristics (tile sizes, split counts,
             # occupancy classes) are specified by example there.
             session.run("pytest", f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src", *session.posargs)
+    for i in INTEGRATIONS:
+        # Each engine integration inside its engine (transformers' generate_batch on tiny models).
+        session.run("pytest", f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src",
+                    *session.posargs)
     # The suite itself, on every installed backend, writing conformance-report.md/.json.
     session.run("pytest", "--pyargs", "paged_conformance", *session.posargs)
 

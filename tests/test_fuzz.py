@@ -5,7 +5,11 @@ documented errors (``paged_core.PagedError``: ``BatchMetaError``, ``InputError``
 ``UnsupportedSpecError``), never an ``IndexError``, a ``RuntimeError`` from deep inside torch,
 an ``AttributeError``/``TypeError``, or a crash. Covered: ``BatchMeta.build`` / ``from_lists`` /
 ``validate``, ``allocate_kv_cache``, ``write_kv``, and ``Backend.forward`` with ``validate=True``
-on the reference and on triton-unified (Triton's CPU interpreter without a GPU).
+on the reference and on triton-unified (Triton's CPU interpreter without a GPU); hand-built
+``KVCache`` objects that are wrong (dimensions, k/v mismatch, missing scales, dtypes), which
+must be refused without a byte of the cache changing; wrong types for every public argument;
+and ``max_query_len`` / ``max_seq_len`` below the truth with validation off, with and without
+the host mirrors (the right answer or a ``PagedError``, never unwritten rows or dropped keys).
 
 Examples are bounded (tiny shapes, ``FUZZ_EXAMPLES`` per test, derandomized so CI is stable);
 ``PAGED_FUZZ_EXAMPLES=500 PAGED_FUZZ_RANDOM=1`` explores further.
@@ -45,6 +49,8 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
+#: For the tests whose every example runs several kernel calls (Triton under its interpreter).
+FUZZ_FEW = settings(FUZZ, max_examples=max(FUZZ_EXAMPLES // 3, 10))
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -461,3 +467,207 @@ def test_validate_agrees_with_the_mutation(problem, kind):
     if kind in ("negative-seq_len", "q_len-over-seq_len", "block-past-pool", "block-negative",
                 "block-int32-max", "qsl-decreasing", "slot-mismatch", "narrow-table"):
         assert "request " in str(err), f"{kind}: the message names no request: {err}"
+
+
+# ------------------------------------------------------------------------------ hand-built caches
+def _cache_bytes(cache) -> list[torch.Tensor]:
+    """Copies of every tensor a cache (or a thing posing as one) holds, fp8 as bytes."""
+    out = []
+    for name in ("k", "v", "k_scale", "v_scale"):
+        t = getattr(cache, name, None)
+        if isinstance(t, torch.Tensor):
+            out.append((t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone())
+    return out
+
+
+def _unchanged(before, cache) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, _cache_bytes(cache), strict=True))
+
+
+def hand_built(kind, cache):
+    """A ``KVCache`` built by hand the way a caller might get it wrong; None if it does not apply."""
+    import dataclasses
+
+    k, v = cache.k, cache.v
+    if kind == "k-3d":
+        return dataclasses.replace(cache, k=k.flatten(0, 1), _spill=None)
+    if kind == "both-3d":
+        return dataclasses.replace(cache, k=k.flatten(0, 1), v=v.flatten(0, 1), _spill=None)
+    if kind == "v-other-heads":
+        return dataclasses.replace(cache, v=torch.cat([v, v], dim=2), _spill=None)
+    if kind == "v-other-blocks":
+        return dataclasses.replace(cache, v=v[:-1], _spill=None)
+    if kind == "v-other-dtype":
+        return dataclasses.replace(cache, v=v.view(torch.uint8) if v.element_size() == 1 else v.double(),
+                                   _spill=None)
+    if kind == "k-float64":
+        return dataclasses.replace(cache, k=k.double(), v=v.double(), _spill=None)
+    if kind == "kv_dtype-lie":  # full-precision tensors claimed to be int8 codes, scales missing
+        if cache.quantized:
+            return None
+        return dataclasses.replace(cache, kv_dtype="int8", _spill=None)
+    if kind == "missing-k_scale":
+        if not cache.quantized:
+            return None
+        return dataclasses.replace(cache, k_scale=None, _spill=None)
+    if kind == "missing-both-scales":
+        if not cache.quantized:
+            return None
+        return dataclasses.replace(cache, k_scale=None, v_scale=None, _spill=None)
+    if kind == "scale-float16":
+        if not cache.quantized:
+            return None
+        return dataclasses.replace(cache, v_scale=cache.v_scale.half(), _spill=None)
+    if kind == "scale-shape":
+        if not cache.quantized:
+            return None
+        return dataclasses.replace(cache, k_scale=cache.k_scale[..., None], _spill=None)
+    if kind == "kv_dtype-unknown":
+        return dataclasses.replace(cache, kv_dtype="int4", _spill=None)
+    if kind == "dtype-not-a-dtype":
+        return dataclasses.replace(cache, dtype="bf16", _spill=None)
+    if kind == "k-list":
+        return dataclasses.replace(cache, k=k.tolist(), _spill=None)
+    if kind == "last-dim-strided":
+        return dataclasses.replace(cache, k=torch.stack([k, k], dim=-1)[..., 0],
+                                   v=torch.stack([v, v], dim=-1)[..., 0], _spill=None)
+    raise AssertionError(kind)
+
+
+BAD_CACHES = ["k-3d", "both-3d", "v-other-heads", "v-other-blocks", "v-other-dtype", "k-float64",
+              "kv_dtype-lie", "missing-k_scale", "missing-both-scales", "scale-float16", "scale-shape",
+              "kv_dtype-unknown", "dtype-not-a-dtype", "k-list", "last-dim-strided"]
+
+
+@pytest.mark.parametrize("name", FORWARD_BACKENDS)
+@FUZZ_FEW
+@given(problem=problems(), kind=st.sampled_from(BAD_CACHES), validate=st.booleans(), op=st.sampled_from(
+    ["forward", "write", "write_kv"]))
+def test_hand_built_caches_are_refused_and_left_alone(name, problem, kind, validate, op):
+    """A wrong hand-built KVCache: a PagedError from forward, write and write_kv (validation on or
+    off), and not one byte of it changed by the refused call."""
+    backend = _get(name)
+    backend.validate = validate
+    q, cache, meta, kw = problem
+    bad = hand_built(kind, cache)
+    if bad is None:
+        return
+    before = _cache_bytes(bad)
+    k = torch.randn(meta.num_tokens, cache.num_kv_heads, cache.head_dim).to(cache.dtype).to(DEVICE)
+    if op == "forward":
+        err = expect_error(kind, backend.forward, q, bad, meta, **kw)
+    elif op == "write":
+        err = expect_error(kind, backend.write, bad, k, k.clone(), meta)
+    else:
+        err = expect_error(kind, write_kv, bad, k, k.clone(), meta.slot_mapping)
+    assert isinstance(err, InputError), f"{kind}/{op}: {type(err).__name__}: {err}"
+    assert _unchanged(before, bad), f"{kind}/{op}: the refused call changed the cache"
+
+
+# ------------------------------------------------------------------------------ wrong types everywhere
+_WRONG = [None, "3", 2.5, True, [1, 2], {"a": 1}, object(), -1, 2**40, torch.tensor([1.0])]
+
+
+def _public_calls(q, cache, meta, backend):
+    """(name, call(value)) for every public argument: the value replaces that argument."""
+    from paged_core import BlockAllocator, kv_bytes_per_token, merge_states
+
+    k = torch.randn(meta.num_tokens, cache.num_kv_heads, cache.head_dim).to(cache.dtype).to(DEVICE)
+    lse = torch.zeros(q.shape[0], q.shape[1], device=DEVICE)
+    return {
+        "forward.q": lambda x: backend.forward(x, cache, meta),
+        "forward.cache": lambda x: backend.forward(q, x, meta),
+        "forward.meta": lambda x: backend.forward(q, cache, x),
+        "forward.scale": lambda x: backend.forward(q, cache, meta, scale=x),
+        "forward.window": lambda x: backend.forward(q, cache, meta, window=x),
+        "forward.softcap": lambda x: backend.forward(q, cache, meta, softcap=x),
+        "forward.sinks": lambda x: backend.forward(q, cache, meta, sinks=x),
+        "forward.out": lambda x: backend.forward(q, cache, meta, out=x),
+        "forward.return_lse": lambda x: backend.forward(q, cache, meta, return_lse=x),
+        "plan.meta": lambda x: backend.plan(x),
+        "write.cache": lambda x: backend.write(x, k, k, meta),
+        "write.k": lambda x: backend.write(cache, x, k, meta),
+        "write.v": lambda x: backend.write(cache, k, x, meta),
+        "write.meta": lambda x: backend.write(cache, k, k, x),
+        "write_kv.slot_mapping": lambda x: write_kv(cache, k, k, x),
+        "select.reqs": lambda x: meta.select(x),
+        "select.item": lambda x: meta.select([x]),
+        "validate.num_blocks": lambda x: meta.validate(num_blocks=x),
+        "to.device": lambda x: meta.to(x),
+        "registry.get": lambda x: registry.get(x),
+        "registry.get.validate": lambda x: registry.get("reference", validate=x),
+        "kv_bytes_per_token.dtype": lambda x: kv_bytes_per_token(2, 64, dtype=x),
+        "kv_bytes_per_token.kv_dtype": lambda x: kv_bytes_per_token(2, 64, kv_dtype=x),
+        "kv_bytes_per_token.num_kv_heads": lambda x: kv_bytes_per_token(x, 64),
+        "merge_states.outs": lambda x: merge_states(x, [lse, lse]),
+        "merge_states.lses": lambda x: merge_states([q, q], x),
+        "quantize_kv.kv_dtype": lambda x: quantize_kv(k, x),
+        "dequantize_kv.scales": lambda x: dequantize_kv(k.to(torch.int8), x),
+        "allocator.allocate": lambda x: BlockAllocator(8).allocate(x),
+        "allocator.free": lambda x: BlockAllocator(8).free(x),
+    }
+
+
+#: The keys of ``_public_calls`` (hypothesis draws them before a problem exists).
+_ARGS = [
+    "forward.q", "forward.cache", "forward.meta", "forward.scale", "forward.window", "forward.softcap",
+    "forward.sinks", "forward.out", "forward.return_lse", "plan.meta", "write.cache", "write.k", "write.v",
+    "write.meta", "write_kv.slot_mapping", "select.reqs", "select.item", "validate.num_blocks", "to.device",
+    "registry.get", "registry.get.validate", "kv_bytes_per_token.dtype", "kv_bytes_per_token.kv_dtype",
+    "kv_bytes_per_token.num_kv_heads", "merge_states.outs", "merge_states.lses", "quantize_kv.kv_dtype",
+    "dequantize_kv.scales", "allocator.allocate", "allocator.free"]
+
+
+@FUZZ
+@given(problem=problems(), arg=st.sampled_from(_ARGS), value=st.sampled_from(_WRONG))
+def test_wrong_types_for_every_public_argument(problem, arg, value):
+    """Any value for any public argument: a result or a PagedError, never another exception, and a
+    refused write leaves the cache as it was."""
+    backend = _get("reference")
+    q, cache, meta, kw = problem
+    calls = _public_calls(q, cache, meta, backend)
+    assert sorted(calls) == sorted(_ARGS)
+    call = calls[arg]
+    before = _cache_bytes(cache)
+    status, res = outcome(call, value)
+    if status == "error" and arg.startswith(("write", "forward")):
+        assert _unchanged(before, cache), f"{arg}={value!r}: refused, but the cache changed"
+
+
+# ------------------------------------------------------------------------------ host ints that lie
+LIES = ["max_query_len-low", "max_seq_len-low", "both-low", "max_query_len-zero", "max_seq_len-one"]
+
+
+@pytest.mark.parametrize("name", FORWARD_BACKENDS)
+@FUZZ_FEW
+@given(problem=problems(), lie=st.sampled_from(LIES), mirrors=st.booleans())
+def test_host_int_lies_with_validation_off(name, problem, lie, mirrors):
+    """max_query_len / max_seq_len below the truth, validation off, with or without the host
+    mirrors: either the right answer (the kernel bounds itself) or a PagedError (a cheap check
+    against the mirrors) — never rows left unwritten, keys dropped, or another exception."""
+    backend = _get(name)
+    backend.validate = False
+    q, cache, meta, kw = problem
+    if meta.num_tokens == 0 or meta.max_seq_len < 2:
+        return
+    mq, ms = meta.max_query_len, meta.max_seq_len
+    new = {"max_query_len-low": {"max_query_len": max(mq - 1, 0)},
+           "max_seq_len-low": {"max_seq_len": ms - 1},
+           "both-low": {"max_query_len": max(mq - 1, 0), "max_seq_len": ms // 2},
+           "max_query_len-zero": {"max_query_len": 0},
+           "max_seq_len-one": {"max_seq_len": 1}}[lie]
+    lying = _replace(meta, **new)
+    if not mirrors:
+        lying = _replace(lying, seq_lens_cpu=None, query_start_loc_cpu=None)
+    before = _cache_bytes(cache)
+    out = torch.full_like(q, math.nan)
+    status, res = outcome(backend.forward, q, cache, lying, out=out, **kw)
+    assert _unchanged(before, cache), f"{lie}: forward changed the cache"
+    if status == "error":
+        return
+    spec_kw = {k: v for k, v in kw.items() if k in ("scale", "window", "softcap", "sinks")}
+    want = reference_attention(q, cache, meta, compute_dtype=torch.float64, **spec_kw)
+    assert not torch.isnan(out).any(), f"{lie} (mirrors={mirrors}): rows left unwritten"
+    err = (out.double() - want).abs().max().item()
+    assert err <= TOL[q.dtype] * max(want.abs().max().item(), 1.0), (
+        f"{lie} (mirrors={mirrors}): accepted but wrong by {err:.3g}")

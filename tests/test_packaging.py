@@ -22,7 +22,9 @@ def _plugins() -> dict[str, dict]:
 
 def test_every_extra_names_an_existing_plugin_at_its_version():
     core = _project(ROOT / "core" / "pyproject.toml")
-    versions = {proj["name"]: proj["version"] for proj in _plugins().values()}
+    # Extras name plugins, and integrations (paged-core[transformers]).
+    integrations = [_project(p) for p in sorted((ROOT / "integrations").glob("*/pyproject.toml"))]
+    versions = {proj["name"]: proj["version"] for proj in [*_plugins().values(), *integrations]}
     for extra, reqs in core["optional-dependencies"].items():
         for req in reqs:
             name, _, pin = re.match(r"([A-Za-z0-9_.-]+)\s*(==\s*(\S+))?", req).groups()

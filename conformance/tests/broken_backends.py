@@ -144,10 +144,93 @@ class NotBatchInvariant(Wrapping):
         return out, lse
 
 
+class ReadsPastLastBlock(Wrapping):
+    """Walks one block past each request's last block and attends to it, unless the table holds 0
+    there: the kernel trusts a zero-padded table to end each request's blocks (engines reuse
+    tables, whose stale columns hold valid ids)."""
+
+    name = "reads-past-last-block"
+
+    def attend(self, q, cache, meta, **kw):
+        bs = cache.block_size
+        table = meta.block_table.cpu().tolist()
+        seq_lens = meta.seq_lens.cpu().tolist()
+        tables, longer = [], []
+        for row, s in zip(table, seq_lens, strict=True):
+            n = math.ceil(s / bs)
+            if s and n < len(row) and row[n] != 0:
+                # The extra block's keys come first (positions 0 .. bs-1), seen by every query.
+                tables.append([row[n], *row[:n]])
+                longer.append(s + bs)
+            else:
+                tables.append(row[:n])
+                longer.append(s)
+        qsl = meta.query_start_loc.cpu()
+        wider = BatchMeta.from_lists((qsl[1:] - qsl[:-1]).tolist(), longer, tables, block_size=bs,
+                                     device=q.device)
+        return super().attend(q, cache, wider, **kw)
+
+
+class GridCappedAt32Requests(Wrapping):
+    """A grid of at most 32 programs along the request axis: requests 32 and up come out as zeros."""
+
+    name = "grid-capped-at-32-requests"
+
+    def attend(self, q, cache, meta, **kw):
+        out, lse = super().attend(q, cache, meta, **kw)
+        qsl = meta.query_start_loc.tolist()
+        if meta.num_reqs > 32:
+            out[qsl[32] :] = 0
+        return out, lse
+
+
+class WritesIntoACopy(Wrapping):
+    """``write`` on a strided cache view (an engine's interleaved or HND pool) writes into a
+    contiguous copy, which is then dropped: the pool never sees the step's K/V."""
+
+    name = "writes-into-a-copy"
+
+    def write(self, cache, k, v, meta):
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            cache = dataclasses.replace(
+                cache, k=cache.k.contiguous(), v=cache.v.contiguous(),
+                k_scale=None if cache.k_scale is None else cache.k_scale.contiguous(),
+                v_scale=None if cache.v_scale is None else cache.v_scale.contiguous(), _spill=None)
+        write_kv(cache, k, v, meta.slot_mapping)
+
+
+class SinksReadContiguous(Wrapping):
+    """Reads ``sinks`` as if it were contiguous (a kernel given its pointer without its stride):
+    a strided view's elements come from the wrong places of its buffer."""
+
+    name = "sinks-read-contiguous"
+
+    def forward(self, q, cache, meta, *, sinks=None, **kw):
+        if sinks is not None:
+            sinks = sinks.as_strided(tuple(sinks.shape), (1,), sinks.storage_offset())
+        return super().forward(q, cache, meta, sinks=sinks, **kw)
+
+
+class PaddingRowsUnwritten(Wrapping):
+    """Skips padding requests entirely: their rows of ``out`` keep whatever was there."""
+
+    name = "padding-rows-unwritten"
+
+    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+        res, res_lse = self.attend(q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks)
+        qsl = plan.query_start_loc.cpu().tolist()
+        for r, s in enumerate(plan.seq_lens.cpu().tolist()):
+            if s:
+                out[qsl[r] : qsl[r + 1]] = res[qsl[r] : qsl[r + 1]].to(out.dtype)
+        if lse is not None:
+            lse.copy_(res_lse)
+
+
 #: Every broken backend.
 BROKEN: tuple[type[Backend], ...] = (
     CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
-    RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant,
+    RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
+    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten,
 )
 
 

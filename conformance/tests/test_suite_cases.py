@@ -44,6 +44,10 @@ def test_the_table_covers_the_promised_features(size):
     assert decode.decode_only and max(decode.seq_lens) >= 10 * min(decode.seq_lens)
     assert any(c.softcap for c in table) and any(c.sinks for c in table)
     assert any(c.q_layout == "qkv_view" for c in table)
+    assert any(c.num_reqs > 32 for c in table) and any(c.num_reqs > 128 for c in table)
+    assert {c.cache_layout for c in table} == {"nhd", "kv_interleaved", "hnd_view"}
+    assert all(c.num_kv_heads > 1 for c in table if c.cache_layout != "nhd"), "head strides must matter"
+    assert any(c.sinks and c.sinks_layout == "every_other" for c in table)
 
 
 def test_full_size_is_gpu_sized():
@@ -166,3 +170,47 @@ def test_block_tables_share_the_prefix_and_nothing_else():
     assert tables[0][:2] == tables[1][:2] == tables[3]
     own = tables[0][2:] + tables[1][2:]
     assert len(set(own)) == 2 and not set(own) & set(tables[3])
+
+
+@pytest.mark.parametrize("case_id", ["mixed_prefill_and_decode-g4", "padding_rows", "shared_prefix"])
+def test_block_tables_hold_stale_valid_ids_past_every_requests_blocks(case_id, cpu):
+    """As an engine's reused tables do: a kernel that stops at a zero pad reads garbage."""
+    from paged_conformance.workload import STALE_COLUMNS
+
+    case = get_case(case_id, "small")
+    wl = build_workload(case, cpu)
+    table = wl.meta.block_table.tolist()
+    own = [math.ceil(s / case.block_size) for s in case.seq_lens]
+    assert len(table[0]) >= max(own) + STALE_COLUMNS >= max(own) + 1
+    stale = [b for row, n in zip(table, own, strict=True) for b in row[n:]]
+    assert len(stale) == sum(len(row) - n for row, n in zip(table, own, strict=True))
+    assert all(0 < b < wl.num_blocks for b in stale), "stale ids are valid block ids, never the zero pad"
+    assert len(set(stale)) > 1
+
+
+@pytest.mark.parametrize("case_id", ["cache-kv_interleaved", "cache-hnd_view"])
+def test_strided_cache_cases_are_views_of_an_engine_pool(case_id, cpu):
+    from paged_core import ReferenceBackend
+
+    case = get_case(case_id, "small")
+    wl = build_workload(case, cpu)
+    cache = wl.fresh_cache(ReferenceBackend())
+    nb, bs, h, d = wl.num_blocks, case.block_size, case.num_kv_heads, case.head_dim
+    assert tuple(cache.k.shape) == tuple(cache.v.shape) == (nb, bs, h, d)
+    assert not cache.k.is_contiguous() and not cache.v.is_contiguous()
+    if case.cache_layout == "kv_interleaved":
+        assert cache.k.stride() == (2 * bs * h * d, h * d, d, 1)
+        assert cache.v.data_ptr() - cache.k.data_ptr() == bs * h * d * cache.k.element_size()
+    else:
+        assert cache.k.stride() == (h * bs * d, d, bs * d, 1)
+    # It holds the context like the NHD cache of the reference.
+    assert torch.equal(cache.k, wl.cache_before.k) and torch.equal(cache.v, wl.cache_before.v)
+
+
+def test_strided_sinks_are_every_other_element_of_a_buffer(cpu):
+    wl = build_workload(get_case("sinks-strided", "small"), cpu)
+    assert wl.sinks.stride() == (2,)
+    plain = build_workload(get_case("sinks", "small"), cpu)
+    assert plain.sinks.is_contiguous()
+    base = wl.sinks.as_strided(tuple(wl.sinks.shape), (1,), wl.sinks.storage_offset())
+    assert not torch.equal(base, wl.sinks), "reading the buffer as contiguous gives other numbers"

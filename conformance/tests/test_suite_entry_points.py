@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import broken_backends as bb
+import pytest
 from paged_conformance import runner
-from paged_core import KV_DTYPES, Capabilities, ReferenceBackend
+from paged_core import KV_DTYPES, Capabilities, ReferenceBackend, Registry
 from paged_core._cli import main as paged_main
+from paged_core.hookspecs import hookimpl
 
 SELECTION = ["sliding_window", "first_token", "padding_rows"]
 
@@ -216,3 +218,89 @@ def test_reports_from_before_the_block_size_field_still_say_where_a_case_ran():
     matrix = Matrix.from_json(legacy)
     assert matrix.outcomes[0].block_size == 256
     assert "| `softcap` | pass (block 256) |" in matrix.to_markdown()
+
+
+class _UnimportablePlugin:
+    """Registers a backend whose module cannot be imported (as the Triton plugins' kernels
+    cannot when the interpreter's numpy is missing)."""
+
+    @hookimpl
+    def register_backends(self, register):
+        register("cannot-import", "paged_conformance_tests_no_such_module.backend:Backend",
+                 install="pip install paged-cannot-import")
+
+
+def _only_reference_and_unimportable(monkeypatch) -> Registry:
+    import paged_conformance.backends
+
+    registry = Registry(group="paged_conformance_tests", env_var="PAGED_CONFORMANCE_TESTS_PLUGINS")
+    registry.add_plugin(bb.BackendsPlugin(ReferenceBackend), name="reference-only")
+    registry.add_plugin(_UnimportablePlugin(), name="cannot-import")
+    monkeypatch.setattr(paged_conformance.backends, "default_registry", registry)
+    monkeypatch.delenv("PAGED_BACKENDS", raising=False)
+    return registry
+
+
+def test_a_named_backend_that_cannot_be_imported_fails_the_run(pytester, monkeypatch):
+    """It used to be skipped everywhere: 0 failed, exit 0, "passed": true."""
+    _only_reference_and_unimportable(monkeypatch)
+    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "--backends", "cannot-import",
+                                          "-p", "no:cacheprovider", "-k", "first_token or random")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 5 and "skipped" not in outcomes and "passed" not in outcomes
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "*[[]cannot-import/first_token[]] cannot-import was asked for by name*cannot be loaded*"
+        "ModuleNotFoundError: No module named 'paged_conformance_tests_no_such_module'*"
+        "pip install paged-cannot-import*",
+    ])
+    report = json.loads((pytester.path / "conformance-report.json").read_text())
+    assert report["passed"] is False
+    assert report["matrix"]["cannot-import"]["first_token"]["status"] == "fail"
+
+
+def test_a_discovered_backend_that_cannot_be_imported_is_skipped_with_the_import_error(pytester, monkeypatch):
+    """Not asked for: nothing to prove here, so a skip, but one that says why and what to install."""
+    _only_reference_and_unimportable(monkeypatch)
+    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "-p", "no:cacheprovider", "-rs",
+                                          "-k", "test_matches_reference and first_token")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*No module named 'paged_conformance_tests_no_such_module'*"
+                                 "pip install paged-cannot-import*"])
+
+
+def test_paged_check_fails_on_a_named_backend_that_cannot_be_imported(monkeypatch, tmp_path, capsys):
+    _only_reference_and_unimportable(monkeypatch)
+    rc = paged_main(["check", "--backend", "cannot-import", "--case", "first_token", "--json",
+                     "--report", str(tmp_path / "r")])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert data["passed"] is False
+    cell = data["matrix"]["cannot-import"]["first_token"]
+    assert cell["status"] == "fail"
+    message = next(r["message"] for r in data["results"] if r["backend"] == "cannot-import")
+    assert "cannot-import was asked for by name" in message
+    assert "No module named 'paged_conformance_tests_no_such_module'" in message
+    assert "pip install paged-cannot-import" in message
+    # Discovered rather than named: skipped with the same reason, and the run passes.
+    assert paged_main(["check", "--case", "first_token", "--report", str(tmp_path / "s")]) == 0
+    skipped = json.loads((tmp_path / "s.json").read_text())["matrix"]["cannot-import"]["first_token"]
+    assert skipped["status"] == "skip" and "No module named" in skipped["detail"]
+
+
+def test_paged_list_says_why_a_backend_cannot_be_imported(monkeypatch, capsys):
+    registry = _only_reference_and_unimportable(monkeypatch)
+    reasons = registry.unavailable("cannot-import")
+    assert len(reasons) == 1
+    assert "ModuleNotFoundError: No module named 'paged_conformance_tests_no_such_module'" in reasons[0]
+    assert "pip install paged-cannot-import" in reasons[0]
+    import paged_core._cli
+
+    monkeypatch.setattr(paged_core._cli, "registry", registry)
+    assert paged_main(["list", "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out)["backends"] if r["name"] == "cannot-import")
+    assert row["available"] is False and row["reasons"] == reasons
+    assert paged_main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "cannot-import  unavailable" in out
+    assert "No module named 'paged_conformance_tests_no_such_module'" in out

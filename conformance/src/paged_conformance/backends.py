@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from paged_core import Backend, Registry
+from paged_core import Backend, BackendUnavailableError, Registry
 from paged_core import registry as default_registry
 
 __all__ = ["BackendPool", "parse_backend_names", "use_triton_interpreter_on_cpu"]
@@ -52,6 +52,10 @@ class BackendPool:
 
     Instances are built with validation on (``BatchMeta.validate`` on every call), so a batch
     the suite gets wrong is reported as such rather than as a backend failure.
+
+    ``requested`` says whether the backends were named (``--backends``, ``paged check
+    --backend``, ``$PAGED_BACKENDS``) rather than discovered: a named backend that cannot be
+    loaded fails the run (see :meth:`load_error`); a discovered one is skipped with its reason.
     """
 
     def __init__(self, names: Sequence[str] | None = None, *, registry: Registry | None = None):
@@ -62,7 +66,9 @@ class BackendPool:
             self.names = list(names)
         else:
             self.names = self.registry.names()
+        self.requested = bool(names)
         self._unavailable: dict[str, list[str]] = {}
+        self._load_errors: dict[str, str | None] = {}
         self._instances: dict[tuple[str, tuple[tuple[str, Any], ...]], Backend] = {}
 
     def problems(self) -> list[str]:
@@ -74,6 +80,28 @@ class BackendPool:
         if name not in self._unavailable:
             self._unavailable[name] = list(self.registry.unavailable(name))
         return self._unavailable[name]
+
+    def load_error(self, name: str) -> str | None:
+        """Why ``name``'s class cannot be imported (the import error and what to install), or None.
+
+        Unlike ``unavailable`` reasons such as "needs a GPU", which say the backend has nothing
+        to prove on this machine, a backend that cannot be imported is broken here.
+        """
+        if name not in self._load_errors:
+            try:
+                self.registry.backend_class(name)
+                self._load_errors[name] = None
+            except BackendUnavailableError as exc:
+                self._load_errors[name] = str(exc)
+        return self._load_errors[name]
+
+    def refused(self, name: str) -> str | None:
+        """The failure message when ``name`` was asked for by name and cannot be loaded, else None."""
+        error = self.load_error(name) if self.requested else None
+        if error is None:
+            return None
+        return (f"{name} was asked for by name (--backends, paged check --backend or ${BACKENDS_ENV}) "
+                f"but cannot be loaded: {error}")
 
     def option_reasons(self, name: str, options: Sequence[tuple[str, Any]]) -> list[str]:
         """Options of a case that the backend's constructor does not take, as reasons."""

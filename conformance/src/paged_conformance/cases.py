@@ -33,6 +33,8 @@ from paged_core import AttentionSpec
 
 __all__ = [
     "SIZES",
+    "CACHE_LAYOUTS",
+    "SINKS_LAYOUTS",
     "Batch",
     "Case",
     "TABLE",
@@ -44,6 +46,11 @@ __all__ = [
 
 #: The case sizes: ``small`` for CPUs (Triton under its interpreter), ``full`` for GPUs.
 SIZES = ("small", "full")
+
+#: Memory layouts of the cache a case can ask for (see ``Case.cache_layout``).
+CACHE_LAYOUTS = ("nhd", "kv_interleaved", "hnd_view")
+#: Memory layouts of ``sinks`` (see ``Case.sinks_layout``).
+SINKS_LAYOUTS = ("contiguous", "every_other")
 
 _DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -98,6 +105,14 @@ class Case:
     options: tuple[tuple[str, Any], ...] = ()
     #: Leading logical blocks shared by every request (same physical block ids); 0: none.
     shared_prefix_blocks: int = 0
+    #: How the cache's K and V are laid out in memory (always seen as NHD
+    #: ``[num_blocks, block_size, num_kv_heads, head_dim]``): "nhd", the backend's own
+    #: ``allocate``; "kv_interleaved", views ``pool[:, 0]`` and ``pool[:, 1]`` of one
+    #: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` pool (FlashInfer's and vLLM's);
+    #: "hnd_view", ``[num_blocks, num_kv_heads, block_size, head_dim]`` storage permuted to NHD.
+    cache_layout: str = "nhd"
+    #: "contiguous", or "every_other": ``sinks`` is ``buffer[::2]`` of a twice-as-long buffer.
+    sinks_layout: str = "contiguous"
     #: Seed of the random data; derived from the id when left at None.
     seed: int | None = None
     #: One sentence: what the case is about (shown in reports).
@@ -109,6 +124,12 @@ class Case:
             object.__setattr__(self, "seed", zlib.crc32(self.id.encode()))
         if len(self.query_lens) != len(self.seq_lens):
             raise ValueError(f"case {self.id}: query_lens and seq_lens differ in length")
+        if self.cache_layout not in CACHE_LAYOUTS:
+            raise ValueError(f"case {self.id}: cache_layout {self.cache_layout!r}; accepted: "
+                             f"{', '.join(CACHE_LAYOUTS)}")
+        if self.sinks_layout not in SINKS_LAYOUTS:
+            raise ValueError(f"case {self.id}: sinks_layout {self.sinks_layout!r}; accepted: "
+                             f"{', '.join(SINKS_LAYOUTS)}")
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -179,6 +200,10 @@ class Case:
             parts.append(f"q {self.q_layout}")
         if self.shared_prefix_blocks:
             parts.append(f"{self.shared_prefix_blocks} shared prefix blocks")
+        if self.cache_layout != "nhd":
+            parts.append(f"cache {self.cache_layout}")
+        if self.sinks_layout != "contiguous":
+            parts.append(f"sinks {self.sinks_layout}")
         parts += [f"{k}={v}" for k, v in self.options]
         return ", ".join(parts)
 
@@ -221,6 +246,22 @@ BATCHES: Mapping[str, Mapping[str, Batch]] = {
         "small": Batch((1, 1, 1, 1), (1, 2, 70, 33)),
         "full": Batch((1,) * 8, (1, 1, 2, 70, 1, 4096, 2, 300)),
     },
+    # More than 32 requests (a request index in 5 bits, a grid dimension capped at 32 shows),
+    # decodes and short prompts with one padding request; short contexts keep it cheap under the
+    # Triton interpreter.
+    "many_requests": {
+        "small": Batch(tuple(3 if i % 7 == 3 else 1 for i in range(39)) + (1,),
+                       tuple(1 + (13 * i) % 47 for i in range(39)) + (0,)),
+        "full": Batch(tuple(5 if i % 7 == 3 else 1 for i in range(63)) + (1,),
+                      tuple(1 + (977 * i) % 3001 for i in range(63)) + (0,)),
+    },
+    # More than 128 requests (an int8 request index, a 128-wide grid dimension), decodes only.
+    "over_128_requests": {
+        # Under the Triton interpreter each request's program costs ~0.13 s whatever its length
+        # (measured 2026-12-01, Triton 3.9, 2 CPU cores): 130 one- and two-block requests.
+        "small": Batch((1,) * 130, tuple(1 + (7 * i) % 20 for i in range(130))),
+        "full": Batch((1,) * 300, tuple(1 + (331 * i) % 2049 for i in range(300))),
+    },
     # Requests sharing a cached prefix (the same physical blocks), then private suffixes:
     # decodes and one verification block, as in parallel sampling from one prompt.
     "shared_prefix": {
@@ -261,6 +302,8 @@ class Row:
     softcap: bool = False
     sinks: bool = False
     q_layout: str = "contiguous"
+    cache_layout: str = "nhd"
+    sinks_layout: str = "contiguous"
     options: tuple[tuple[str, Any], ...] = ()
 
     def build(self, size: str) -> Case:
@@ -282,6 +325,8 @@ class Row:
             softcap=SOFTCAP if self.softcap else 0.0,
             sinks=self.sinks,
             q_layout=self.q_layout,
+            cache_layout=self.cache_layout,
+            sinks_layout=self.sinks_layout,
             options=self.options,
             shared_prefix_blocks=batch.shared_prefix_blocks,
             about=self.about,
@@ -304,6 +349,14 @@ TABLE: tuple[Row, ...] = (
     Row("explicit_scale", "mixed", "a softmax scale other than head_dim**-0.5", scale=0.3),
     Row("softcap", "mixed", "logit soft-capping", softcap=True),
     Row("sinks", "mixed", "per-head attention sinks", sinks=True),
+    Row("sinks-strided", "mixed", "sinks as a strided view (every other element of a buffer)",
+        sinks=True, sinks_layout="every_other"),
+    Row("cache-kv_interleaved", "mixed", "K and V as views pool[:, 0], pool[:, 1] of one "
+        "[num_blocks, 2, block_size, num_kv_heads, head_dim] pool", group=3, cache_layout="kv_interleaved"),
+    Row("cache-hnd_view", "mixed", "HND cache storage seen as NHD (a permuted view)", group=3,
+        cache_layout="hnd_view"),
+    Row("many_requests", "many_requests", "more than 32 requests in one batch"),
+    Row("over_128_requests", "over_128_requests", "more than 128 requests in one batch"),
     *(Row(f"head_dim_{d}", "mixed", f"head_dim {d}", head_dim=d) for d in (64, 96, 128, 256)),
     *(Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b,
           block_size_fixed=True) for b in (16, 32, 64, 256)),

@@ -4,7 +4,8 @@ The pytest tests (``test_conformance.py``) and ``paged check`` (``runner.py``) c
 functions through :func:`run`, so they reach the same verdict. A check returns a
 :class:`CheckResult` when the backend conforms, raises :class:`~.tolerances.ConformanceFailure`
 (an ``AssertionError``) when it does not, and :class:`NotApplicable` with the backend's own
-reasons when the backend does not claim what the check needs.
+reasons when the backend does not claim what the check needs (or, for a case with a strided
+cache or ``sinks`` view, refuses the view with an ``UnsupportedSpecError``).
 
 =========================  =====================================================================
 check                      what it proves
@@ -21,7 +22,9 @@ write_then_read            ``backend.write`` puts each token at its ``slot_mappi
                            back: exact, or within one code for quantized caches) and touches no
                            other byte: padding rows (slot -1) write nothing
 batch_invariance           each request run alone equals its rows in the batch: bitwise if the
-                           backend declares ``batch_invariant``, else within tolerance
+                           backend declares ``batch_invariant``, else within tolerance (in
+                           batches of more than 16 requests: the first, the last and those at
+                           the index boundaries 31-33, 127-129, 255-256)
 random_batches             hypothesis draws batches, shapes and features within the backend's
                            capabilities and runs ``matches_reference`` on each
 =========================  =====================================================================
@@ -35,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from paged_core import Q_MAX, Backend, Capabilities, KVCache, dequantize_kv
+from paged_core import Q_MAX, Backend, Capabilities, KVCache, UnsupportedSpecError, dequantize_kv
 
 from .backends import BackendPool
 from .cases import Case
@@ -287,7 +290,7 @@ def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -
     bitwise = backend.capabilities.batch_invariant
     tol = output_tolerance(case.dtype, case.kv_dtype)
     worst = 0.0
-    for r in case.real_requests:
+    for r in _alone_requests(case):
         rows = wl.rows_of(r)
         alone = _forward(backend, wl, cache, q=wl.q[rows], meta=wl.meta.select([r]))
         diff = (alone.double() - batch_out[rows].double()).abs().nan_to_num(math.inf)
@@ -307,6 +310,22 @@ def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -
                 what=f"request {r} run alone (vs in the batch)",
             )
     return CheckResult(max_error=worst, note="bitwise" if bitwise else f"within {tol}")
+
+
+#: Request indices where index arithmetic breaks (5-, 7- and 8-bit fields, grid dimensions).
+_INDEX_BOUNDARIES = (31, 32, 33, 127, 128, 129, 255, 256)
+#: Up to this many real requests, batch invariance runs every one alone.
+_ALL_ALONE = 16
+
+
+def _alone_requests(case: Case) -> list[int]:
+    """The requests batch invariance runs alone: all of them in small batches; in large ones
+    (each run costs a kernel call) the first, the last and those at the index boundaries."""
+    real = case.real_requests
+    if len(real) <= _ALL_ALONE:
+        return real
+    chosen = {real[0], real[-1], *(r for r in real if r in _INDEX_BOUNDARIES)}
+    return sorted(chosen)
 
 
 # --------------------------------------------------------------------------------- random batches
@@ -534,6 +553,10 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
     Raises :class:`NotApplicable` with the backend's reasons (cannot run here, does not take a
     case's option, does not claim the case's spec) and whatever the check raises on failure.
     """
+    refused = pool.refused(backend_name)
+    if refused is not None:
+        case_id = case.id if case is not None else RANDOM_BATCHES
+        raise ConformanceFailure(f"[{backend_name}/{case_id}] {refused}")
     reasons = pool.unavailable(backend_name)
     if not reasons and case is not None:
         reasons = pool.option_reasons(backend_name, case.options)
@@ -549,12 +572,27 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
             raise NotApplicable(spec_reasons)
         note = f"at block_size {rebased.block_size} ({backend.name} does not take blocks of {case.block_size})"
         try:
-            result = CHECKS[check].func(backend, rebased, device)
+            result = _refusing_views(backend, rebased, lambda: CHECKS[check].func(backend, rebased, device))
         except ConformanceFailure as exc:
             raise ConformanceFailure(f"{exc} [{note}]", max_error=exc.max_error, tolerance=exc.tolerance) from exc
         return dataclasses.replace(result, note="; ".join(x for x in (note, result.note) if x),
                                    block_size=rebased.block_size)
-    return CHECKS[check].func(backend, case, device)
+    return _refusing_views(backend, case, lambda: CHECKS[check].func(backend, case, device))
+
+
+def _refusing_views(backend: Backend, case: Case, call: Callable[[], CheckResult]) -> CheckResult:
+    """``call()``, where a backend may refuse a strided cache or ``sinks`` view.
+
+    Capabilities do not state memory layouts; the contract lets a backend refuse a view with
+    an :class:`~paged_core.UnsupportedSpecError` (never copy it silently), which skips the case
+    with the backend's own message. In any other case that error is a failure like any other.
+    """
+    if case.cache_layout == "nhd" and case.sinks_layout == "contiguous":
+        return call()
+    try:
+        return call()
+    except UnsupportedSpecError as exc:
+        raise NotApplicable([f"{backend.name} refuses this view: {exc}"]) from exc
 
 
 def _case_reasons(backend: Backend, check: str, case: Case, device: torch.device) -> list[str]:

@@ -95,13 +95,18 @@ def run(
     for backend in pool.names:
         unavailable = pool.unavailable(backend)
         if unavailable:
-            # Every cell is skipped for the same reason: one progress line, not one per case.
+            # Every cell has the same outcome: one progress line, not one per case. Skipped for
+            # the backend's reasons, or failed when it was named and cannot even be imported.
+            refused = pool.refused(backend)
+            status = SKIP if refused is None else FAIL
             for case in selected:
                 for check in checks.applicable_checks(case):
-                    matrix.add(Outcome(backend, case.id, check, SKIP, "; ".join(unavailable)))
+                    message = "; ".join(unavailable) if refused is None else f"[{backend}/{case.id}] {refused}"
+                    matrix.add(Outcome(backend, case.id, check, status, message))
             if with_random:
-                matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, SKIP,
-                                   "; ".join(unavailable)))
+                message = ("; ".join(unavailable) if refused is None
+                           else f"[{backend}/{checks.RANDOM_BATCHES}] {refused}")
+                matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, status, message))
             done += len(selected) + with_random - 1
             say(backend, "(every case)", [matrix.outcomes[-1]])
             continue

@@ -5,6 +5,11 @@ and never zero. Blocks come from a shuffled pool with block 0 reserved (``BlockA
 a few spare blocks exist, so every request's blocks are non-contiguous and a kernel that reads
 a block it should not (block 0, a neighbour's, one past the table) picks up garbage. Slots that
 hold no token are filled with garbage too, not zeros: reading past ``seq_len`` shows.
+
+Block tables are what an engine's reused tables look like: wider than the batch needs
+(:data:`STALE_COLUMNS` more columns than its longest request), with every column past a
+request's own blocks holding a *stale, valid* block id (random, never 0), whose block holds
+garbage. A kernel that trusts a zero pad to end a request's blocks reads that garbage.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from paged_core import (
 from .cases import Case
 from .tolerances import ConformanceFailure
 
-__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS", "allocate_tables",
-           "blocks_needed"]
+__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS", "STALE_COLUMNS",
+           "allocate_tables", "blocks_needed", "with_stale_ids", "laid_out_cache"]
 
 #: Blocks in the pool beyond what the batch needs (plus the reserved block 0): garbage to catch
 #: reads through the wrong block id.
 SPARE_BLOCKS = 2
+#: Block-table columns beyond the longest request's blocks (filled with stale ids, like the rest
+#: of every row past its request's blocks): even the longest request has a block "one past".
+STALE_COLUMNS = 2
 
 
 def storage(cache: KVCache) -> dict[str, torch.Tensor]:
@@ -92,12 +100,17 @@ class Workload:
         return slice(qsl[r], qsl[r + 1])
 
     def fresh_cache(self, backend: Backend) -> KVCache:
-        """A cache allocated by ``backend`` holding ``cache_before``'s contents."""
+        """A cache holding ``cache_before``'s contents: allocated by ``backend``, or for a case
+        with another ``cache_layout`` a view of a pool laid out that way (an engine's own pool)."""
         c = self.case
-        cache = backend.allocate(
-            self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
-            dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
-        )
+        if c.cache_layout != "nhd":
+            cache = laid_out_cache(c.cache_layout, self.num_blocks, c.block_size, c.num_kv_heads,
+                                   c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device)
+        else:
+            cache = backend.allocate(
+                self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
+                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
+            )
         src, dst = storage(self.cache_before), storage(cache)
         for name, t in src.items():
             if name not in dst or dst[name].shape != t.shape or dst[name].dtype != t.dtype:
@@ -135,6 +148,51 @@ def allocate_tables(seq_lens: Sequence[int], block_size: int, allocator: BlockAl
         n = math.ceil(s / block_size)
         tables.append(prefix[: min(pb, n)] + (allocator.allocate(n - pb) if n > pb else []))
     return tables
+
+
+def with_stale_ids(tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Generator, *,
+                   extra_columns: int = STALE_COLUMNS) -> list[list[int]]:
+    """Each request's blocks followed by stale, valid block ids (1 .. num_blocks - 1, drawn
+    from ``g``) up to a common width: the longest request's blocks plus ``extra_columns``.
+
+    >>> tables = with_stale_ids([[3, 1], []], 5, torch.Generator().manual_seed(0), extra_columns=1)
+    >>> [len(t) for t in tables], tables[0][:2], all(1 <= b < 5 for t in tables for b in t)
+    ([3, 3], [3, 1], True)
+    """
+    width = max((len(t) for t in tables), default=0) + extra_columns
+    out = []
+    for t in tables:
+        stale = torch.randint(1, num_blocks, (width - len(t),), generator=g).tolist()
+        out.append([*t, *stale])
+    return out
+
+
+def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                   dtype: torch.dtype, kv_dtype: str = "auto", device: torch.device | str = "cpu") -> KVCache:
+    """A cache whose ``k``/``v`` (and scales) are NHD views of storage laid out as ``layout``:
+
+    - ``"kv_interleaved"``: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` pool,
+      ``k = pool[:, 0]`` and ``v = pool[:, 1]`` (FlashInfer's and vLLM's layout);
+    - ``"hnd_view"``: ``[num_blocks, num_kv_heads, block_size, head_dim]`` storage per tensor,
+      permuted to ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    No spill block: as with an engine's own tensors, a backend must write through the strides.
+    """
+    store = dtype if kv_dtype == "auto" else {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_dim
+    if layout == "kv_interleaved":
+        pool = torch.zeros(nb, 2, bs, h, d, dtype=store, device=device)
+        k, v = pool[:, 0], pool[:, 1]
+        scales = torch.zeros(nb, 2, bs, h, dtype=torch.float32, device=device)
+        ks, vs = scales[:, 0], scales[:, 1]
+    elif layout == "hnd_view":
+        k, v = (torch.zeros(nb, h, bs, d, dtype=store, device=device).permute(0, 2, 1, 3) for _ in "kv")
+        ks, vs = (torch.zeros(nb, h, bs, dtype=torch.float32, device=device).permute(0, 2, 1) for _ in "kv")
+    else:
+        raise ValueError(f"cache layout {layout!r}; accepted: kv_interleaved, hnd_view")
+    quantized = kv_dtype != "auto"
+    return KVCache(k=k, v=v, kv_dtype=kv_dtype, k_scale=ks if quantized else None,
+                   v_scale=vs if quantized else None, dtype=dtype)
 
 
 def _garbage_(cache: KVCache, g: torch.Generator) -> None:
@@ -201,13 +259,11 @@ def _draw(case: Case, device: torch.device) -> Workload:
     needed = blocks_needed(case.seq_lens, case.block_size, shared_prefix_blocks=shared)
     num_blocks = needed + 1 + SPARE_BLOCKS  # + the reserved block 0
     allocator = BlockAllocator(num_blocks, shuffle=True, seed=case.seed)
-    if shared:
-        tables = allocate_tables(case.seq_lens, case.block_size, allocator, shared_prefix_blocks=shared)
-        meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
-                                    device=device)
-    else:
-        meta = BatchMeta.build(case.query_lens, case.seq_lens, block_size=case.block_size,
-                               allocator=allocator, device=device)
+    tables = allocate_tables(case.seq_lens, case.block_size, allocator, shared_prefix_blocks=shared)
+    # Its own generator: the stale ids do not shift the q/K/V draws below.
+    tables = with_stale_ids(tables, num_blocks, torch.Generator().manual_seed(case.seed + 1))
+    meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
+                                device=device)
 
     # Draw q, K, V first, from the seed alone: a case and its copy with another kv_dtype share
     # them, which is what the quantized-vs-full-precision check compares.
@@ -225,6 +281,11 @@ def _draw(case: Case, device: torch.device) -> Workload:
     v_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
     # Sinks around e^2 ~ 7: comparable to the softmax mass of short contexts, so ignoring them shows.
     sinks = (torch.randn(hq, generator=g) + 2.0).to(device) if case.sinks else None
+    if sinks is not None and case.sinks_layout == "every_other":
+        # sinks[h] at buffer[2h]; the elements between are other numbers, so reading the buffer
+        # as contiguous shows.
+        buffer = torch.stack([sinks.cpu(), torch.randn(hq, generator=g) - 3.0], dim=1).reshape(-1)
+        sinks = buffer.to(device)[::2]
 
     cache_before = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
                                      kv_dtype=case.kv_dtype, device=device)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import _ops
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
@@ -151,6 +152,8 @@ class Backend:
     def __init__(self, *, validate: bool | None = None) -> None:
         #: Run the host-syncing checks of :meth:`BatchMeta.validate` on each call.
         self.validate = validation_enabled(validate)
+        #: This instance's handle in the torch custom ops (stable for its life; see ``_ops``).
+        self._op_handle = _ops.register(self)
 
     # ----------------------------------------------------------------------------- capability
     @classmethod
@@ -201,7 +204,10 @@ class Backend:
 
         With validation on, the batch is validated against the cache first, so a slot past the
         pool is a :class:`BatchMetaError`; with it off, such a slot is skipped (never written).
+        Under ``torch.compile`` this is the custom op ``paged::write`` (README, "torch.compile").
         """
+        if torch.compiler.is_compiling():
+            return _ops.write(self, cache, k, v, meta)
         batch = self._batch_of(meta)
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
@@ -243,9 +249,11 @@ class Backend:
             )
         self._check_layer(meta, layer)
         passed = layer if takes_any else {k: v for k, v in layer.items() if k in names}
-        return self._plan(meta, **passed)
+        # The custom ops of torch.compile find the step's plan here (host ints never travel as op
+        # arguments: dynamo would guard on them and recompile every step).
+        return _ops.remember(self, self._plan(meta, **passed))
 
-    def _plan(self, meta: BatchMeta, **layer: Any) -> Any:
+    def _plan(self, meta: BatchMeta, *args: Any, **layer: Any) -> Any:
         """The backend's own planning; ``meta`` and the keywords are checked. Default: ``meta``.
 
         Receives the keywords of :data:`PLAN_KEYWORDS` that it declares (all of them given
@@ -307,8 +315,12 @@ class Backend:
         tanh(s / softcap)``; ``sinks`` (float32 ``[num_heads]``) adds one logit per head to every
         softmax denominator. ``out`` receives the result if given. With ``return_lse`` the
         result is ``(out, lse)``, ``lse`` float32 ``[num_tokens, num_heads]`` in natural log
-        (``-inf`` for rows that see no key).
+        (``-inf`` for rows that see no key). Under ``torch.compile`` this is the custom op
+        ``paged::forward`` (README, "torch.compile").
         """
+        if torch.compiler.is_compiling():
+            return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,
+                                sinks=sinks, out=out, return_lse=return_lse)
         batch = self._batch_of(meta)
         key = _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse)
         checked = self.__dict__.setdefault("_checked_calls", {})
@@ -372,6 +384,8 @@ class Backend:
     def _check_call(self, q, cache, batch, window, softcap, scale, sinks, out, return_lse) -> None:
         """Every host-side check of a ``forward`` call: the inputs, then the spec they make."""
         self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
+        if not isinstance(return_lse, bool):
+            raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
         spec = AttentionSpec(
             num_heads=q.shape[1],
             num_kv_heads=cache.num_kv_heads,

@@ -78,6 +78,8 @@ class BlockAllocator:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Give back blocks that :meth:`allocate` handed out (each once); checked before any is freed."""
+        if not isinstance(blocks, (list, tuple, range)):
+            raise InputError(f"free(): blocks is {type(blocks).__name__} {blocks!r:.60}; accepted: a list of block ids")
         blocks = list(blocks)
         seen: set[int] = set()
         for b in blocks:

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import numbers
 import operator
+from typing import cast
 
 import torch
 
@@ -167,7 +168,7 @@ class KVCache:
     def _spill_matches(self) -> bool:
         """Whether ``_spill`` is the storage the views start at, one block longer: only then do
         writes of invalid slots go to its hidden block (a replaced field loses it)."""
-        views = (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+        views = (self.k, self.v) + (self._scales() if self.quantized else ())
         spill = self._spill
         if spill is None or len(spill) != len(views):
             return False
@@ -183,7 +184,12 @@ class KVCache:
         self.check()
         if not self.quantized:
             return self.k.float(), self.v.float()
-        return dequantize_kv(self.k, self.k_scale), dequantize_kv(self.v, self.v_scale)
+        k_scale, v_scale = self._scales()
+        return dequantize_kv(self.k, k_scale), dequantize_kv(self.v, v_scale)
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_scale, v_scale) of a quantized cache: float32 tensors once ``check`` has passed."""
+        return cast(torch.Tensor, self.k_scale), cast(torch.Tensor, self.v_scale)
 
 
 def allocate_kv_cache(
@@ -228,13 +234,14 @@ def allocate_kv_cache(
     )
 
 
-def _check_size(name: str, val) -> None:
+def _check_size(name: str, val: object) -> None:
     # bool is an int to Python: allocate_kv_cache(True, ...) must not be a 1-block cache.
-    if not isinstance(val, numbers.Integral) or isinstance(val, bool) or not 1 <= val < 2**31:
+    # An Integral (int, numpy.int64, ...) compares like the int it stands for.
+    if not isinstance(val, numbers.Integral) or isinstance(val, bool) or not 1 <= cast(int, val) < 2**31:
         raise InputError(f"{name} is {val!r}; accepted: a positive int (below 2**31)")
 
 
-def _check_dtypes(dtype, kv_dtype) -> None:
+def _check_dtypes(dtype: object, kv_dtype: object) -> None:
     if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     if not isinstance(dtype, torch.dtype) or dtype not in _ELEM_BYTES:
@@ -357,7 +364,7 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
         kc, ks = quantize_kv(k, cache.kv_dtype)
         vc, vs = quantize_kv(v, cache.kv_dtype)
         pairs = [(0, kc), (1, vc), (2, ks), (3, vs)]
-        views = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+        views: tuple[torch.Tensor, ...] = (cache.k, cache.v, *cache._scales())
     else:
         pairs = [(0, k), (1, v)]
         views = (cache.k, cache.v)
@@ -365,8 +372,10 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
         # Invalid slots go to the hidden block past the pool: no host sync, nothing touched.
         target = torch.where(valid, slots, torch.full_like(slots, num_slots))
         blk, off = target // bs, target % bs
+        # ``_spill_ok`` holds only when ``_spill`` is set (``_spill_matches``).
+        spill = cast(tuple[torch.Tensor, ...], cache._spill)
         for i, src in pairs:
-            _as_bytes(cache._spill[i]).index_put_((blk, off), _as_bytes(src))
+            _as_bytes(spill[i]).index_put_((blk, off), _as_bytes(src))
     else:
         # A cache wrapped around an engine's own tensors has no spill block: filter (syncs).
         keep = valid.nonzero().squeeze(1)

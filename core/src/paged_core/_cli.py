@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from typing import TypedDict
 
 from ._registry import registry
 
@@ -16,11 +17,23 @@ __all__ = ["main", "build_parser", "PROVIDERS"]
 
 #: Commands that this project's other distributions provide, and which one: when a command is
 #: missing, ``paged`` says what to install instead of "invalid choice".
-PROVIDERS = {"check": "paged-conformance", "bench": "paged-conformance"}
+PROVIDERS: dict[str, str] = {"check": "paged-conformance", "bench": "paged-conformance"}
+
+
+class _Row(TypedDict):
+    """One backend in ``paged list`` (and its ``--json``)."""
+
+    name: str
+    distribution: str
+    version: str
+    priority: int
+    available: bool
+    reasons: list[str]
+    capabilities: str | None
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    rows = []
+    rows: list[_Row] = []
     for name in registry.names():
         reg = registry.registration(name)
         reasons = registry.unavailable(name)

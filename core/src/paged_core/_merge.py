@@ -71,6 +71,8 @@ def _stack(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Ten
     """A list of parts as one tensor, refusing what torch.stack would fail on deep inside."""
     if isinstance(parts, torch.Tensor):
         return parts
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise InputError(f"{name} is {type(parts).__name__} {parts!r:.60}; accepted: a tensor or a list of tensors")
     parts = list(parts)
     shapes = [list(p.shape) for p in parts]
     if not parts or any(sh != shapes[0] for sh in shapes):

@@ -9,6 +9,7 @@ promise for bad metadata, so every backend agrees even on garbage.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -57,8 +58,9 @@ def reference_attention(
     if cache.quantized:
         # Dequantize in compute_dtype: code * scale needs ~31 bits, so a float32 product would
         # round the values a float64 oracle is meant to use exactly.
-        kf = cache.k.to(compute_dtype) * cache.k_scale.to(compute_dtype)[..., None]
-        vf = cache.v.to(compute_dtype) * cache.v_scale.to(compute_dtype)[..., None]
+        k_scale, v_scale = cache._scales()
+        kf = cache.k.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
+        vf = cache.v.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
     else:
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
     out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)
@@ -143,7 +145,19 @@ class ReferenceBackend(Backend):
             raise InputError(f"compute_dtype is {compute_dtype}; accepted: torch.float32, torch.float64")
         self.compute_dtype = compute_dtype
 
-    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+    def _forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Any,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
         res, res_lse = reference_attention(
             q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks,
             compute_dtype=self.compute_dtype, return_lse=True,

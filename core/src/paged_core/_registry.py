@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -226,7 +226,8 @@ class Registry:
         with self._lock:
             if reg.cls is not None or reg.error is not None:
                 return reg.cls
-            module_name, _, attr = reg.target.partition(":")
+            # A class target is its own ``cls`` from registration on, so only a path gets here.
+            module_name, _, attr = cast(str, reg.target).partition(":")
             try:
                 obj = importlib.import_module(module_name)
                 for part in attr.split("."):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Collection
-from typing import Literal
+from collections.abc import Iterable
+from typing import Any, Literal, cast
 
 import torch
 
@@ -37,7 +37,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def check_device(device) -> torch.device:
+def check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here, or an InputError saying what does."""
     try:
         dev = torch.device(device)
@@ -65,12 +65,12 @@ def check_device(device) -> torch.device:
     return dev
 
 
-def _sorted(values: Collection) -> list:
+def _sorted(values: Iterable[Any]) -> list[Any]:
     """Numbers in numeric order, anything else by its text."""
     return sorted(values, key=lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)))
 
 
-def _fmt(values: Collection) -> str:
+def _fmt(values: Iterable[Any]) -> str:
     return ", ".join(str(v) for v in _sorted(values))
 
 
@@ -198,12 +198,14 @@ class Capabilities:
 
     def block_size_reason(self, block_size: int) -> str:
         """The sentence ``reasons`` gives for a block size ``accepts_block_size`` refuses."""
-        return f"block_size {block_size} is not supported (accepted: {_fmt(self.block_sizes)})"
+        # Only asked after ``accepts_block_size`` refused, which ``block_sizes=ANY`` never does.
+        accepted = cast(frozenset[int], self.block_sizes)
+        return f"block_size {block_size} is not supported (accepted: {_fmt(accepted)})"
 
     def summary(self) -> str:
         """A compact one-line form for ``paged list``."""
 
-        def s(v):
+        def s(v: Iterable[Any] | None) -> str:
             return "any" if v is None else ",".join(str(x) for x in _sorted(v))
 
         flags = [

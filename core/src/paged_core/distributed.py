@@ -60,7 +60,7 @@ def merge_across_ranks(
     return merge_states(outs, lses, sinks=sinks)
 
 
-def _desc(t) -> str:
+def _desc(t: object) -> str:
     if isinstance(t, torch.Tensor):
         return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
     return f"a {type(t).__name__}"

@@ -6,7 +6,7 @@ imported only when used, so listing backends needs neither flash-attn nor CUDA.
 (flash-attn 2 needs ``block_size % 256 == 0``).
 """
 
-from paged_core.hookspecs import hookimpl
+from paged_core.hookspecs import Register, hookimpl
 
 from .bridge import (
     BridgedAllocator,
@@ -33,7 +33,7 @@ __all__ = [
 
 
 @hookimpl
-def register_backends(register):
+def register_backends(register: Register) -> None:
     register(
         "flash-attn2",
         "paged_flash_attn2.backend:FlashAttn2Backend",

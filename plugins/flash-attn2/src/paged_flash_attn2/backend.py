@@ -18,7 +18,8 @@ import importlib.metadata
 import importlib.util
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from paged_core import Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
@@ -95,6 +96,7 @@ def _probe() -> tuple[str, ...]:
 def _package_reasons() -> list[str]:
     if importlib.util.find_spec("flash_attn") is None:
         return [f"flash-attn is not installed (to fix: {INSTALL})"]
+    version: str | None
     try:
         version = importlib.metadata.version("flash-attn")
     except importlib.metadata.PackageNotFoundError:
@@ -105,7 +107,8 @@ def _package_reasons() -> list[str]:
     except Exception as exc:  # undefined symbols, CUDA/torch ABI mismatch, missing libcudart ...
         return [f"flash-attn is installed but does not import: {type(exc).__name__}: {exc} (to fix: "
                 "pip install --force-reinstall --no-build-isolation 'flash-attn>=2.6,<3')"]
-    version = version or getattr(flash_attn, "__version__", "0.0")
+    # ``flash_attn.__version__`` is the version string (the module is untyped to mypy).
+    version = cast(str, version or getattr(flash_attn, "__version__", "0.0"))
     v = _version_tuple(version)
     if not (MIN_VERSION <= v and v[0] < MAX_MAJOR):
         return [f"flash-attn {version} is installed; accepted: >=2.6,<3 (to fix: "
@@ -125,7 +128,7 @@ def _device_reasons() -> list[str]:
     return []
 
 
-def _varlen_func():
+def _varlen_func() -> Callable[..., Any]:
     return importlib.import_module("flash_attn").flash_attn_varlen_func
 
 
@@ -254,10 +257,9 @@ class FlashAttn2Backend(Backend):
     def unavailable(cls) -> list[str]:
         return list(_probe())
 
-    def plan(self, meta: BatchMeta, **layer) -> FlashAttn2Plan:
+    def _plan(self, meta: BatchMeta, **layer: Any) -> FlashAttn2Plan:
         """flash-attn's description of ``meta``: pure PyTorch on its device, no host sync. The
-        layer keywords of :meth:`paged_core.Backend.plan` are accepted and unused."""
-        super().plan(meta, **layer)  # the base signature checks the keywords
+        layer keywords of :meth:`paged_core.Backend.plan` are checked there and unused here."""
         args = to_flash_attn_args(meta)
         dev = meta.device
         n = meta.num_tokens
@@ -289,7 +291,19 @@ class FlashAttn2Backend(Backend):
             pad_rows=pad_rows,
         )
 
-    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+    def _forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Any,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
         # A BatchMeta, or another backend's plan of one: plan it here (cheap, no host sync).
         p = plan if isinstance(plan, FlashAttn2Plan) else self.plan(self._batch_of(plan))
         if q.shape[0] == 0:

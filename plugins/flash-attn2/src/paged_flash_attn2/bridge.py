@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 from paged_core import BatchMeta, BatchMetaError, BlockAllocator, InputError, KVCache, validation_enabled
@@ -213,6 +214,12 @@ def bridge_meta(meta: BatchMeta, ratio: int = RATIO, *, validate: bool | None = 
 
 
 # --------------------------------------------------------------------------------- cache views
+@overload
+def _regroup(t: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor: ...
+@overload
+def _regroup(t: None, num_blocks: int, block_size: int) -> None: ...
+@overload
+def _regroup(t: torch.Tensor | None, num_blocks: int, block_size: int) -> torch.Tensor | None: ...
 def _regroup(t: torch.Tensor | None, num_blocks: int, block_size: int) -> torch.Tensor | None:
     if t is None:
         return None
@@ -247,7 +254,10 @@ def _regrouped(cache: KVCache, num_blocks: int, block_size: int) -> KVCache:
     """The same memory as ``num_blocks`` blocks of ``block_size`` tokens (scales too)."""
     return dataclasses.replace(
         cache,
-        **{name: _regroup(getattr(cache, name), num_blocks, block_size) for name in ("k", "v", "k_scale", "v_scale")},
+        k=_regroup(cache.k, num_blocks, block_size),
+        v=_regroup(cache.v, num_blocks, block_size),
+        k_scale=_regroup(cache.k_scale, num_blocks, block_size),
+        v_scale=_regroup(cache.v_scale, num_blocks, block_size),
     )
 
 

@@ -5,16 +5,16 @@ path, and the backend module imports FlashInfer only when it plans a batch. So `
 works on a machine without a GPU and reports why the backend cannot run there.
 """
 
-from paged_core.hookspecs import hookimpl
+from paged_core.hookspecs import Register, hookimpl
 
 __version__ = "0.1.0"
 __all__ = ["register_backends"]
 
 
 @hookimpl
-def register_backends(register):
-    # Above the Triton backends: FlashInfer was the fastest on every case measured on the H200
-    # (shared/GPU.md, "Anchor numbers"), so select() prefers it wherever it supports the spec.
+def register_backends(register: Register) -> None:
+    # Above the Triton backends: FlashInfer was the fastest on every case measured on the
+    # NVIDIA H200, so select() prefers it wherever it supports the spec.
     register(
         "flashinfer",
         "paged_flashinfer.backend:FlashInferBackend",

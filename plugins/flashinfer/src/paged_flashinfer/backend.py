@@ -73,7 +73,7 @@ _MIXED = ("batch_attention", "prefill")
 _tokens = itertools.count(1)
 
 
-def _flashinfer():
+def _flashinfer() -> Any:
     """Import FlashInfer on first use; a failure names the package and the fix."""
     try:
         import flashinfer
@@ -344,7 +344,7 @@ class FlashInferBackend(Backend):
         plan = prepare_plan(meta)
         given = [num_heads, num_kv_heads, head_dim, dtype]
         if any(v is not None for v in given):
-            if any(v is None for v in given):
+            if num_heads is None or num_kv_heads is None or head_dim is None or dtype is None:
                 raise InputError(
                     "plan() got some of num_heads, num_kv_heads, head_dim, dtype but not all; "
                     "accepted: all four (plan now) or none (plan on the first forward)"
@@ -523,7 +523,19 @@ class FlashInferBackend(Backend):
             pass
 
     # ----------------------------------------------------------------------------- forward
-    def _forward(self, q, cache: KVCache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+    def _forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        plan: Any,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> None:
         if q.shape[0] == 0:
             return
         if cache.quantized:  # capabilities refuse it; a direct _forward call must not misread codes

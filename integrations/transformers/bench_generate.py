@@ -1,0 +1,234 @@
+"""End-to-end ``generate_batch`` throughput: every installed paged backend next to transformers' own paths.
+
+A random-initialised Qwen3-8B-shaped model (32 query heads, 8 KV heads, head_dim 128, hidden
+4096; 4 layers by default) in bfloat16, 24 prompts of 11 to 1,482 tokens, 16 new tokens each,
+greedy. Each implementation runs eagerly and with transformers' CUDA graphs; the table gives
+generated tokens per second (median of ``--repeats`` timed runs after one warm-up run), whether
+every request's tokens equal those of transformers' ``paged|sdpa`` eager run, and the largest
+difference of the first generated token's log-probability against an fp32 run of
+``paged|sdpa`` (the bf16 accuracy of the whole model, attention included).
+
+    pip install --no-build-isolation --no-deps -e integrations/transformers
+    python integrations/transformers/bench_generate.py                  # GPU: the full table
+    python integrations/transformers/bench_generate.py --json out.json  # and the rows as JSON
+    python integrations/transformers/bench_generate.py --small          # a tiny CPU smoke run
+
+Nothing is downloaded: the model is built from a config, the prompts are random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--min-prompt", type=int, default=11)
+    p.add_argument("--max-prompt", type=int, default=1482)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
+    p.add_argument("--block-size", type=int, default=256, help="transformers' cache block size (its default)")
+    p.add_argument("--num-blocks", type=int, default=256,
+                   help="cache blocks (256 x 256 tokens hold the 24 requests 3.6 times over)")
+    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument("--backends", default="", help="comma-separated paged backends (default: every available one)")
+    p.add_argument("--transformers-paths", default="paged|sdpa,paged|eager,paged|flash_attention_2",
+                   help="transformers' own implementations to time next to them (unavailable ones are reported)")
+    p.add_argument("--modes", default="eager,graphs")
+    p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--small", action="store_true",
+                   help="a tiny CPU smoke run (2 layers, small dims, 4 short prompts, fp32)")
+    return p.parse_args(argv)
+
+
+def build_model(args, dtype, device):
+    import transformers
+
+    if args.small:
+        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, vocab_size=128)
+    else:  # Qwen3-8B's attention and width; fewer layers keep the run short.
+        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, vocab_size=151936)
+    config = transformers.Qwen3Config(num_hidden_layers=args.layers, max_position_embeddings=32768,
+                                      initializer_range=0.02, **dims)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    n = args.prompts
+    lengths = [round(args.min_prompt + (args.max_prompt - args.min_prompt) * i / max(n - 1, 1)) for i in range(n)]
+    # Interleave long and short prompts, as arrivals would.
+    order = torch.randperm(n, generator=g).tolist()
+    return [torch.randint(0, vocab, (lengths[i],), generator=g).tolist() for i in order]
+
+
+def generate(model, implementation, prompts, args, use_cuda_graph):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation(implementation)
+    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+        return_logprobs=True, use_cuda_graph=use_cuda_graph,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    ids = sorted(out, key=lambda r: int(r.split("_")[-1]))
+    errors = [out[r].error for r in ids if out[r].error]
+    if errors:
+        raise RuntimeError(errors[0])
+    return seconds, [out[r].generated_tokens for r in ids], [out[r].logprobs for r in ids]
+
+
+def implementations(args) -> list[tuple[str, str, bool]]:
+    """(label, attention-implementation name or why not, whether it claims CUDA graphs) of every row."""
+    import paged_core
+    import paged_transformers
+    import transformers.utils as tu
+
+    rows = []
+    for name in [p for p in args.transformers_paths.split(",") if p]:
+        if "flash_attention_2" in name and not tu.is_flash_attn_2_available():
+            rows.append((name, "unavailable: flash-attn is not installed", True))
+            continue
+        rows.append((name, name, True))
+    wanted = [b for b in args.backends.split(",") if b] or paged_core.registry.names()
+    for backend in wanted:
+        reasons = paged_core.registry.unavailable(backend) if backend in paged_core.registry.names() else [
+            "not installed"]
+        if reasons:
+            rows.append((f"paged: {backend}", "unavailable: " + "; ".join(reasons), False))
+            continue
+        graphs = paged_core.registry.backend_class(backend).capabilities.cuda_graphs
+        rows.append((f"paged: {backend}", paged_transformers.enable(backend), graphs))
+    return rows
+
+
+def environment() -> str:
+    import transformers
+
+    parts = [datetime.date.today().isoformat(), platform.node()]
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    parts += [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    return ", ".join(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not args.small:
+            print("no CUDA device: use --small for a CPU smoke run", file=sys.stderr)
+            return 2
+    if args.small:
+        args.layers, args.prompts, args.min_prompt, args.max_prompt = 2, 4, 1, 40
+        args.new_tokens, args.repeats, args.block_size, args.num_blocks = 3, 1, 16, 64
+        args.max_batch_tokens = 32
+    modes = [m for m in args.modes.split(",") if m]
+    if device == "cpu" and "graphs" in modes:
+        modes.remove("graphs")  # transformers turns CUDA graphs off without CUDA anyway
+
+    print(f"# generate_batch, {environment()}")
+    print(f"# Qwen3-shaped, {args.layers} layers, {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} "
+          f"tokens, {args.new_tokens} new tokens each, block_size {args.block_size}")
+
+    # The accuracy baseline: transformers' own paged path in fp32 on the same weights.
+    model = build_model(args, torch.float32, device)
+    prompts = make_prompts(args, model.config.vocab_size)
+    _, ref32_tokens, ref32_logprobs = generate(model, "paged|sdpa", prompts, args, use_cuda_graph=False)
+    dtype = torch.float32 if args.small else torch.bfloat16
+    model = model.to(dtype)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    rows = []
+    baseline_tokens = None
+    for label, impl, graphs_ok in implementations(args):
+        for mode in modes:
+            row = {"implementation": label, "mode": mode}
+            if impl.startswith("unavailable") or (mode == "graphs" and not graphs_ok):
+                row["error"] = impl if impl.startswith("unavailable") else "skipped: does not claim CUDA graphs"
+                rows.append(row)
+                print_row(row, header=len(rows) == 1)
+                continue
+            try:
+                generate(model, impl, prompts, args, use_cuda_graph=mode == "graphs")  # warm-up: compile, tune
+                timings = []
+                for _ in range(args.repeats):
+                    seconds, tokens, logprobs = generate(model, impl, prompts, args, use_cuda_graph=mode == "graphs")
+                    timings.append(seconds)
+                seconds = statistics.median(timings)
+                generated = sum(len(t) for t in tokens)
+                if baseline_tokens is None and impl == "paged|sdpa" and mode == "eager":
+                    baseline_tokens = tokens
+                first = [abs(lp[0] - r[0]) for lp, r, t, rt in zip(logprobs, ref32_logprobs, tokens, ref32_tokens,
+                                                                     strict=True) if t[:1] == rt[:1]]
+                row.update(
+                    tokens_per_s=generated / seconds, seconds=seconds,
+                    same_tokens_as_sdpa=None if baseline_tokens is None else sum(
+                        a == b for a, b in zip(tokens, baseline_tokens, strict=True)),
+                    first_token_same_as_fp32=sum(t[:1] == r[:1] for t, r in zip(tokens, ref32_tokens, strict=True)),
+                    first_logprob_err_vs_fp32=max(first) if first else None,
+                    requests=len(tokens),
+                )
+            except Exception as exc:  # a row that fails is reported, the others still run
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                if os.environ.get("BENCH_TRACEBACK"):
+                    traceback.print_exc()
+            rows.append(row)
+            print_row(row, header=len(rows) == 1)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+def print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"| {'implementation':<34} | {'mode':<6} | {'tokens/s':>9} | {'s':>7} | {'=sdpa':>6} "
+              f"| {'1st=fp32':>8} | {'1st logprob err':>15} |")
+        print(f"|{'-' * 36}|{'-' * 8}|{'-' * 11}|{'-' * 9}|{'-' * 8}|{'-' * 10}|{'-' * 17}|")
+    if "error" in row:
+        print(f"| {row['implementation']:<34} | {row['mode']:<6} | {row['error']}")
+        return
+    n = row["requests"]
+    same = "-" if row["same_tokens_as_sdpa"] is None else f"{row['same_tokens_as_sdpa']}/{n}"
+    err = "-" if row["first_logprob_err_vs_fp32"] is None else f"{row['first_logprob_err_vs_fp32']:.2e}"
+    print(f"| {row['implementation']:<34} | {row['mode']:<6} | {row['tokens_per_s']:>9.1f} | {row['seconds']:>7.3f} "
+          f"| {same:>6} | {row['first_token_same_as_fp32']:>3}/{n:<4} | {err:>15} |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

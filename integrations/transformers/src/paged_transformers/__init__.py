@@ -1,0 +1,29 @@
+"""paged-transformers: Hugging Face transformers' continuous batching on any paged backend.
+
+Usage::
+
+    import paged_transformers
+    name = paged_transformers.enable("triton-unified")
+    model.set_attn_implementation(name)
+    outputs = model.generate_batch(prompts)
+
+Every full-attention layer then writes and reads transformers' own paged pools (viewed, never
+copied) through the backend, with one ``BatchMeta`` and one ``plan`` per step shared by all
+layers. Supported: transformers 5.17 and 5.18 (see :mod:`paged_transformers._versions`).
+"""
+
+from ._attention import PagedAttention, enable, implementation_name
+from ._meta import batch_meta_from_transformers
+from ._versions import SUPPORTED, TESTED, check_transformers_version
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED",
+    "TESTED",
+    "PagedAttention",
+    "batch_meta_from_transformers",
+    "check_transformers_version",
+    "enable",
+    "implementation_name",
+]

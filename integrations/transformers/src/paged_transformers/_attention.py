@@ -1,0 +1,309 @@
+"""The attention function transformers' continuous batching calls, backed by a paged backend.
+
+transformers 5.17 and 5.18 look an attention implementation up by name in ``AttentionInterface``
+(its public registry) and call it once per layer with the packed queries, the step's new keys
+and values, and the step's metadata as keyword arguments (``cache``, ``cu_seq_lens_q``,
+``cu_seq_lens_k``, ``max_seqlen_q``, ``max_seqlen_k``, ``read_index``, ``write_index``). A name
+``paged|<anything>`` tells continuous batching that the function manages the paged cache itself;
+one that is not ``paged|eager`` or ``paged|sdpa`` gets no attention mask (transformers builds a
+``[tokens, pool]`` mask only for those two), and one that contains ``flash`` is treated as a
+flash-attention package and looked up on the Hub, so names never contain it.
+
+Per layer the function views the layer's pool as paged's ``[blocks, block_size, kv_heads,
+head_dim]`` (a view: no copy; :func:`_view_pool` has each release's layout), writes the new K/V
+with ``backend.write`` and runs ``backend.forward``. The ``BatchMeta`` and the backend's
+plan are built at the first layer of a step and reused by every other layer; a new step is
+recognised by the identity of transformers' per-step tensors (each step slices new views), and
+a CUDA-graph capture of a step plans again inside the capture, so replays recompute the metadata.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from paged_core import (
+    KV_DTYPES,
+    Backend,
+    InputError,
+    KVCache,
+    PagedError,
+    UnsupportedSpecError,
+    registry,
+)
+
+from ._meta import batch_meta_from_transformers
+from ._versions import check_transformers_version
+
+__all__ = ["enable", "PagedAttention", "implementation_name"]
+
+#: The adapters registered by :func:`enable`, by implementation name.
+_ENABLED: dict[str, PagedAttention] = {}
+_LOCK = threading.Lock()
+
+
+def implementation_name(backend: str, options: dict[str, Any]) -> str:
+    """The attention-implementation name :func:`enable` registers for ``backend`` and ``options``.
+
+    transformers reads any name containing ``flash`` as a flash-attention package to import or
+    download, so ``flash`` is written ``fl-ash`` here.
+
+    >>> implementation_name("triton-unified", {})
+    'paged|paged-triton-unified'
+    >>> implementation_name("flashinfer", {"validate": True})
+    'paged|paged-fl-ashinfer-validate=True'
+    """
+    parts = [backend, *(f"{k}={options[k]}" for k in sorted(options))]
+    return "paged|paged-" + "-".join(parts).replace("flash", "fl-ash")
+
+
+def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend_options: Any) -> str:
+    """Register paged backend ``backend`` as an attention implementation of transformers.
+
+    Returns the implementation name; ``model.set_attn_implementation(name)`` (or
+    ``from_pretrained(..., attn_implementation=name)``) then makes ``model.generate_batch``
+    run every full-attention layer through the backend, on transformers' own KV pools.
+    ``backend_options`` go to ``paged_core.registry.get(backend, **backend_options)``.
+    Calling it again with the same arguments returns the same name.
+
+    ``kv_dtype="int8"`` or ``"fp8"`` keeps K/V in pools of paged's quantized format (codes and
+    one float32 scale per slot and KV head), one per layer, with transformers' slot arithmetic;
+    transformers still allocates (and no longer uses) its own pool, so this measures what
+    quantization costs in accuracy, not what it saves in memory. transformers 5.17 only.
+
+    Raises :class:`paged_core.UnsupportedSpecError` on a transformers release without a
+    supported hook, and the registry's errors for an unknown or unavailable backend.
+    """
+    check_transformers_version()
+    if kv_dtype not in KV_DTYPES:
+        raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    name = implementation_name(backend, backend_options if kv_dtype == "auto" else
+                               {**backend_options, "kv_dtype": kv_dtype})
+    with _LOCK:
+        if name not in _ENABLED:
+            # Fails here, with the registry's message, for a missing or broken backend.
+            instance = registry.get(backend, **backend_options)
+            from transformers import AttentionInterface
+
+            adapter = PagedAttention(instance, name, kv_dtype=kv_dtype)
+            AttentionInterface.register(name, adapter)
+            _ENABLED[name] = adapter
+    return name
+
+
+class _Step:
+    """One step's metadata and plans: the key tensors held (so their ids are never reused)."""
+
+    __slots__ = ("key", "plans")
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.plans: dict[int, Any] = {}  # layer group -> backend.plan(meta)
+
+
+class PagedAttention:
+    """transformers' attention-function signature over one paged backend instance."""
+
+    def __init__(self, backend: Backend, name: str, *, kv_dtype: str = "auto") -> None:
+        self.backend = backend
+        self.name = name
+        self.kv_dtype = kv_dtype
+        self._step: _Step | None = None
+        # (transformers' cache object, per layer: (group, the layer as a paged cache, padding slot)):
+        # views (or, for kv_dtype, pools of paged's format), dropped when transformers drops its
+        # cache, so a finished generate_batch frees its pools.
+        self._pools: tuple[weakref.ref, dict[int, tuple[int, KVCache, int | None]]] | None = None
+
+    def __repr__(self) -> str:
+        return f"PagedAttention({self.name!r}, backend={self.backend.name!r})"
+
+    # transformers calls the function with these positional and keyword arguments.
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+        key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+        value: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        cache = kwargs.get("cache")
+        layer = getattr(module, "layer_idx", None)
+        if cache is None or "write_index" not in kwargs:
+            raise InputError(
+                f"{self.name!r} was called without transformers' paged cache (layer {layer}); it serves "
+                "continuous batching only: call model.generate_batch(...), or switch the model back "
+                "with model.set_attn_implementation('sdpa') for a plain forward"
+            )
+        if dropout:
+            raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
+                                                           "training mode); paged serves inference: call model.eval()"])
+        group, kv, padding_slot = self._pool(module, cache, layer)
+        plan = self._plan(kwargs, group, query, kv, scaling, padding_slot)
+        # [1, H, N, D] -> [N, H, D]; q must be dense in head_dim, which a transpose keeps.
+        q = query[0].transpose(0, 1)
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        self.backend.write(kv, k, v, plan)
+        # Rows of the padding request come back as exact zeros, so no row is left unwritten.
+        out = self.backend.forward(q, kv, plan, scale=scaling)
+        return out.unsqueeze(0), None  # [1, N, H, D], as transformers' paged paths return
+
+    # ----------------------------------------------------------------------------- per step
+    def _plan(self, kwargs: dict, group: int, query: torch.Tensor, kv: KVCache, scaling: float | None,
+              padding_slot: int | None) -> Any:
+        write_index = kwargs["write_index"][group]
+        # transformers captures a CUDA graph by running the same step twice, eagerly and then under
+        # capture: a plan built by the eager run holds tensors computed outside the graph, which a
+        # replay would never recompute, so a capture starts a new step.
+        step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"], _capturing())
+        step = self._step
+        if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
+            if step_key[-1] and not self.backend.capabilities.cuda_graphs:
+                raise UnsupportedSpecError(self.backend.name, [
+                    "running inside a CUDA-graph capture, which this backend does not claim to be safe in "
+                    "(capabilities.cuda_graphs is False); accepted: ContinuousBatchingConfig(use_cuda_graph=False), "
+                    "or a backend whose capabilities claim CUDA graphs (e.g. triton-unified)"
+                ])
+            step = self._step = _Step(step_key)
+        plan = step.plans.get(group)
+        if plan is None:
+            cu_k = kwargs["cu_seq_lens_k"]
+            max_k = kwargs["max_seqlen_k"]
+            if isinstance(cu_k, dict):  # hybrid models: one entry per layer type
+                cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
+            meta = batch_meta_from_transformers(
+                cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+                cu_seq_lens_k=cu_k,
+                read_index=kwargs["read_index"][group],
+                write_index=write_index,
+                num_tokens=query.shape[2],
+                block_size=kv.block_size,
+                padding_slot=padding_slot,
+                max_query_len=int(kwargs["max_seqlen_q"]),
+                max_seq_len=int(max_k),
+            )
+            plan = self.backend.plan(
+                meta, num_heads=query.shape[1], num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                dtype=query.dtype, scale=scaling,
+            )
+            step.plans[group] = plan
+        return plan
+
+    # ----------------------------------------------------------------------------- per cache
+    def _pool(self, module: torch.nn.Module, cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
+        pools = self._pools
+        if pools is None or pools[0]() is not cache:
+            pools = self._pools = (weakref.ref(cache), {})
+            # A new cache is a new generate_batch: nothing of the old one may stay referenced.
+            self._step = None
+            weakref.finalize(cache, self._forget, pools[0])
+        views = pools[1]
+        entry = views.get(layer)
+        if entry is None:
+            # Once per layer of each cache (a new generate_batch may bring another model).
+            self._check_layer(module, cache, layer)
+            entry = _view_pool(cache, layer)
+            if self.kv_dtype != "auto":
+                entry = self._quantized_pool(cache, layer, *entry)
+            views[layer] = entry
+        return entry
+
+    def _quantized_pool(self, cache: Any, layer: int, group: int, kv: KVCache,
+                        padding_slot: int | None) -> tuple[int, KVCache, int | None]:
+        """A pool of paged's quantized format covering the same slots as transformers' view."""
+        if padding_slot is None:
+            raise UnsupportedSpecError(self.backend.name, [
+                f"kv_dtype={self.kv_dtype!r} on transformers {_transformers_version()}: its pages interleave "
+                "every layer, so a pool of paged's format with the same slots would hold every layer's "
+                "pages for each layer; accepted: kv_dtype='auto', or transformers 5.17"
+            ])
+        quantized = self.backend.allocate(
+            kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, dtype=kv.dtype, kv_dtype=self.kv_dtype,
+            device=kv.device,
+        )
+        return group, quantized, -1
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if self._pools is not None and self._pools[0] is ref:
+            self._pools = None
+            self._step = None
+
+    def _check_layer(self, module: torch.nn.Module, cache: Any, layer: int) -> None:
+        window = _layer_window(module, cache, layer)
+        if window:
+            raise UnsupportedSpecError(self.backend.name, [
+                f"layer {layer} ({type(module).__name__}) is a sliding-window layer (window {window}); "
+                "transformers keeps such layers in a rolling buffer whose slots are not paged's "
+                "block_size * block + offset positions, so paged cannot read them. Accepted: models whose "
+                "layers are all full attention (e.g. Qwen3 with use_sliding_window=False, Llama); use "
+                "attn_implementation='paged|sdpa' for this model"
+            ])
+        if getattr(module, "is_causal", True) is False:
+            raise UnsupportedSpecError(self.backend.name, [
+                f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
+            ])
+
+
+def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:
+    """The sliding window of ``layer`` as transformers' cache keeps it (0: full attention)."""
+    if hasattr(cache, "sliding_windows"):  # 5.17: 1 means full attention
+        window = cache.sliding_windows.get(layer, 1)
+        return 0 if window == 1 else int(window)
+    allocator = cache.layer_to_allocator[layer]  # 5.18: one allocator per attention type
+    return int(getattr(allocator, "sliding_window", 0) or getattr(module, "sliding_window", 0) or 0)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (a host query, no sync)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _view_pool(cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
+    """(layer group, transformers' pools of ``layer`` as a paged ``KVCache``, the slot of padding
+    rows), without a copy.
+
+    - 5.17 allocates ``[(num_blocks + 2) * block_size, kv_heads, head_dim]`` per layer: the
+      blocks its allocator hands out, then a zeroed read-trash block, then a write-trash block
+      that padding tokens write to. Seen as ``[num_blocks + 2, block_size, kv_heads, head_dim]``,
+      the first ``num_blocks + 1`` blocks are the pool paged reads, and the write-trash block is
+      the block past the pool where paged's writes of padding rows (slot -1) land.
+    - 5.18 interleaves every layer's K and V pages in one byte tensor and hands out
+      ``get_cache_for_block_table(layer)``: this layer's pages as ``[pages, page_size, kv_heads,
+      head_dim]`` (its own decode path's view), where slot ``s`` is page ``s // page_size``. Its
+      trash sectors lie inside that view, so it has no block past the pool: padding rows keep
+      transformers' write-trash slot (inside the view, never read), where transformers' own
+      paths write them too. (``BatchMeta.validate`` expects slot -1 there, so on 5.18 it
+      reports padded CUDA-graph steps; eager steps have no padding rows.)
+    """
+    if hasattr(cache, "layer_index_to_group_indices"):
+        group, index_in_group = cache.layer_index_to_group_indices[layer]
+        k_all, v_all = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+        bs = cache.block_size
+        if k_all.dim() != 3 or k_all.shape[0] % bs or not k_all.is_contiguous() or not v_all.is_contiguous():
+            raise PagedError(
+                f"transformers' KV pool of layer {layer} is {list(k_all.shape)} (contiguous: "
+                f"{k_all.is_contiguous()}); accepted: a contiguous [(num_blocks + 2) * {bs}, num_kv_heads, "
+                "head_dim] pool as transformers 5.17 allocates"
+            )
+        shape = (k_all.shape[0] // bs, bs, k_all.shape[1], k_all.shape[2])
+        k_blocks, v_blocks = k_all.view(shape), v_all.view(shape)
+        return group, KVCache(k=k_blocks[:-1], v=v_blocks[:-1], kv_dtype="auto", dtype=k_all.dtype,
+                              _spill=(k_blocks, v_blocks)), -1
+    group, k_pages, v_pages = cache.get_cache_for_block_table(layer)
+    if k_pages.dim() != 4 or k_pages.stride(-1) != 1 or k_pages.shape != v_pages.shape:
+        raise PagedError(
+            f"transformers' page views of layer {layer} are {list(k_pages.shape)} and {list(v_pages.shape)}; "
+            "accepted: two [pages, page_size, num_kv_heads, head_dim] views as transformers 5.18 returns"
+        )
+    return group, KVCache(k=k_pages, v=v_pages, kv_dtype="auto", dtype=k_pages.dtype), None

@@ -1,0 +1,105 @@
+"""A ``BatchMeta`` from transformers' per-step continuous-batching tensors, built on the device.
+
+transformers describes a step with cumulative lengths and flat slot lists, one per layer group::
+
+    cu_seq_lens_q  int32 [R + 1]   request r's new tokens are rows cu_q[r]:cu_q[r+1] of q
+    cu_seq_lens_k  int32 [R + 1]   request r reads cu_k[r+1] - cu_k[r] = seq_len tokens
+    read_index     int64 [sum seq_len] or empty: the slot of every position 0 .. seq_len-1
+    write_index    int64 [num_tokens]: the slot of every new token (padding: a trash slot)
+
+A slot is ``block * block_size + offset`` in a pool of ``num_blocks + 2`` blocks, the same
+arithmetic as paged's ``slot_mapping``, so a full-attention layer's block table is the slot of
+position ``j * block_size`` divided by ``block_size``. When no request reads its past
+(``read_index`` empty: every request is a whole prompt) the write slots are those positions.
+
+Rows of q past ``cu_q[R]`` (transformers pads the token count for CUDA graphs) become one extra
+request with ``seq_len`` 0 and slot -1: paged's padding request, which yields exact zeros and
+writes nothing. Nothing here reads a device value, so building the metadata never syncs and
+records into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from paged_core import BatchMeta, InputError
+
+__all__ = ["batch_meta_from_transformers"]
+
+
+def batch_meta_from_transformers(
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    read_index: torch.Tensor,
+    write_index: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    padding_slot: int | None = -1,
+) -> BatchMeta:
+    """The ``BatchMeta`` of one transformers step (one full-attention layer group).
+
+    ``max_query_len`` and ``max_seq_len`` are transformers' host ints ``max_seqlen_q`` and
+    ``max_seqlen_k``: the true maxima, or (with padding for CUDA graphs) upper bounds, which is
+    what ``BatchMeta`` accepts. The table is ``ceil(max_seq_len / block_size)`` wide.
+    ``padding_slot`` is the slot of rows past ``cu_q[R]``: -1 (paged's padding slot, for a cache
+    with a block past the pool), or None to keep transformers' own write-trash slot.
+
+    Two whole prompts of 3 and 5 tokens in blocks 4 and 1 (block_size 4), padded to 10 rows:
+
+    >>> import torch
+    >>> slots = torch.tensor([16, 17, 18, 4, 5, 6, 7, 8, 99, 99])  # second prompt: blocks 1, 2
+    >>> meta = batch_meta_from_transformers(
+    ...     cu_seq_lens_q=torch.tensor([0, 3, 8], dtype=torch.int32),
+    ...     cu_seq_lens_k=torch.tensor([0, 3, 8], dtype=torch.int32),
+    ...     read_index=torch.empty(0, dtype=torch.int64), write_index=slots,
+    ...     num_tokens=10, block_size=4, max_query_len=10, max_seq_len=5)
+    >>> meta.block_table.tolist(), meta.seq_lens.tolist(), meta.slot_mapping[-3:].tolist()
+    ([[4, 0], [1, 2], [0, 0]], [3, 5, 0], [8, -1, -1])
+    >>> meta.validate(num_blocks=8) is meta
+    True
+    """
+    if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+        raise InputError(
+            f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
+            "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
+        )
+    if write_index.dim() != 1 or write_index.shape[0] != num_tokens:
+        raise InputError(
+            f"write_index has shape {list(write_index.shape)} but q has {num_tokens} rows; accepted: one "
+            "write slot per query row (transformers' write_index of the layer's group)"
+        )
+    device = cu_seq_lens_q.device
+    num_reqs = cu_seq_lens_q.shape[0] - 1
+    cu_q = cu_seq_lens_q.to(torch.int32)
+    cu_k = cu_seq_lens_k.to(torch.int64)
+    width = max(1, -(-max_seq_len // block_size))
+    seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)  # [R]
+    # The slot of every position of every request, in request order (see the module docstring).
+    positions = read_index if read_index.numel() else write_index
+    starts = torch.arange(width, device=device, dtype=torch.int64) * block_size  # [W]
+    first_slot = cu_k[:-1, None] + starts[None, :]  # [R, W]: where position j*bs of request r sits
+    used = starts[None, :] < seq_lens[:, None]
+    if positions.numel():
+        gathered = positions[first_slot.clamp(max=positions.numel() - 1)]
+        table = torch.where(used, torch.div(gathered, block_size, rounding_mode="floor"), 0)
+    else:
+        table = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
+    # One padding request (seq_len 0) owns the rows past cu_q[R]; it is empty when nothing is padded.
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    query_start_loc = torch.cat([cu_q, torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
+    row = torch.arange(num_tokens, device=device)
+    slot_mapping = write_index.to(torch.int64)
+    if padding_slot is not None:
+        slot_mapping = torch.where(row < cu_q[-1], slot_mapping, padding_slot)
+    return BatchMeta(
+        num_reqs=num_reqs + 1,
+        query_start_loc=query_start_loc,
+        seq_lens=torch.cat([seq_lens, zero]),
+        block_table=torch.cat([table.to(torch.int32), torch.zeros((1, width), dtype=torch.int32, device=device)]),
+        slot_mapping=slot_mapping,
+        block_size=block_size,
+        max_query_len=max(max_query_len, 0),
+        max_seq_len=max(max_seq_len, 0),
+    )

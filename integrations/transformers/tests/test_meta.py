@@ -1,0 +1,73 @@
+"""batch_meta_from_transformers recovers the block table from transformers' slot lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_core import InputError
+from paged_transformers import batch_meta_from_transformers
+
+BS = 4
+
+
+def transformers_step(tables, past, query, *, padded_tokens=0, reads=True):
+    """The tensors transformers builds for one step, from block tables the test chose.
+
+    Slots follow transformers' full-attention allocator: position p of a request lives at
+    ``table[p // BS] * BS + p % BS``; reads list every position, writes the new ones.
+    """
+    slot = lambda t, p: t[p // BS] * BS + p % BS  # noqa: E731
+    cu_q, cu_k, read, write = [0], [0], [], []
+    for t, p, q in zip(tables, past, query, strict=True):
+        cu_q.append(cu_q[-1] + q)
+        cu_k.append(cu_k[-1] + p + q)
+        read += [slot(t, i) for i in range(p + q)]
+        write += [slot(t, i) for i in range(p, p + q)]
+    trash = 99 * BS
+    write += [trash] * padded_tokens
+    return dict(
+        cu_seq_lens_q=torch.tensor(cu_q, dtype=torch.int32),
+        cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32),
+        read_index=torch.tensor(read if reads else [], dtype=torch.int64),
+        write_index=torch.tensor(write, dtype=torch.int64),
+        num_tokens=len(write),
+    )
+
+
+def test_mixed_step_with_reads():
+    tables = [[7, 2, 5], [3], [6, 1]]
+    past, query = [9, 0, 4], [1, 3, 2]  # a decode, a whole prompt, a prefill chunk
+    meta = batch_meta_from_transformers(**transformers_step(tables, past, query), block_size=BS,
+                                        max_query_len=3, max_seq_len=10)
+    assert meta.num_reqs == 4  # plus the (empty) padding request
+    assert meta.seq_lens.tolist() == [10, 3, 6, 0]
+    assert meta.block_table[:, :3].tolist() == [[7, 2, 5], [3, 0, 0], [6, 1, 0], [0, 0, 0]]
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 6, 6]
+    assert meta.slot_mapping.tolist() == [5 * BS + 1, 12, 13, 14, 1 * BS + 0, 1 * BS + 1]
+    meta.validate(num_blocks=8)
+
+
+def test_whole_prompts_without_reads_use_the_write_slots():
+    tables = [[4, 2], [0]]
+    meta = batch_meta_from_transformers(**transformers_step(tables, [0, 0], [6, 2], reads=False),
+                                        block_size=BS, max_query_len=6, max_seq_len=6)
+    assert meta.block_table.tolist() == [[4, 2], [0, 0], [0, 0]]
+    meta.validate(num_blocks=5)
+
+
+def test_padded_rows_become_a_padding_request():
+    # transformers pads the step to 8 rows for a CUDA graph; its max_seqlen_q is then 8.
+    step = transformers_step([[1], [2]], [0, 2], [3, 1], padded_tokens=4)
+    meta = batch_meta_from_transformers(**step, block_size=BS, max_query_len=8, max_seq_len=16)
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 8]
+    assert meta.seq_lens.tolist() == [3, 3, 0]
+    assert meta.slot_mapping.tolist()[4:] == [-1] * 4
+    assert meta.block_table.shape == (3, 4)  # ceil(16 / 4): the padded max_seqlen_k sizes the table
+    meta.validate(num_blocks=3)
+
+
+def test_write_index_must_cover_every_row():
+    step = transformers_step([[1]], [0], [3])
+    step["num_tokens"] = 5
+    with pytest.raises(InputError, match="write_index has shape \\[3\\] but q has 5 rows"):
+        batch_meta_from_transformers(**step, block_size=BS, max_query_len=3, max_seq_len=3)

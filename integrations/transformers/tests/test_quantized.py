@@ -1,0 +1,55 @@
+"""kv_dtype="int8"/"fp8": K/V kept in pools of paged's quantized format, with transformers' slots."""
+
+from __future__ import annotations
+
+import paged_transformers
+import pytest
+import torch
+import transformers
+from conftest import TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
+from paged_core import Q_MAX
+from paged_transformers import _attention
+
+#: First-step logits (the same batch in both runs) vs full precision. Per-vector symmetric
+#: quantization moves each K/V element by at most scale / 2 = max|x| / (2 * q_max): 0.4 % of the
+#: vector's largest element for int8 (q_max 127), while fp8 E4M3 keeps 3 mantissa bits, a relative
+#: 2**-4 = 6 % per element. Through two layers of this deliberately sharp model (logits up to ~5)
+#: that measured 0.08 (int8) and 0.25 (fp8); the bounds leave 2x room, and a run that silently
+#: kept full precision fails the lower bound instead.
+FIRST_STEP_LOGITS = {"int8": 0.15, "fp8": 0.5}
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_pools(kv_dtype, monkeypatch):
+    model = tiny_model("llama")
+    prompts = random_prompts([1, 6, 30, 12])
+    cb = dict(max_batch_tokens=32, max_requests_per_batch=3)
+    full = generate(model, TRANSFORMERS_PAGED, prompts, max_new_tokens=3, **cb)
+    name = paged_transformers.enable("reference", kv_dtype=kv_dtype)
+    assert name == f"paged|paged-reference-kv_dtype={kv_dtype}"
+    caches = []
+    original = _attention.PagedAttention._quantized_pool
+
+    def record(self, *args):
+        entry = original(self, *args)
+        caches.append(entry[1])
+        return entry
+    monkeypatch.setattr(_attention.PagedAttention, "_quantized_pool", record)
+    run = generate(model, name, prompts, max_new_tokens=3, **cb)
+    if transformers.__version__.startswith("5.18"):
+        assert all(f"kv_dtype='{kv_dtype}' on transformers 5.18" in e for e in run.errors.values()), run.errors
+        return
+    assert run.errors == {r: None for r in run.errors}, run.errors
+    assert len(caches) == model.config.num_hidden_layers
+    for kv in caches:
+        assert kv.kv_dtype == kv_dtype and kv.k.element_size() == 1 and kv.k_scale.dtype == torch.float32
+        # Written: some scale is set, and every code is inside the format's range.
+        assert bool((kv.k_scale > 0).any())
+        assert float(kv.k.float().abs().max()) <= Q_MAX[kv_dtype]
+    err = (run.logits[0] - full.logits[0]).abs().max().item()
+    assert 1e-4 < err <= FIRST_STEP_LOGITS[kv_dtype], err
+
+
+def test_unknown_kv_dtype():
+    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8"):
+        paged_transformers.enable("reference", kv_dtype="int4")
