@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -539,6 +540,8 @@ class Row:
     status: str = "ok"
     ms: float | None = None
     eager_ms: float | None = None
+    #: Host microseconds per forward: HOST_CALLS eager calls, synchronised only at the end.
+    host_us: float | None = None
     plan_ms: float | None = None
     gbps: float | None = None
     pct_bw_floor: float | None = None
@@ -550,6 +553,23 @@ class Row:
     tolerance: str | None = None
     timing: str | None = None
     note: str = ""
+
+
+#: Calls behind the "host us" column: enough for a stable mean, few enough that a tiny batch
+#: never fills the launch queue (then the column would time the GPU, not the host).
+HOST_CALLS = 200
+
+
+def _host_us(fn, device: torch.device, calls: int = HOST_CALLS) -> float:
+    """Host time of one ``fn()`` in microseconds: ``calls`` calls timed with no sync between
+    them (what an engine's Python pays per layer), the device synchronised only at the end."""
+    _floor.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    _floor.sync(device)
+    return (t1 - t0) / calls * 1e6
 
 
 def _short(exc: BaseException) -> str:
@@ -629,6 +649,7 @@ def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Ba
         fn = lambda: backend.forward(q, cache, plan, out=out)  # noqa: E731
         row.ms, row.timing = _floor.time_fn(fn, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
         row.eager_ms = row.ms
+        row.host_us = _host_us(fn, cfg.device)
         if cfg.cuda_graph and backend.capabilities.cuda_graphs:
             # Engines replay decode steps from CUDA graphs: the replay time is the kernel's own,
             # without the host-side launch cost that the eager time includes.
@@ -827,9 +848,10 @@ def _print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not
     w("GB/s counts the K/V (+ scales, Q, O) the batch must move (a shared prefix once); "
       "%BW = floor(bytes / read bandwidth) / time; %MM = floor(FLOPs / matmul rate) / time.\n\n")
     w("ms: CUDA-graph replay where the backend claims graph safety (as engines run decode), else eager; "
-      "eager ms: one forward() call from Python, host launch cost included.\n\n")
-    head = f"{'case':<18} {'shape':<16} {'backend':<24} {'ms':>9} {'eager ms':>9} {'GB/s':>8} {'%BW':>6} " \
-           f"{'TFLOP/s':>8} {'%MM':>6} {'x best':>7}  status\n"
+      "eager ms: one forward() call from Python, host launch cost included; host us: the host's own "
+      f"time per forward() ({HOST_CALLS} calls, synchronised only at the end).\n\n")
+    head = f"{'case':<18} {'shape':<16} {'backend':<24} {'ms':>9} {'eager ms':>9} {'host us':>8} " \
+           f"{'GB/s':>8} {'%BW':>6} {'TFLOP/s':>8} {'%MM':>6} {'x best':>7}  status\n"
     w(head)
     w("-" * (len(head) + 10) + "\n")
     info = {c["id"]: c for c in cases}
@@ -848,7 +870,8 @@ def _print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not
             if r.note:
                 extra.append(r.note)
             status = "ok" + (f" ({'; '.join(extra)})" if extra else "")
-        w(f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} {_fmt(r.gbps, 8, 0)} "
+        w(f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} "
+          f"{_fmt(r.host_us, 8, 1)} {_fmt(r.gbps, 8, 0)} "
           f"{_fmt(r.pct_bw_floor, 6, 1, '%')} {_fmt(r.tflops if compute else None, 8, 1)} "
           f"{_fmt(r.pct_mm_floor if compute else None, 6, 1, '%')} {_fmt(r.x_fastest, 7, 2, 'x')}"
           f"  {status}\n")

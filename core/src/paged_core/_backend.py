@@ -56,6 +56,41 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# Entries of Backend._checked_calls before it is emptied: layers x shapes of a few live steps.
+_CHECKED_CALLS_MAX = 4096
+
+
+def _tensor_key(t: Any) -> tuple | None:
+    return (t.shape, t.dtype, t.device, t.stride(-1))
+
+
+def _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse) -> tuple | None:
+    """Everything ``Backend._check_call`` reads, or None when it must run regardless.
+
+    The layers of one step pass the same batch, caches of one shape and q/out of one shape,
+    so their checks give the same answer: ``forward`` runs them once per key. The cache and the
+    batch enter by the generation of their own (cached) structure check, a number no other
+    check ever had, so a new object or a reassigned field is a new key; q, out and sinks enter
+    by everything the checks read of them; the scalars by value and type (NaN never matches,
+    so it is refused every time). Odd types (a tensor subclass, a numpy scalar) take the full
+    checks on every call.
+    """
+    if type(q) is not torch.Tensor or q.dim() != 3 or not isinstance(cache, KVCache):
+        return None
+    cache.check()  # in the order _check_inputs checks: the same first error either way
+    batch.check_structure()
+    if type(window) is not int or type(softcap) not in (float, int) or (
+            scale is not None and type(scale) not in (float, int)):
+        return None
+    if sinks is not None and type(sinks) is not torch.Tensor or out is not None and type(out) is not torch.Tensor:
+        return None
+    if type(return_lse) is not bool:
+        return None
+    return (cache._generation, batch._generation, _tensor_key(q), window, type(softcap), softcap,
+            type(scale), scale, None if sinks is None else _tensor_key(sinks),
+            None if out is None else _tensor_key(out), return_lse)
+
+
 def _device_reasons(spec: AttentionSpec) -> list[str]:
     """A spec for a device this machine does not have cannot be served, whatever is claimed."""
     if spec.device_type == "cuda" and not torch.cuda.is_available():
@@ -287,26 +322,14 @@ class Backend:
             return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,
                                 sinks=sinks, out=out, return_lse=return_lse)
         batch = self._batch_of(meta)
-        self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
-        if not isinstance(return_lse, bool):
-            raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
-        spec = AttentionSpec(
-            num_heads=q.shape[1],
-            num_kv_heads=cache.num_kv_heads,
-            head_dim=q.shape[2],
-            block_size=cache.block_size,
-            dtype=q.dtype,
-            kv_dtype=cache.kv_dtype,
-            window=int(window),
-            softcap=float(softcap),
-            sinks=sinks is not None,
-            device=q.device.type,
-            decode_only=batch.decode_only,
-            return_lse=return_lse,
-        )
-        reasons = self.reasons(spec)
-        if reasons:
-            raise UnsupportedSpecError(self.name, reasons)
+        key = _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse)
+        checked = self.__dict__.setdefault("_checked_calls", {})
+        if key is None or key not in checked:
+            self._check_call(q, cache, batch, window, softcap, scale, sinks, out, return_lse)
+            if key is not None:
+                if len(checked) >= _CHECKED_CALLS_MAX:
+                    checked.clear()  # old steps' batches; the live ones are checked again once
+                checked[key] = True
         if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
             # A device read, so only here: an infinite sink gives zeros in one backend and NaN
@@ -358,6 +381,29 @@ class Backend:
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------- checks
+    def _check_call(self, q, cache, batch, window, softcap, scale, sinks, out, return_lse) -> None:
+        """Every host-side check of a ``forward`` call: the inputs, then the spec they make."""
+        self._check_inputs(q, cache, batch, window, softcap, scale, sinks, out)
+        if not isinstance(return_lse, bool):
+            raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
+        spec = AttentionSpec(
+            num_heads=q.shape[1],
+            num_kv_heads=cache.num_kv_heads,
+            head_dim=q.shape[2],
+            block_size=cache.block_size,
+            dtype=q.dtype,
+            kv_dtype=cache.kv_dtype,
+            window=int(window),
+            softcap=float(softcap),
+            sinks=sinks is not None,
+            device=q.device.type,
+            decode_only=batch.decode_only,
+            return_lse=return_lse,
+        )
+        reasons = self.reasons(spec)
+        if reasons:
+            raise UnsupportedSpecError(self.name, reasons)
+
     def _batch_of(self, meta: Any) -> BatchMeta:
         """The BatchMeta of ``meta`` (a BatchMeta or a plan with a ``meta`` attribute)."""
         batch = meta if isinstance(meta, BatchMeta) else getattr(meta, "meta", None)

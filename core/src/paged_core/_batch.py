@@ -18,6 +18,7 @@ a CUDA graph): its rows produce exact zeros and its ``slot_mapping`` entries are
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 import operator
@@ -29,6 +30,8 @@ from ._errors import BatchMetaError, InputError
 from ._spec import INT32_LIMIT, check_device
 
 __all__ = ["BatchMeta", "BlockAllocator"]
+
+_GENERATIONS = itertools.count(1)  # BatchMeta._generation
 
 
 class BlockAllocator:
@@ -164,6 +167,9 @@ class BatchMeta:
     seq_lens_cpu: torch.Tensor | None = None
     # The fields check_structure() last accepted: every layer of a step shares one BatchMeta.
     _checked: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # A number no other check of any object had: callers cache what they checked against this
+    # object under it (Backend.forward), and a re-check gives a new one. 0: never checked.
+    _generation: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -515,6 +521,7 @@ class BatchMeta:
         # The very objects checked (held, so an identity is never reused): assigning any field
         # a new tensor or host int makes the next call check again.
         self._checked = fields
+        self._generation = next(_GENERATIONS)
         return self
 
     def validate(self, *, num_blocks: int | None = None) -> BatchMeta:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import numbers
 import operator
 from typing import cast
@@ -30,6 +31,7 @@ __all__ = [
 
 #: Largest code magnitude per quantized storage format.
 Q_MAX = {"int8": 127.0, "fp8": 448.0}
+_GENERATIONS = itertools.count(1)  # KVCache._generation
 _CODE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _ELEM_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -59,6 +61,9 @@ class KVCache:
     # The fields check() last accepted (every layer call checks the same cache object), and
     # whether ``_spill`` still holds the storage of those very views.
     _checked: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # A number no other check of any object had: callers cache what they checked against this
+    # object under it (Backend.forward), and a re-check gives a new one. 0: never checked.
+    _generation: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
     _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @property
@@ -157,6 +162,7 @@ class KVCache:
                 )
         self._spill_ok = self._spill_matches()
         self._checked = fields
+        self._generation = next(_GENERATIONS)
         return self
 
     def _spill_matches(self) -> bool:

@@ -119,7 +119,7 @@ class TritonSplitKVBackend(TritonBackend):
         unified_attention(
             q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            scale=scale, window=window, **kv,
+            scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
         )
 
 

@@ -211,6 +211,7 @@ if INTERPRET:
     # One fixed config under the interpreter: autotuning there only multiplies the run time.
     # 32 spans two 16-token blocks and is smaller than a 64-token block: both gather paths.
     _SPLIT_CONFIGS = [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    SPLIT_DEFAULT_CONFIG = _SPLIT_CONFIGS[0]
 else:
     _SPLIT_CONFIGS = [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
@@ -225,8 +226,11 @@ else:
             (128, 8, 2),
         ]
     ]
+    # What PAGED_AUTOTUNE=0 runs, and what a CUDA-graph capture compiles on a new key (nothing
+    # can be timed there).
+    SPLIT_DEFAULT_CONFIG = _SPLIT_CONFIGS[2]  # (64, 4 warps, 3 stages)
     if not AUTOTUNE:
-        _SPLIT_CONFIGS = _SPLIT_CONFIGS[2:3]  # (64, 4 warps, 3 stages)
+        _SPLIT_CONFIGS = [SPLIT_DEFAULT_CONFIG]
 
 
 # The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
@@ -415,6 +419,7 @@ def split_kv_attention_kernel(
 # many requests, so the tile is compute-shaped, unlike the 16-row decode tiles above.
 if INTERPRET:
     _PREFIX_CONFIGS = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    PREFIX_DEFAULT_CONFIG = _PREFIX_CONFIGS[0]
 else:
     _PREFIX_CONFIGS = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
@@ -427,8 +432,9 @@ else:
             (128, 64, 8, 3),
         ]
     ]
+    PREFIX_DEFAULT_CONFIG = _PREFIX_CONFIGS[1]  # (64 rows, 64 keys, 4 warps, 2 stages)
     if not AUTOTUNE:
-        _PREFIX_CONFIGS = _PREFIX_CONFIGS[1:2]  # (64 rows, 64 keys, 4 warps, 2 stages)
+        _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
 @triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"])

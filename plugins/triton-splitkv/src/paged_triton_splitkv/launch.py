@@ -24,8 +24,22 @@ import torch
 import triton
 from paged_core import InputError
 from paged_triton_unified import INTERPRET, sm_count
+from paged_triton_unified.direct import DirectKernel
 
-from .kernels import cascade_prefix_kernel, merge_states_kernel, split_kv_attention_kernel
+from .kernels import (
+    PREFIX_DEFAULT_CONFIG,
+    SPLIT_DEFAULT_CONFIG,
+    cascade_prefix_kernel,
+    merge_states_kernel,
+    split_kv_attention_kernel,
+)
+
+# Launched directly once compiled, and compiled safely inside a CUDA-graph capture on a first
+# call (paged_triton_unified.direct).
+_split = DirectKernel(split_kv_attention_kernel, capture_config=lambda _: SPLIT_DEFAULT_CONFIG)
+_split_fixed = DirectKernel(split_kv_attention_kernel.fn)
+_merge = DirectKernel(merge_states_kernel)
+_prefix = DirectKernel(cascade_prefix_kernel, capture_config=lambda _: PREFIX_DEFAULT_CONFIG)
 
 __all__ = [
     "cascade_attention",
@@ -320,9 +334,9 @@ def _launch_split(
     else:
         out, out_lse, sinks = q, None, None
     out_lse_t = out_lse if out_lse is not None else part_lse
-    kernel, fixed = split_kv_attention_kernel, {}
+    kernel, fixed = _split, {}
     if kernel_config is not None:
-        kernel, fixed = split_kv_attention_kernel.fn, dict(kernel_config)  # the jitted kernel, no tuning
+        kernel, fixed = _split_fixed, dict(kernel_config)  # the jitted kernel, no tuning
     kernel[grid](
         q_ptr=q,
         block_table_ptr=block_table,
@@ -426,7 +440,7 @@ def merge_states(
               f"float32 [{num_heads}] on {dev}", "or pass sinks=None")
     if num_tokens == 0 or num_heads == 0:
         return out, out_lse
-    merge_states_kernel[(num_tokens, num_heads)](
+    _merge[(num_tokens, num_heads)](
         parts_out_ptr=outputs,
         parts_lse_ptr=lses,
         sinks_ptr=sinks if sinks is not None else lses,
@@ -606,7 +620,7 @@ def cascade_attention(
 def _launch_prefix(grid, q, block_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,
                    keys_per_split, num_tokens, num_reqs, num_blocks, max_blocks, group, kv) -> None:
     """cascade_attention's prefix pass: every query row of the batch against the shared blocks."""
-    cascade_prefix_kernel[grid](
+    _prefix[grid](
         q_ptr=q,
         block_table_ptr=block_table,
         seq_lens_ptr=seq_lens,

@@ -27,7 +27,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["AUTOTUNE", "INTERPRET", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
+__all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
 
 # Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
 # it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
@@ -494,9 +494,25 @@ def _prune(configs, named_args, **kwargs):
         # Both classes' pipelined K/V buffers share the launch's shared memory.
         kept = [c for c in kept if c.num_stages <= 2]
     if not AUTOTUNE:
-        default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
-        kept = [c for c in kept if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or kept[:1]
+        kept = _default_of(kept, block_m)
     return kept or configs[:1]
+
+
+def _default_of(configs, block_m):
+    default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
+    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or configs[:1]
+
+
+def capture_config(named_args):
+    """The config compiled without timing when a CUDA-graph capture meets a new key (nothing
+    can be benchmarked there): the one PAGED_AUTOTUNE=0 runs for this shape class."""
+    configs = unified_attention_kernel.configs
+    kept = _prune(configs, named_args)
+    if AUTOTUNE:
+        args = named_args
+        block_m = (args["BLOCK_Q_LARGE"] if args["FUSED"] else args["BLOCK_Q"]) * args["GROUP_PAD"]
+        kept = _default_of(kept, block_m)
+    return kept[0]
 
 
 

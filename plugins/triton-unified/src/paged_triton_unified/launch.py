@@ -13,7 +13,8 @@ from typing import NoReturn
 import torch
 from paged_core import InputError
 
-from .kernels import INTERPRET, INTERPRET_CONFIG, tile_plan_kernel, unified_attention_kernel
+from .direct import DirectKernel
+from .kernels import INTERPRET, INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
 
 __all__ = [
     "BLOCK_M_LARGE",
@@ -46,6 +47,12 @@ BLOCK_M_LARGE = 128
 BLOCK_M_LARGE_WIDE_HEAD = 64
 
 _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
+
+# Launched directly once compiled (a few us instead of Triton's ~100 us of per-call Python), and
+# compiled safely inside a CUDA-graph capture on a first call (paged_triton_unified.direct).
+_attention = DirectKernel(unified_attention_kernel, capture_config=capture_config)
+_attention_fixed = DirectKernel(unified_attention_kernel.fn)
+_tile_plan = DirectKernel(tile_plan_kernel)
 
 
 # Keys per step of the decode tiles inside a fused launch when the autotuner picks the config
@@ -157,6 +164,19 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Lau
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _batch_config(num_q_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int, max_query_len: int,
+                  num_sms: int | None) -> LaunchConfig:
+    """The default config adapted to a batch (cached: every layer of a step asks the same)."""
+    config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if num_sms is not None and max_query_len > config.block_q_small:
+        # Only the default adapts to the batch: an explicit config is taken as given.
+        config = dataclasses.replace(config, block_q_large=large_tile_tokens(
+            num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
+            group_pad=_next_power_of_2(num_q_heads // num_kv_heads), num_sms=num_sms))
+    return config
+
+
 def _fail(what: str, found: object, accepted: str, fix: str) -> NoReturn:
     raise InputError(f"{what} is {found}; triton-unified accepts {accepted}; {fix}")
 
@@ -195,6 +215,7 @@ def unified_attention(
     v_scale: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Paged attention for a flattened batch of requests in any mix of prefill and decode.
 
@@ -225,6 +246,8 @@ def unified_attention(
             log-sum-exp of the scaled (soft-capped) logits over the visible keys, sinks
             included; ``-inf`` for rows with no visible key.
         config: tiling/kernel config; default :func:`default_config` (autotuned on the GPU).
+        check: False skips this function's own checks (below), for a caller that passes the
+            default config and arguments ``paged_core.Backend.forward`` has checked.
 
     Returns:
         ``out``.
@@ -262,13 +285,9 @@ def unified_attention(
     head_dim_pad = max(16, _next_power_of_2(head_dim))
     num_sms = sm_count(q.device)
     if config is None:
-        config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        if num_sms is not None and max_query_len > config.block_q_small:
-            # Only the default adapts to the batch: an explicit config is taken as given.
-            config = dataclasses.replace(config, block_q_large=large_tile_tokens(
-                num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
-                group_pad=group_pad, num_sms=num_sms))
-    _check(q, k_cache, v_cache, out, config, group_pad)
+        config = _batch_config(num_q_heads, num_kv_heads, head_dim, num_tokens, max_query_len, num_sms)
+    if check:
+        _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
     if k_cache.dtype == torch.int8:
@@ -294,7 +313,7 @@ def unified_attention(
     if fused:
         tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
         tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
-        tile_plan_kernel[(1,)](
+        _tile_plan[(1,)](
             query_start_loc_ptr=query_start_loc,
             tile_end_small_ptr=tile_end_small,
             tile_end_large_ptr=tile_end_large,
@@ -314,10 +333,10 @@ def unified_attention(
         num_large_tiles = 0
         grid = (num_reqs, num_kv_heads)
 
-    kernel = unified_attention_kernel
+    kernel = _attention
     fixed = {}
     if config.block_n is not None:
-        kernel = kernel.fn  # the jitted kernel under the autotuner
+        kernel = _attention_fixed  # the jitted kernel under the autotuner
         fixed = {
             "BLOCK_N": config.block_n,
             "num_warps": config.num_warps or 4,

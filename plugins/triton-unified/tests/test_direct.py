@@ -1,0 +1,87 @@
+"""paged_triton_unified.direct: the specialisation key (CPU) and first-call CUDA-graph capture (GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paged_triton_unified.direct import DirectKernel, specialization_key
+
+KINDS = DirectKernel.kinds_of(["x_ptr", "n", "stride", "BLOCK"], constexprs={"BLOCK"}, nospec={"n"})
+
+
+def _key(x, *, n=100, stride=64, block=32):
+    return specialization_key(KINDS, {"x_ptr": x, "n": n, "stride": stride, "BLOCK": block})
+
+
+def test_same_specialisation_same_key():
+    buf = torch.zeros(256, dtype=torch.float16)
+    # Another 16-byte-aligned view, another request count, another stride divisible by 16.
+    assert _key(buf) == _key(buf[8:], n=7, stride=128)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(dict(x=torch.zeros(256, dtype=torch.float16)[1:]), id="pointer-alignment"),
+        pytest.param(dict(x=torch.zeros(256, dtype=torch.bfloat16)), id="tensor-dtype"),
+        pytest.param(dict(block=64), id="constexpr"),
+        pytest.param(dict(stride=1), id="int-equal-to-1"),
+        pytest.param(dict(stride=72), id="int-not-divisible-by-16"),
+        pytest.param(dict(stride=2**31), id="int-beyond-int32"),
+        pytest.param(dict(n=2**31), id="unspecialised-int-beyond-int32"),
+        pytest.param(dict(stride=2**63), id="int-beyond-int64"),
+    ],
+)
+def test_each_specialisation_changes_the_key(change):
+    base = torch.zeros(256, dtype=torch.float16)
+    assert _key(base) != _key(change.pop("x", base), **change)
+
+
+def test_autotune_key_values_enter_exactly():
+    kinds = DirectKernel.kinds_of(["occupancy"], constexprs={"occupancy"})
+    assert specialization_key(kinds, {"occupancy": 2}) != specialization_key(kinds, {"occupancy": 4})
+
+
+def test_launch_options_and_unknown_names_enter_with_their_value():
+    kinds = {**KINDS, "num_warps": 2}  # _EXACT
+    x = torch.zeros(16)
+    a = specialization_key(kinds, {"x_ptr": x, "num_warps": 4})
+    assert a != specialization_key(kinds, {"x_ptr": x, "num_warps": 8})
+    assert specialization_key(KINDS, {"other": 1}) != specialization_key(KINDS, {"other": 2})
+
+
+def test_interpreter_kernels_take_the_normal_path():
+    from paged_triton_unified import launch
+
+    if not launch.INTERPRET:
+        pytest.skip("checks the TRITON_INTERPRET=1 path; this run compiles for a GPU")
+    assert not launch._attention.enabled and not launch._tile_plan.enabled
+
+
+HOST_COST = Path(__file__).resolve().parents[3] / "scripts" / "host_cost.py"
+CAPTURE_CASES = ["decode_only-long_and_short", "mixed_prefill_and_decode-g4"]
+
+
+def first_call_capture(backend: str, case: str, tmp_path: Path, autotune: str) -> None:
+    """Run the first-call capture check in a fresh process with an empty Triton cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("first-call CUDA-graph capture needs a CUDA device")
+    if not HOST_COST.exists():
+        pytest.skip(f"needs the repository's {HOST_COST.name} (not in an installed distribution)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PAGED_AUTOTUNE=autotune)
+    proc = subprocess.run([sys.executable, str(HOST_COST), "capture", backend, case], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.startswith("ok "), proc.stdout
+
+
+@pytest.mark.parametrize("autotune", ["1", "0"], ids=["autotune", "fixed-config"])
+@pytest.mark.parametrize("case", CAPTURE_CASES)
+def test_first_call_is_capture_safe(case, autotune, tmp_path):
+    first_call_capture("triton-unified", case, tmp_path, autotune)
