@@ -76,19 +76,37 @@ def tests(session: nox.Session) -> None:
     session.run("paged", "list")
     # One pytest per test tree: each has its own conftest.py, and pytest's default import mode
     # cannot hold two top-level modules called conftest in one run.
-    session.run("pytest", "tests", "--doctest-modules", "core/src/paged_core", *session.posargs)
-    session.run("pytest", "conformance/tests", *session.posargs)
-    for p in PLUGINS:
-        if (ROOT / "plugins" / p / "tests").exists():
-            # The plugins' doctests too: their launch heuristics (tile sizes, split counts,
-            # occupancy classes) are specified by example there.
-            session.run("pytest", f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src", *session.posargs)
-    for i in INTEGRATIONS:
-        # Each engine integration inside its engine (transformers' generate_batch on tiny models).
-        session.run("pytest", f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src",
-                    *session.posargs)
+    runs = [["tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"]]
+    # The plugins' doctests too: their launch heuristics (tile sizes, split counts, occupancy
+    # classes) are specified by example there.
+    runs += [[f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src"]
+             for p in PLUGINS if (ROOT / "plugins" / p / "tests").exists()]
+    # Each engine integration inside its engine (transformers' generate_batch on tiny models).
+    runs += [[f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src"] for i in INTEGRATIONS]
     # The suite itself, on every installed backend, writing conformance-report.md/.json.
-    session.run("pytest", "--pyargs", "paged_conformance", *session.posargs)
+    runs += [["--pyargs", "paged_conformance"]]
+    with tempfile.TemporaryDirectory(prefix="paged-tests-") as reports:
+        for n, args in enumerate(runs):
+            # Exit status 1 (some tests failed) does not stop the others: the total says it.
+            session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
+        passed, failed, skipped = _junit_totals(pathlib.Path(reports))
+    # One line for the whole command, in the form CI reads.
+    print(f"total: {passed} passed, {failed} failed, {skipped} skipped", flush=True)
+    if failed:
+        session.error(f"{failed} test(s) failed")
+
+
+def _junit_totals(folder: pathlib.Path) -> tuple[int, int, int]:
+    """(passed, failed, skipped) over the JUnit XML reports in ``folder`` (errors count as failed)."""
+    import xml.etree.ElementTree as ET
+
+    passed = failed = skipped = 0
+    for report in sorted(folder.glob("*.xml")):
+        for suite in ET.parse(report).getroot().iter("testsuite"):
+            tests, bad = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            skip = int(suite.get("skipped", 0))
+            passed, failed, skipped = passed + tests - bad - skip, failed + bad, skipped + skip
+    return passed, failed, skipped
 
 
 def _has_cuda(session: nox.Session) -> bool:
