@@ -13,7 +13,7 @@ plan for that meta object (which is what the conformance suite does). Engines sh
 A plan is prepared for one set of attention parameters (heads, head_dim, dtype, window,
 soft-cap, scale) when first used with it, so layers with different windows share one plan.
 
-Which FlashInfer kernel runs, per batch class (measured on the H200, shared/GPU.md):
+Which FlashInfer kernel runs, per batch class (measured on an NVIDIA H200, 2026-11-29, docs/benchmarks.md):
 
 ================  =====================================================================
 decode only       ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, backend="fa2")``
