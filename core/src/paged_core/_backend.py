@@ -14,7 +14,7 @@ import inspect
 import math
 import numbers
 import os
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -22,7 +22,7 @@ from . import _ops
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
-from ._spec import KV_DTYPES, AttentionSpec, Capabilities, dtype_name
+from ._spec import KV_DTYPES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
 __all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
 
@@ -128,7 +128,7 @@ def _check_scalars(window, softcap, scale) -> None:
 
 
 @functools.cache
-def _plan_params(cls: type) -> tuple[frozenset[str], bool]:
+def _plan_params(cls: type[Backend]) -> tuple[frozenset[str], bool]:
     """The keywords ``cls._plan`` declares, and whether it takes ``**kwargs`` (read once per class)."""
     params = inspect.signature(cls._plan).parameters.values()
     names = frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -239,7 +239,7 @@ class Backend:
         if not isinstance(meta, BatchMeta):
             raise InputError(f"meta is {_found(meta)}; accepted: a paged_core.BatchMeta")
         meta.check_structure()
-        names, takes_any = _plan_params(type(self))
+        names, takes_any = _plan_params(type(self))  # type: ignore[arg-type]  # classes are hashable; typeshed's Hashable misses type[...]
         unknown = sorted(k for k in layer if k not in PLAN_KEYWORDS and k not in names)
         if unknown:
             accepted = ", ".join([*PLAN_KEYWORDS, *sorted(names - set(PLAN_KEYWORDS))])
@@ -286,7 +286,7 @@ class Backend:
             # Not given: one the backend takes, so only what was given can be refused.
             dtype=dtype if dtype is not None else min(caps.dtypes, key=dtype_name, default=torch.bfloat16),
             kv_dtype=kv_dtype if kv_dtype is not None else ("auto" if "auto" in caps.kv_dtypes
-                                                            else min(caps.kv_dtypes, default="auto")),
+                                                            else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
             window=int(window), softcap=float(softcap), sinks=sinks, device=meta.device.type,
             decode_only=meta.decode_only,
         )
@@ -362,7 +362,7 @@ class Backend:
             if isinstance(exc, PagedError):
                 raise
             raise InputError(f"backend {self.name!r} refused the call: {exc}") from exc
-        return (out, lse) if return_lse else out
+        return (out, cast(torch.Tensor, lse)) if return_lse else out
 
     def _forward(
         self,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 import triton
@@ -108,8 +108,8 @@ def _kv_args(
     # Unused scale pointers still need a tensor; the QUANT=False kernel never touches them.
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
-    ks_strides = k_scale.stride() if quant else (0, 0, 0)
-    vs_strides = v_scale.stride() if quant else (0, 0, 0)
+    ks_strides = cast(torch.Tensor, k_scale).stride() if quant else (0, 0, 0)
+    vs_strides = cast(torch.Tensor, v_scale).stride() if quant else (0, 0, 0)
     return dict(
         k_cache_ptr=k_cache,
         v_cache_ptr=v_cache,
@@ -359,11 +359,11 @@ def _launch_split(
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
         **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
-                   part_out.stride() if direct is None else (0, 0, 0, 0), strict=True)),
+                   cast(torch.Tensor, part_out).stride() if direct is None else (0, 0, 0, 0), strict=True)),
         **dict(zip(("stride_pl_s", "stride_pl_t", "stride_pl_h"),
-                   part_lse.stride() if direct is None else (0, 0, 0), strict=True)),
+                   cast(torch.Tensor, part_lse).stride() if direct is None else (0, 0, 0), strict=True)),
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-        stride_lse_t=out_lse_t.stride(0), stride_lse_h=out_lse_t.stride(1),
+        stride_lse_t=cast(torch.Tensor, out_lse_t).stride(0), stride_lse_h=cast(torch.Tensor, out_lse_t).stride(1),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,

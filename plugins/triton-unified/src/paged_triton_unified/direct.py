@@ -145,7 +145,7 @@ class DirectKernel:
         jit = kernel.fn if self.tuner is not None else kernel
         self.jit = jit
         self.capture_config = capture_config
-        self._cache: dict[tuple, tuple[Any, tuple]] = {}
+        self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         # The interpreter's kernels are not JITFunctions: they always take the normal path.
         self.enabled = isinstance(jit, JITFunction) and (
             self.tuner is None
@@ -206,9 +206,7 @@ class DirectKernel:
         if torch.cuda.is_current_stream_capturing():
             return self._launch_in_capture(grid, kwargs, device)
         compiled = _result(self.kernel[grid](**kwargs))
-        extra: dict[str, Any] = {}
-        if self.tuner is not None:
-            extra = dict(self.tuner.best_config.kwargs)
+        extra = dict(self.tuner.best_config.kwargs) if self.tuner is not None else {}
         self._cache[key] = (compiled, extra)
         return compiled
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 from paged_core import InputError
@@ -303,8 +303,8 @@ def unified_attention(
         ks, vs = k_scale, v_scale
     else:
         ks = vs = q  # never read (KV_QUANT is 0); any tensor keeps the signature fixed
-    ks_strides = ks.stride() if kv_quant else (0, 0, 0)
-    vs_strides = vs.stride() if kv_quant else (0, 0, 0)
+    ks_strides = cast(torch.Tensor, ks).stride() if kv_quant else (0, 0, 0)
+    vs_strides = cast(torch.Tensor, vs).stride() if kv_quant else (0, 0, 0)
     lse_strides = lse.stride() if lse is not None else (0, 0)
 
     # Requests longer than one small tile get large tiles, so a long prefill reaches tensor-core
@@ -326,7 +326,7 @@ def unified_attention(
         # requests <= num_tokens // B + (number of requests). Programs past the last real tile
         # exit at once.
         num_large_tiles = num_tokens // bq_large + min(num_reqs, num_tokens // (bq_small + 1))
-        grid = (num_kv_heads * (num_large_tiles + num_reqs),)
+        grid: tuple[int, ...] = (num_kv_heads * (num_large_tiles + num_reqs),)
     else:
         # Every request fits one small tile: tile r is request r, no plan needed.
         tile_end_small = tile_end_large = seq_lens  # never read
