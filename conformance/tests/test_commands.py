@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _paged(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PAGED_PLUGINS"}
@@ -40,3 +42,20 @@ def test_paged_bench_help_keeps_its_options():
                    "--sweep-len", "--sweep-batches", "--json", "--plot", "--quick", "--device", "--warmup",
                    "--rep", "--no-cuda-graph", "--no-baselines", "--seed"):
         assert option in proc.stdout, option
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "--backend", "reference", "--case", "first_token", "--report", "{bad}/report"],
+    ["bench", "--backend", "reference", "--cases", "decode", "--json", "{bad}/bench.json"],
+    ["bench", "--backend", "reference", "--cases", "decode", "--plot", "{bad}/bench.png"],
+], ids=["check-report", "bench-json", "bench-plot"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, argv):
+    # A regular file where a folder should be: no folder can be created under it.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    from paged_core._cli import main
+
+    assert main([a.replace("{bad}", str(blocker)) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written" in err and str(blocker) in err, err
+    assert blocker.read_text() == ""

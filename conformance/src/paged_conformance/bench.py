@@ -55,6 +55,7 @@ from paged_core import (
 
 from . import floor as _floor
 from .cases import Batch
+from .report import check_writable
 from .tolerances import Tolerance, output_tolerance
 from .workload import allocate_tables, blocks_needed
 
@@ -1086,6 +1087,9 @@ def _pool_bytes(cache: KVCache) -> int:
 def main(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
     """``paged bench``. Exit status 0; 1 if any backend was WRONG or raised; 2 on bad options."""
     try:
+        for option in ("json", "plot"):
+            if getattr(args, option, None):
+                check_writable(f"--{option}", getattr(args, option))
         result = run(args, registry=registry)
     except PagedError as exc:
         print(f"paged bench: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Outcome", "Cell", "Matrix", "report_paths"]
+__all__ = ["Outcome", "Cell", "Matrix", "report_paths", "check_writable"]
 
 PASS, SKIP, FAIL = "pass", "skip", "fail"
 
@@ -48,6 +48,26 @@ def _fmt_err(x: float | None) -> str:
     if x is None:
         return ""
     return "inf/NaN" if math.isinf(x) or math.isnan(x) else f"{x:.1e}"
+
+
+def check_writable(option: str, path: str | Path) -> None:
+    """Refuse, before any work, an output path that cannot be written (``--report``, ``--json``,
+    ``--plot``): a run of minutes must not end in a traceback. Creates missing parent folders."""
+    from paged_core import InputError
+
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        existed = target.exists()
+        with open(target, "a"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as exc:
+        raise InputError(
+            f"{option} {str(path)!r} cannot be written ({exc.strerror or exc}); accepted: a path in a "
+            "writable folder (missing folders are created)"
+        ) from exc
 
 
 def report_paths(base: str | Path) -> tuple[Path, Path]:

@@ -21,7 +21,7 @@ from . import checks
 from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
 from .cases import SIZES, default_device, default_size
 from .cases import cases as all_cases
-from .report import FAIL, PASS, SKIP, Matrix, Outcome
+from .report import FAIL, PASS, SKIP, Matrix, Outcome, check_writable, report_paths
 from .tolerances import ConformanceFailure
 
 __all__ = ["add_arguments", "main", "merge", "run"]
@@ -169,7 +169,10 @@ def main(args: argparse.Namespace) -> int:
     """``paged check`` (registered by :mod:`.commands`): 0 if nothing failed, 1 if something did,
     2 on a usage error."""
     started = time.perf_counter()
+    report = getattr(args, "report", None) or "conformance-report"
     try:
+        for path in report_paths(report):
+            check_writable("--report", path)
         if getattr(args, "merge", None):
             matrix = merge(args.merge)
         else:
@@ -178,7 +181,6 @@ def main(args: argparse.Namespace) -> int:
     except PagedError as exc:  # an unknown backend or case, an unreadable report: a usage error
         print(f"paged check: {exc}", file=sys.stderr)
         return 2
-    report = getattr(args, "report", None) or "conformance-report"
     md, js = matrix.write(report)
     if getattr(args, "json", False):
         json.dump(matrix.to_json(), sys.stdout, indent=2)
