@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the Triton kernels per config, for sm_90a, offline.
 
 No GPU needed: Triton compiles the kernel to a cubin with its bundled ptxas and cuobjdump reads
-the resource usage. It answers "does this config spill?" before a device call is spent on it:
+the resource usage. It answers "does this config spill?" before any GPU time is spent on it:
     python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
     python scripts/kernel_resources.py --head-dim 256 --group 8
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
