@@ -216,7 +216,14 @@ class Backend:
         self._check_batch_fits(batch, cache)
         if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
-        write_kv(cache, k, v, batch.slot_mapping)  # checks k and v before writing anything
+        self._write(cache, k, v, batch.slot_mapping)
+
+    def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The backend's own write; the cache and batch are checked. Default: :func:`write_kv`
+        (pure PyTorch), which checks ``k`` and ``v`` before writing anything. An override must
+        write exactly what :func:`write_kv` writes (codes and scales included) and refuse what it
+        refuses."""
+        write_kv(cache, k, v, slot_mapping)
 
     # ----------------------------------------------------------------------------- attention
     def plan(self, meta: BatchMeta, **layer: Any) -> Any:
