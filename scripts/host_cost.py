@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -93,7 +94,10 @@ def capture(backend_name: str, case_id: str, size: str = "small") -> int:
         cache = wl.fresh_cache(backend)
         backend.write(cache, wl.k_new, wl.v_new, wl.meta)
         kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
-        plan = backend.plan(wl.meta)
+        # The layers' description, as an engine passes it: FlashInfer plans on the host with it.
+        plan = backend.plan(wl.meta, num_heads=wl.q.shape[1], num_kv_heads=cache.num_kv_heads,
+                            head_dim=wl.q.shape[2], dtype=wl.q.dtype, window=case.window,
+                            softcap=case.softcap, scale=case.scale, sinks=wl.sinks is not None)
         static_q = torch.zeros_like(wl.q)
         static_out = torch.full(tuple(wl.q.shape), float("nan"), dtype=wl.q.dtype, device=device)
         torch.cuda.synchronize()
@@ -109,7 +113,8 @@ def capture(backend_name: str, case_id: str, size: str = "small") -> int:
             tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
             query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
         )
-    except Exception as exc:  # reported as one line: the caller runs many of these
+    except Exception as exc:  # one line on stdout (the caller runs many), the traceback on stderr
+        traceback.print_exc()
         print(f"FAIL {backend_name} {case_id}: {type(exc).__name__}: {exc}")
         return 1
     print(f"ok {backend_name} {case_id}: max error {err:.3g}")
@@ -134,6 +139,10 @@ def capture_checks(names: list[str]) -> None:
                         proc = subprocess.run([sys.executable, __file__, "capture", name, case], env=env,
                                               capture_output=True, text=True, timeout=900)
                         line = (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-500:]])[-1]
+                        if proc.returncode:
+                            # Where it failed: the end of the traceback (the first error matters).
+                            tail = proc.stderr.strip().splitlines()[-12:]
+                            line += "".join(f"\n    {t}" for t in tail)
                     except subprocess.TimeoutExpired:
                         line = "FAIL: timed out"
                 print(f"PAGED_AUTOTUNE={autotune} {line}", flush=True)

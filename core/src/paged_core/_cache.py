@@ -271,7 +271,9 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
-    scale = torch.where(amax > 0, amax / Q_MAX[kv_dtype], torch.ones_like(amax))
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal
+    # (a last-bit difference from the CPU), so the same K/V would get other scales per device.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, Q_MAX[kv_dtype]), torch.ones_like(amax))
     y = xf / scale.unsqueeze(-1)
     if kv_dtype == "int8":
         codes = y.round().clamp(-127, 127).to(torch.int8)

@@ -63,6 +63,41 @@ def test_interpreter_kernels_take_the_normal_path():
     assert not launch._attention.enabled and not launch._tile_plan.enabled
 
 
+# Compiled mode needs no GPU to *define* kernels: a fresh process without TRITON_INTERPRET sees
+# the DirectKernels the launchers really use on a GPU.
+_COMPILED_KERNELS = """
+import triton
+from paged_triton_unified import launch
+from paged_triton_splitkv import launch as split
+from paged_triton_unified.direct import DirectKernel
+kernels = {n: getattr(m, n) for m in (launch, split) for n in dir(m)
+           if isinstance(getattr(m, n), DirectKernel)}
+print(sorted(n for n, k in kernels.items() if not k.enabled))
+
+@triton.jit
+def f(x_ptr, BLOCK: tl.constexpr):
+    pass
+
+hooked = triton.autotune(configs=[triton.Config({"BLOCK": 16})], key=[], pre_hook=lambda *a, **k: None)(f)
+zeroed = triton.autotune(configs=[triton.Config({"BLOCK": 16})], key=[], reset_to_zero=["x_ptr"])(f)
+plain = triton.autotune(configs=[triton.Config({"BLOCK": 16})], key=[])(f)
+print([DirectKernel(k).enabled for k in (hooked, zeroed, plain)])
+"""
+
+
+def test_every_launcher_kernel_launches_directly_when_compiled(tmp_path):
+    """Triton's Autotuner always holds no-op hook lambdas: mistaking them for user hooks sent every
+    autotuned kernel through Triton's ~100 us path (and broke first-call capture)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = tmp_path / "probe.py"  # a file: triton.jit reads its kernel's source
+    probe.write_text("import triton.language as tl\n" + _COMPILED_KERNELS)
+    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    disabled, hooks = proc.stdout.strip().splitlines()[-2:]
+    assert disabled == "[]", f"DirectKernels on Triton's slow path: {disabled}"
+    assert hooks == "[False, False, True]", "an autotuner with hooks of its own must take Triton's path"
+
+
 HOST_COST = Path(__file__).resolve().parents[3] / "scripts" / "host_cost.py"
 CAPTURE_CASES = ["decode_only-long_and_short", "mixed_prefill_and_decode-g4"]
 

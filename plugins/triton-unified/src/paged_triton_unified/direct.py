@@ -116,6 +116,21 @@ def _result(compiled: Any) -> Any:
     return compiled.result() if hasattr(compiled, "result") else compiled
 
 
+def _tuner_hooks(tuner: Any) -> bool:
+    """Whether an autotuner runs code of its own around each launch (which a direct launch skips).
+
+    Triton's ``Autotuner`` always holds ``pre_hook``/``post_hook`` callables (no-op lambdas when
+    none was given), so what counts is whether the user gave one (``user_defined_*``, Triton
+    >= 3.3) or asked for ``reset_to_zero``/``restore_value``, or a config has its own hook.
+    """
+    if tuner.reset_to_zero or tuner.restore_value or any(c.pre_hook is not None for c in tuner.configs):
+        return True
+    if hasattr(tuner, "user_defined_pre_hook"):
+        return bool(tuner.user_defined_pre_hook or getattr(tuner, "user_defined_post_hook", False))
+    # Older Triton: hooks are None unless given.
+    return getattr(tuner, "pre_hook", None) is not None or getattr(tuner, "post_hook", None) is not None
+
+
 def _hooks_empty() -> bool:
     from triton import knobs
 
@@ -147,12 +162,7 @@ class DirectKernel:
         self.capture_config = capture_config
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         # The interpreter's kernels are not JITFunctions: they always take the normal path.
-        self.enabled = isinstance(jit, JITFunction) and (
-            self.tuner is None
-            or (not self.tuner.reset_to_zero and not self.tuner.restore_value
-                and all(c.pre_hook is None for c in self.tuner.configs)
-                and getattr(self.tuner, "pre_hook", None) is None and getattr(self.tuner, "post_hook", None) is None)
-        )
+        self.enabled = isinstance(jit, JITFunction) and (self.tuner is None or not _tuner_hooks(self.tuner))
         if not isinstance(jit, JITFunction):
             return
         params = jit.params
