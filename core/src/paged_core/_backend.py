@@ -60,22 +60,24 @@ def _capturing() -> bool:
 _CHECKED_CALLS_MAX = 4096
 
 
-def _tensor_key(t: Any) -> tuple | None:
-    return (t.shape, t.dtype, t.device, t.stride(-1))
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # stride() costs half of stride(-1) (argument parsing); the checks read only its last entry.
+    return (t.shape, t.dtype, t.device, t.stride())
 
 
 def _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse) -> tuple | None:
     """Everything ``Backend._check_call`` reads, or None when it must run regardless.
 
-    The layers of one step pass the same batch, caches of one shape and q/out of one shape,
-    so their checks give the same answer: ``forward`` runs them once per key. The cache and the
-    batch enter by the generation of their own (cached) structure check, a number no other
-    check ever had, so a new object or a reassigned field is a new key; q, out and sinks enter
-    by everything the checks read of them; the scalars by value and type (NaN never matches,
-    so it is refused every time). Odd types (a tensor subclass, a numpy scalar) take the full
-    checks on every call.
+    The layers of one step pass the same batch, caches of one layout and q/out of one shape,
+    so their checks give the same answer: ``forward`` runs them once per key, i.e. once per
+    step for all layers. The cache enters by its layout (shapes, strides, dtypes, device: what
+    the checks read of it) and the batch by the generation of its own (cached) structure check,
+    a number no other check ever had, so a new batch or a reassigned field is a new key; q, out
+    and sinks by everything the checks read of them; the scalars by value and type (NaN never
+    matches, so it is refused every time). Odd types (a tensor subclass, a numpy scalar) take
+    the full checks on every call.
     """
-    if type(q) is not torch.Tensor or q.dim() != 3 or not isinstance(cache, KVCache):
+    if type(q) is not torch.Tensor or not isinstance(cache, KVCache):
         return None
     cache.check()  # in the order _check_inputs checks: the same first error either way
     batch.check_structure()
@@ -86,8 +88,8 @@ def _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse) -
         return None
     if type(return_lse) is not bool:
         return None
-    return (cache._generation, batch._generation, _tensor_key(q), window, type(softcap), softcap,
-            type(scale), scale, None if sinks is None else _tensor_key(sinks),
+    return (cache._layout, batch._generation, q.shape, q.dtype, q.device, q.stride(), window, type(softcap),
+            softcap, type(scale), scale, None if sinks is None else _tensor_key(sinks),
             None if out is None else _tensor_key(out), return_lse)
 
 
@@ -328,9 +330,11 @@ class Backend:
         if torch.compiler.is_compiling():
             return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,
                                 sinks=sinks, out=out, return_lse=return_lse)
-        batch = self._batch_of(meta)
+        batch = meta if type(meta) is BatchMeta else self._batch_of(meta)
         key = _call_key(q, cache, batch, window, softcap, scale, sinks, out, return_lse)
-        checked = self.__dict__.setdefault("_checked_calls", {})
+        checked = self.__dict__.get("_checked_calls")
+        if checked is None:
+            checked = self.__dict__["_checked_calls"] = {}
         if key is None or key not in checked:
             self._check_call(q, cache, batch, window, softcap, scale, sinks, out, return_lse)
             if key is not None:
@@ -349,8 +353,6 @@ class Backend:
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        if scale is None:
-            scale = q.shape[2] ** -0.5
         if meta is not batch and type(self)._plan is Backend._plan and type(self).plan is Backend.plan:
             # Another backend's plan: a backend without its own plan expects the BatchMeta.
             meta = batch
@@ -360,8 +362,10 @@ class Backend:
             sinks = sinks.contiguous()
         try:
             self._forward(
-                q, cache, meta, out=out, lse=lse, scale=float(scale), window=int(window),
-                softcap=float(softcap), sinks=sinks,
+                q, cache, meta, out=out, lse=lse,
+                scale=q.shape[2] ** -0.5 if scale is None else scale if type(scale) is float else float(scale),
+                window=window if type(window) is int else int(window),
+                softcap=softcap if type(softcap) is float else float(softcap), sinks=sinks,
             )
         except ValueError as exc:
             # A backend's own launcher refused the arguments (they raise plain ValueError, as

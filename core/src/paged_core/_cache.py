@@ -61,9 +61,13 @@ class KVCache:
     # The fields check() last accepted (every layer call checks the same cache object), and
     # whether ``_spill`` still holds the storage of those very views.
     _checked: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-    # A number no other check of any object had: callers cache what they checked against this
-    # object under it (Backend.forward), and a re-check gives a new one. 0: never checked.
+    # A number no other check of any object had (a re-check gives a new one). 0: never checked.
     _generation: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    # What a call can depend on besides values, for the last accepted fields: shapes, strides,
+    # dtypes, device and 16-byte alignment of every tensor. The caches of a model's layers have
+    # equal layouts, so per-call caches keyed by it (Backend.forward's checks, a launcher's
+    # prepared arguments) serve every layer. None: never checked.
+    _layout: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @property
@@ -161,9 +165,17 @@ class KVCache:
                     "(allocate it with allocate_kv_cache(..., kv_dtype=...))"
                 )
         self._spill_ok = self._spill_matches()
+        self._layout = (self.kv_dtype, self.dtype, self.k.device, self._spill_ok,
+                        *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
         self._checked = fields
         self._generation = next(_GENERATIONS)
         return self
+
+    def layout(self) -> tuple:
+        """The checked cache's layout key (see ``_layout``): equal for every layer's cache of one
+        model, so what depends only on it can be computed once for all layers."""
+        self.check()
+        return cast(tuple, self._layout)
 
     def _spill_matches(self) -> bool:
         """Whether ``_spill`` is the storage the views start at, one block longer: only then do
@@ -300,6 +312,10 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
             f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
         )
     return codes.float() * scales.float().unsqueeze(-1)
+
+
+def _tensor_layout(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
