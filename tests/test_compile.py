@@ -16,7 +16,16 @@ import re
 import pytest
 import torch
 from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
-from paged_core import BatchMeta, InputError, KVCache, UnsupportedSpecError, _ops, reference_attention, registry
+from paged_core import (
+    AttentionSpec,
+    BatchMeta,
+    InputError,
+    KVCache,
+    UnsupportedSpecError,
+    _ops,
+    reference_attention,
+    registry,
+)
 from torch._dynamo.testing import CompileCounterWithBackend
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -52,14 +61,21 @@ def step(backend, q, k, v, cache, plan):
     return backend.forward(q, cache, plan, return_lse=True)
 
 
-def get(name: str):
-    """The backend, or a skip with the registry's reason it cannot run here."""
+def get(name: str, device: str | None = "cpu"):
+    """The backend, or a skip with the registry's reason it cannot run here (on ``device``, if
+    given: a GPU machine runs Triton compiled, and then not on the CPU)."""
     if name not in registry.names():
         pytest.skip(f"{name}: not installed (no registered backend of that name)")
     reasons = registry.unavailable(name)
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
-    return registry.get(name)
+    backend = registry.get(name)
+    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
+                         dtype=torch.float32, device=device or "cpu")
+    reasons = [] if device is None else backend.reasons(spec)
+    if reasons:
+        pytest.skip(f"{name} on {device}: {'; '.join(reasons)}")
+    return backend
 
 
 def inputs(meta: BatchMeta, dtype=torch.float32, seed=0):
@@ -292,7 +308,7 @@ def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype
     """Every CUDA backend, vendor calls included, compiled by inductor with fullgraph=True: a
     mixed step, then decode steps (split-KV's split path, FlashInfer's decode wrapper) with a
     new plan each; one compilation per shape."""
-    backend = get(name)
+    backend = get(name, device=None)  # the spec is checked by plan(): flash-attn2 needs 256-token blocks
     block = 256 if name == "flash-attn2" else BLOCK  # FlashAttention 2's paged path: block_size % 256 == 0
     head_dim, dtype = 128, torch.bfloat16
     caches = [backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, kv_dtype=kv_dtype,

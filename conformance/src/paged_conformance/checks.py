@@ -38,7 +38,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from paged_core import Q_MAX, Backend, Capabilities, KVCache, UnsupportedSpecError, dequantize_kv
+from paged_core import (
+    Q_MAX,
+    Backend,
+    Capabilities,
+    KVCache,
+    UnsupportedSpecError,
+    dequantize_kv,
+    reference_attention,
+    write_kv,
+)
 
 from .backends import BackendPool
 from .cases import Case
@@ -280,6 +289,63 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
             )
         worst = max(worst, float((got - src.double()).abs().max()) if got.numel() else 0.0)
     return CheckResult(max_error=worst, note="max |dequantized - written|")
+
+
+#: Cases the layers check runs on: every launch path of the backends (decode, mixed, split,
+#: quantized, sinks, strided q, an engine's pool, padding, cascade).
+LAYER_CASES = frozenset({
+    "mixed_prefill_and_decode-g4", "decode_only-long_and_short", "padding_rows", "kv_int8-decode_only",
+    "kv_fp8", "sinks", "qkv_view", "cache-kv_interleaved", "split_3", "cascade-shared_prefix",
+})
+NUM_LAYERS = 3
+
+
+def _layer_inputs(wl: Workload, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Another layer's q and new K/V for the workload's batch: same shapes and layout, other values."""
+    c = wl.case
+    g = torch.Generator().manual_seed(c.seed * 1000 + layer)
+    n, hq, hkv, d = c.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
+    if c.q_layout == "qkv_view":
+        q = torch.randn(n, hq + 2 * hkv, d, generator=g).to(device=wl.device, dtype=c.dtype)[:, :hq]
+    else:
+        q = torch.randn(n, hq, d, generator=g).to(device=wl.device, dtype=c.dtype)
+    k = torch.randn(n, hkv, d, generator=g).to(device=wl.device, dtype=c.dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(device=wl.device, dtype=c.dtype)
+    return q, k, v
+
+
+def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """One plan, several layers (as an engine calls it): each layer writes its own K/V into its
+    own cache and reads it with its own q; every layer's output matches the reference for that
+    layer, checked after all of them ran (a layer that reused another's tensors shows)."""
+    wl = build_workload(case, device)
+    plan = backend.plan(wl.meta)
+    layers = []
+    for i in range(NUM_LAYERS):
+        q, k, v = (wl.q, wl.k_new, wl.v_new) if i == 0 else _layer_inputs(wl, i)
+        cache = wl.fresh_cache(backend)
+        backend.write(cache, k, v, plan)
+        out = _poisoned(wl)
+        backend.forward(q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap,
+                        sinks=wl.sinks, out=out)
+        layers.append((q, k, v, out))
+    worst = 0.0
+    for i, (q, k, v, out) in enumerate(layers):
+        name = f"{backend.name}, layer {i} of {NUM_LAYERS} sharing one plan"
+        _assert_padding_zero(out, wl, name)
+        _assert_rows_written(out, wl, name)
+        if i == 0:
+            ref = wl.ref_out
+        else:
+            after = wl.fresh_cache(backend)  # cache_before's contents, then the trusted writer
+            write_kv(after, k, v, wl.meta.slot_mapping)
+            ref = reference_attention(q, after, wl.meta, scale=case.scale, window=case.window,
+                                      softcap=case.softcap, sinks=wl.sinks, compute_dtype=torch.float64)
+        worst = max(worst, assert_close_to_reference(
+            out, ref, backend=name, case=case.id, tolerance=output_tolerance(case.dtype, case.kv_dtype),
+            rows=~wl.padding_rows, query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        ))
+    return CheckResult(max_error=worst, note=f"{NUM_LAYERS} layers, one plan")
 
 
 def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -> CheckResult:
@@ -532,6 +598,7 @@ CHECKS: dict[str, Check] = {
         Check("close_to_full_precision", check_close_to_full_precision,
               applies=lambda case: case.kv_dtype != "auto"),
         Check("write_then_read", check_write_then_read),
+        Check("layers_share_a_plan", check_layers_share_a_plan, applies=lambda case: case.id in LAYER_CASES),
         Check("batch_invariance", check_batch_invariance,
               applies=lambda case: len(case.real_requests) >= 2),
         Check("cuda_graph_replay", check_cuda_graph_replay,

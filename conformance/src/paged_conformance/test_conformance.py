@@ -30,6 +30,12 @@ def test_write_then_read(paged_backend, paged_case, conformance):
     conformance.check("write_then_read", paged_backend, paged_case)
 
 
+def test_layers_share_a_plan(paged_backend, paged_case, conformance):
+    """One plan serves every layer of a step: three layers, each with its own cache, K/V and q,
+    each output matching the reference for that layer."""
+    conformance.check("layers_share_a_plan", paged_backend, paged_case)
+
+
 def test_batch_invariance(paged_backend, paged_case, conformance):
     """Each request run alone equals its rows in the batch (bitwise if the backend promises it)."""
     conformance.check("batch_invariance", paged_backend, paged_case)

@@ -60,7 +60,7 @@ def test_interpreter_kernels_take_the_normal_path():
 
     if not launch.INTERPRET:
         pytest.skip("checks the TRITON_INTERPRET=1 path; this run compiles for a GPU")
-    assert not launch._attention.enabled and not launch._tile_plan.enabled
+    assert not launch._attention.enabled and not launch.tile_plan.enabled
 
 
 # Compiled mode needs no GPU to *define* kernels: a fresh process without TRITON_INTERPRET sees
@@ -120,3 +120,48 @@ def first_call_capture(backend: str, case: str, tmp_path: Path, autotune: str) -
 @pytest.mark.parametrize("case", CAPTURE_CASES)
 def test_first_call_is_capture_safe(case, autotune, tmp_path):
     first_call_capture("triton-unified", case, tmp_path, autotune)
+
+
+class _FakeBinary:
+    """What Recording needs of a compiled Triton binary: ``run`` (here it logs its arguments)."""
+
+    function, packed_metadata = "fn", "md"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_md, enter, exit_, *args):
+        self.calls.append(((gx, gy, gz), args))
+
+
+def _recorded(monkeypatch, layer, launches):
+    from paged_triton_unified.direct import Recording
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    rec = Recording(layer)
+    for binary, args in launches:
+        rec.add(binary, (4, 2), args, 0)
+    return rec
+
+
+def test_recording_replays_with_the_next_layers_tensors(monkeypatch):
+    q, k, out, fixed = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    tiles, attention = _FakeBinary(), _FakeBinary()
+    rec = _recorded(monkeypatch, (q, k, None, out), [(tiles, [fixed, 3]), (attention, [q, fixed, k, out, 7])])
+    assert rec.ok
+    q2, k2, out2 = torch.ones(8), torch.ones(8), torch.ones(8)
+    rec.replay((q2, k2, None, out2))
+    assert tiles.calls == []  # reads no layer tensor: ran once, when recorded
+    (grid, args), = attention.calls
+    assert grid == (4, 2, 1) and args[0] is q2 and args[1] is fixed and args[2] is k2 and args[3] is out2
+    assert args[4] == 7
+    rec.replay((q2, k2, None, out2), everything=True)
+    assert len(tiles.calls) == 1 and tiles.calls[0][1][0] is fixed
+
+
+def test_recording_refuses_views_into_layer_tensors_and_aliases(monkeypatch):
+    q, out = torch.zeros(16), torch.zeros(16)
+    # A kernel argument at an offset into q: its replacement's offset would be lost.
+    assert not _recorded(monkeypatch, (q, out), [(_FakeBinary(), [q[8:], out])]).ok
+    # out is q: the next layer's distinct q and out could not both be placed.
+    assert not _recorded(monkeypatch, (q, q), [(_FakeBinary(), [q])]).ok

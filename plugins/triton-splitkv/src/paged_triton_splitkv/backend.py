@@ -5,20 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 from paged_core import BatchMeta, InputError
-from paged_triton_unified import TritonBackend, TritonUnifiedBackend, unified_attention
+from paged_triton_unified import TritonBackend, TritonPlan, TritonUnifiedBackend, unified_attention
 
 from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
 
 __all__ = ["TritonSplitKVBackend", "SplitKVPlan"]
 
 
-@dataclasses.dataclass
-class SplitKVPlan:
-    """What :meth:`TritonSplitKVBackend.plan` decided for one step."""
-
-    meta: BatchMeta
-    #: Leading logical blocks shared by every request (0: no cascade).
-    prefix_blocks: int = 0
+#: What :meth:`TritonSplitKVBackend.plan` returns: the batch, the shared prefix it decided
+#: (``prefix_blocks``, 0: no cascade) and the launches its layers repeat.
+SplitKVPlan = TritonPlan
 
 
 class TritonSplitKVBackend(TritonBackend):
@@ -86,14 +82,15 @@ class TritonSplitKVBackend(TritonBackend):
             prefix = _shared_prefix(meta)
         if prefix * meta.block_size < self.min_prefix_tokens:
             prefix = 0
-        return SplitKVPlan(meta, prefix)
+        return TritonPlan(meta, prefix)
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
-        if not isinstance(plan, SplitKVPlan):  # a BatchMeta, or another backend's plan of one
-            plan = self.plan(self._batch_of(plan))
+        if type(plan) is not TritonPlan:  # a BatchMeta, or another backend's plan of one
+            plan = self._triton_plan(plan)
         meta = plan.meta
         kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
         if plan.prefix_blocks and not window:
+            # Two streams and torch ops: not something a recording can repeat.
             cascade_attention(
                 q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                 block_table=meta.block_table, prefix_blocks=plan.prefix_blocks,
@@ -110,17 +107,17 @@ class TritonSplitKVBackend(TritonBackend):
                     meta.num_reqs, cache.num_kv_heads, meta.max_seq_len, cache.block_size, q.device
                 )
             if num_splits is None or num_splits > 1 or self.split_kv is True:
-                split_decode_attention(
+                self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: split_decode_attention(
                     q, cache.k, cache.v, out, seq_lens=meta.seq_lens, block_table=meta.block_table,
                     max_seq_len=meta.max_seq_len, scale=scale, num_splits=num_splits, window=window,
                     blocks_per_split=self.blocks_per_split, **kv,
-                )
+                ))
                 return
-        unified_attention(
+        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: unified_attention(
             q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
-        )
+        ))
 
 
 def _shared_prefix(meta: BatchMeta) -> int:

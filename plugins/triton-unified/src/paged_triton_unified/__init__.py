@@ -24,6 +24,7 @@ _PUBLIC = {
     "sm_count": "launch",
     "unified_attention": "launch",
     "TritonBackend": "backend",
+    "TritonPlan": "backend",
     "TritonUnifiedBackend": "backend",
     "interpreter_reasons": "backend",
 }

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+from typing import Any
 
-from paged_core import KV_DTYPES, AttentionSpec, Backend, Capabilities
+import torch
+from paged_core import KV_DTYPES, AttentionSpec, Backend, BatchMeta, Capabilities
 
 from . import kernels
+from .direct import Recording
 from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, unified_attention
 
-__all__ = ["TritonBackend", "TritonUnifiedBackend", "interpreter_reasons"]
+__all__ = ["TritonBackend", "TritonPlan", "TritonUnifiedBackend", "interpreter_reasons"]
+
+# torch.cuda.is_current_stream_capturing() without its Python wrapper (called per layer).
+_capture_query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def _capturing() -> bool:
+    return _capture_query is not None and torch.cuda.is_initialized() and bool(_capture_query())
 
 
 def interpreter_reasons(spec: AttentionSpec) -> list[str]:
@@ -27,9 +38,71 @@ def interpreter_reasons(spec: AttentionSpec) -> list[str]:
     return ["Triton runs on the CPU only under its interpreter: set TRITON_INTERPRET=1 (slow; for tests)"]
 
 
+@dataclasses.dataclass(eq=False)
+class TritonPlan:
+    """What the Triton backends' ``plan(meta)`` returns: the batch, and the launches its layers
+    repeat.
+
+    The first ``forward`` of each layer layout (shapes, strides, dtypes, pointer alignment of
+    q, out and the cache) runs the launcher and records its launches
+    (``paged_triton_unified.direct.Recording``); the step's other layers repeat them with their
+    own tensors for a few microseconds of host time, and what depends only on the batch (a mixed
+    batch's tile plan) runs once. A plan serves the step it was made for: after
+    ``meta.copy_(step)``, plan again. Inside a CUDA-graph capture nothing is taken from or kept
+    in the plan.
+    """
+
+    meta: BatchMeta
+    #: Leading logical blocks shared by every request (triton-splitkv's cascade; 0: none).
+    prefix_blocks: int = 0
+    #: False for the plan a ``forward`` makes itself from a BatchMeta: it may be reused across
+    #: calls whose batch tensors changed in place, so it repeats every launch.
+    per_step: bool = True
+    recordings: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
 class TritonBackend(Backend):
     """What every Triton backend shares: needs the ``triton`` package, and on the CPU its
-    interpreter (``TRITON_INTERPRET=1`` set before import)."""
+    interpreter (``TRITON_INTERPRET=1`` set before import); plans whose layers repeat the first
+    layer's launches (:class:`TritonPlan`)."""
+
+    def _plan(self, meta: BatchMeta) -> TritonPlan:
+        return TritonPlan(meta)
+
+    def _triton_plan(self, plan: Any) -> TritonPlan:
+        """``plan`` as a TritonPlan: for a BatchMeta (or another backend's plan), the one made
+        for the last call with the same, unchanged batch; it repeats every launch, so an
+        in-place edit of the batch's tensors between calls stays correct."""
+        if type(plan) is TritonPlan:
+            return plan
+        meta = plan if isinstance(plan, BatchMeta) else plan.meta
+        last = self.__dict__.get("_last_implicit")
+        if last is not None and last[0] is meta and last[1] == meta._generation:
+            return last[2]
+        made = self._plan(meta)
+        made.per_step = False
+        self.__dict__["_last_implicit"] = (meta, meta._generation, made)
+        return made
+
+    def _launch(self, plan: TritonPlan, q, cache, out, lse, scale, window, softcap, sinks, call) -> None:
+        """Run ``call()`` (the launcher) for this layer, or repeat what it launched for an earlier
+        layer of the plan with this layer's tensors."""
+        if _capturing():
+            call()  # allocations from the graph's pool, every launch captured; nothing kept
+            return
+        layer = (q, cache.k, cache.v, out, cache.k_scale, cache.v_scale, sinks, lse)
+        # Everything a recording depends on besides the batch: the layer's shapes, strides,
+        # dtypes and pointer alignment (the compiled binaries are specialised on it).
+        key = (cache._layout, q.shape, q.stride(), q.data_ptr() % 16 == 0, out.stride(), out.data_ptr() % 16 == 0,
+               scale, window, softcap, None if sinks is None else sinks.data_ptr() % 16 == 0, lse is None)
+        recording = plan.recordings.get(key)
+        if recording is not None:
+            recording.replay(layer, everything=not plan.per_step)
+            return
+        with Recording(layer) as recording:
+            call()
+        if recording.ok:
+            plan.recordings[key] = recording
 
     @classmethod
     def unavailable(cls) -> list[str]:
@@ -67,23 +140,12 @@ class TritonUnifiedBackend(TritonBackend):
     )
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
-        meta = plan
-        unified_attention(
-            q,
-            cache.k,
-            cache.v,
-            out,
-            query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens,
-            block_table=meta.block_table,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            scale=scale,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            k_scale=cache.k_scale,
-            v_scale=cache.v_scale,
-            lse=lse,
+        plan = self._triton_plan(plan)
+        meta = plan.meta
+        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: unified_attention(
+            q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            scale=scale, window=window, softcap=softcap, sinks=sinks, k_scale=cache.k_scale,
+            v_scale=cache.v_scale, lse=lse,
             check=False,  # Backend.forward checked the contract; the default config has >= 16 rows
-        )
+        ))

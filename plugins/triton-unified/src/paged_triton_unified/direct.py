@@ -33,13 +33,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["DirectKernel", "relaxed_capture_mode", "specialization_key"]
+__all__ = ["DirectKernel", "Recording", "relaxed_capture_mode", "specialization_key"]
 
 # How each argument enters the key (see specialization_key).
 _INT, _INT_NOSPEC, _EXACT = range(3)
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
+_recording = threading.local()  # .active: the Recording launches are added to, or None
+_recording.active = None
 _libcuda: Any = None
 _libcuda_lock = threading.Lock()
 
@@ -205,19 +207,26 @@ class DirectKernel:
     def launch(self, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Any:
         """Launch on ``grid`` with ``kwargs`` (every argument by keyword); returns the binary."""
         if not self.enabled or not _hooks_empty():
+            if _recording.active is not None:
+                _recording.active.ok = False  # not a direct launch: cannot be replayed
             return self.kernel[grid](**kwargs)
         device = torch.cuda.current_device()
         key = (device, specialization_key(self.kinds, kwargs))
         hit = self._cache.get(key)
         if hit is not None:
             compiled, extra = hit
-            self._run(compiled, self._args(kwargs, extra), grid, device)
-            return compiled
-        if torch.cuda.is_current_stream_capturing():
+            args = self._args(kwargs, extra)
+            self._run(compiled, args, grid, device)
+        elif torch.cuda.is_current_stream_capturing():
             return self._launch_in_capture(grid, kwargs, device)
-        compiled = _result(self.kernel[grid](**kwargs))
-        extra = dict(self.tuner.best_config.kwargs) if self.tuner is not None else {}
-        self._cache[key] = (compiled, extra)
+        else:
+            compiled = _result(self.kernel[grid](**kwargs))
+            extra = dict(self.tuner.best_config.kwargs) if self.tuner is not None else {}
+            self._cache[key] = (compiled, extra)
+            args = self._args(kwargs, extra)
+        recording = _recording.active
+        if recording is not None:
+            recording.add(compiled, grid, args, device)
         return compiled
 
     def _launch_in_capture(self, grid: tuple[int, ...], kwargs: dict[str, Any], device: int) -> Any:
@@ -232,4 +241,91 @@ class DirectKernel:
             compiled._init_handles()
         # Not remembered: the next eager call for this key tunes (or looks up) as usual.
         self._run(compiled, self._args(kwargs, extra), grid, device)
+        if _recording.active is not None:
+            _recording.active.ok = False
         return compiled
+
+
+
+class _Launch:
+    """One recorded launch: the binary, its grid, its arguments, and which of them are the
+    layer's tensors (argument position, index into the layer tuple)."""
+
+    __slots__ = ("args", "device", "function", "grid", "metadata", "run", "slots")
+
+    def __init__(self, compiled: Any, grid: tuple[int, ...], args: list[Any], slots: list[tuple[int, int]],
+                 device: int) -> None:
+        n = len(grid)
+        self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.args, self.slots, self.device = args, slots, device
+
+
+class Recording:
+    """The direct launches of one call, to repeat for a few microseconds with other tensors.
+
+    ``with Recording(layer) as rec: <launch kernels through DirectKernel>`` records every
+    launch made inside; ``rec.replay(layer2)`` repeats them on the current stream with the
+    tensors of ``layer2`` in place of ``layer``'s (a tuple of the per-call tensors, None for
+    absent ones), matched by data pointer. What depends only on the batch is fixed: a launch
+    that reads none of ``layer``'s tensors (a tile plan) is not repeated, and its outputs (and
+    every buffer allocated inside) live as long as the recording.
+
+    ``rec.ok`` is False when the call cannot be repeated this way: a launch not made directly
+    (interpreter, hooks, a compile inside a capture), an argument that is a view *into* one of
+    ``layer``'s tensors other than the tensor itself, or two layer tensors at one address.
+    Work other than DirectKernel launches (torch ops, other streams) is not recorded: record
+    only code that launches nothing else. ``replay`` needs tensors of the recorded dtypes,
+    shapes, strides and 16-byte alignment: key recordings on them.
+    """
+
+    def __init__(self, layer: tuple[torch.Tensor | None, ...]) -> None:
+        self.ok = True
+        self.launches: list[_Launch] = []
+        self._where: dict[int, int] = {}
+        self._storages = set()
+        for i, t in enumerate(layer):
+            if t is None:
+                continue
+            ptr = t.data_ptr()
+            if ptr in self._where:
+                # Two tensors at one address (out=q, say): which one an argument is, is unknown,
+                # and the next call's tensors may not alias.
+                self.ok = False
+            self._where.setdefault(ptr, i)
+            self._storages.add(t.untyped_storage().data_ptr())
+
+    def __enter__(self) -> Recording:
+        if _recording.active is not None:
+            raise RuntimeError("Recording does not nest")
+        _recording.active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _recording.active = None
+        if exc[0] is not None:
+            self.ok = False
+
+    def add(self, compiled: Any, grid: tuple[int, ...], args: list[Any], device: int) -> None:
+        slots = []
+        for pos, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                i = self._where.get(a.data_ptr())
+                if i is not None:
+                    slots.append((pos, i))
+                elif a.untyped_storage().data_ptr() in self._storages:
+                    self.ok = False  # a view into a layer tensor: its offset would be lost
+        self.launches.append(_Launch(compiled, grid, list(args), slots, device))
+
+    def replay(self, layer: tuple[torch.Tensor | None, ...], *, everything: bool = False) -> None:
+        """Repeat the recorded launches with ``layer``'s tensors; ``everything``: also those
+        that read none of them (for a batch whose tensors may have changed in place)."""
+        for launch in self.launches:
+            if not launch.slots and not everything:
+                continue
+            args = launch.args.copy()
+            for pos, i in launch.slots:
+                args[pos] = layer[i]
+            g = launch.grid
+            launch.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(launch.device),
+                       launch.function, launch.metadata, None, None, None, *args)
