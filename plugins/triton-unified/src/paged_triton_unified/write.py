@@ -27,10 +27,11 @@ a key of ~16 attribute reads, one dict lookup, the launch-hook and current-devic
 cached binary's ``run`` with every pointer passed as an int (no ``data_ptr`` call or pointer
 query in Triton's launcher). A new key runs :func:`paged_core.check_write_inputs` (the checks of
 ``paged_core.write_kv``, same messages) and goes through :class:`~.direct.DirectKernel` (which
-compiles once per specialisation, capture-safe on the first call). The pure-PyTorch
-``paged_core.write_kv`` it replaces costs 3-5 launches (k, v, and for quantized caches the
-quantization ops and the scales) and ~86-117 us of host time on an NVIDIA H200 (torch 2.11,
-Triton 3.6, 2026-12-01).
+compiles once per specialisation, capture-safe on the first call). ``Backend.write`` adds its
+own cached checks of the cache and the batch. The pure-PyTorch ``paged_core.write_kv`` this
+replaces launches about 10 kernels for a full-precision cache and over 30 for a quantized one
+(the quantization ops, the spill-slot arithmetic, one ``index_put_`` per tensor), ~86-117 us of
+host time per call on an NVIDIA H200 (torch 2.11, Triton 3.6, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -242,10 +243,11 @@ class _Plan:
         compiled = _write[(n, self.head_blocks)](**kwargs, num_warps=self.num_warps)
         if compiled is None or not _write.enabled:
             return  # the interpreter: every call takes this path
-        # Pointers as ints: Triton's launcher then skips data_ptr() and the driver's pointer query.
-        self.tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in _write._args(kwargs, {})[3:])
         self.compiled = compiled
         self.device = torch.cuda.current_device()
+        # Pointers as ints: Triton's launcher then skips data_ptr() and the driver's pointer query.
+        # Set last: a set tail means the two fields above are set.
+        self.tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in _write._args(kwargs, {})[3:])
 
 
 # Input signatures that passed the checks -> their plan; plans, shared by every token count.
