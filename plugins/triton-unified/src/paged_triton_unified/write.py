@@ -171,7 +171,10 @@ _write = DirectKernel(write_kv_kernel)
 # Elements of one k (or v) tile per program: 8 KV heads of 128 in one program, one 16-byte load
 # per thread and row at 4 warps.
 _TILE_ELEMS = 1024
-_QUANT = {"auto": (0, 1.0), "int8": (1, 127.0), "fp8": (2, 448.0)}
+# kv_dtype -> (KV_QUANT, Q_MAX, INV_Q_MAX): the reciprocal in float32, as PyTorch computes it on
+# CUDA (``1.0f / q_max``), which a Python float holds exactly.
+_QUANT = {kv: (i, q, float(torch.tensor(1.0) / torch.tensor(q)))
+          for i, (kv, q) in enumerate((("auto", 1.0), ("int8", 127.0), ("fp8", 448.0)))}
 # Entries of _seen before it is emptied: the layers x batch shapes of a few live steps.
 _SEEN_MAX = 4096
 
@@ -191,9 +194,10 @@ class _Plan:
         # Without the interpreter Triton runs on GPUs only: elsewhere the PyTorch write does the
         # same work (DirectKernel launches on CUDA devices).
         self.torch_path = cache.device.type != "cuda" and not (INTERPRET and cache.device.type == "cpu")
-        kv_quant, q_max = _QUANT[cache.kv_dtype]
+        kv_quant, q_max, inv_q_max = _QUANT[cache.kv_dtype]
         self.kv_quant = kv_quant
-        ks_strides = vs_strides = (0, 0, 0)
+        ks_strides: tuple[int, ...] = (0, 0, 0)
+        vs_strides: tuple[int, ...] = (0, 0, 0)
         if kv_quant:
             ks_strides, vs_strides = (t.stride() for t in cache._scales())
         heads, head_dim = cache.num_kv_heads, cache.head_dim
@@ -218,8 +222,7 @@ class _Plan:
             HEAD_DIM_PAD=head_dim_pad,
             KV_QUANT=kv_quant,
             Q_MAX=q_max,
-            # In float32, as PyTorch computes it (and exact in a Python float).
-            INV_Q_MAX=float(torch.tensor(1.0) / torch.tensor(q_max)),
+            INV_Q_MAX=inv_q_max,
             SCALE_BY_RECIPROCAL=cache.device.type == "cuda",
         )
         # Set by the first launch through DirectKernel: the binary, the arguments after the first
@@ -294,27 +297,32 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
 
 def write_checked(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """:func:`write_kv` for a cache whose ``check()`` has just passed (``Backend.write``)."""
+    ptrs: list[int] | None
     try:
-        kp, vp, sp = k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr()
+        ptrs = [k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr()]
         # Everything check_write_inputs reads and the plan depends on; the cache enters by the
         # generation of its structure check, a number no other check had.
-        key = (
+        key: tuple = (
             cache._generation, k.shape, v.shape, slot_mapping.shape, k.stride(), v.stride(),
             slot_mapping.stride(), k.dtype, v.dtype, slot_mapping.dtype, k.device, v.device,
-            slot_mapping.device, kp & 15, vp & 15, sp & 15,
+            slot_mapping.device, ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15,
         )
     except (AttributeError, TypeError, RuntimeError):
-        key = kp = vp = sp = None  # not tensors: the checks below say what is wrong
-    plan = _seen.get(key)
-    if plan is None:
-        plan, n = _admit(key, cache, k, v, slot_mapping)
+        ptrs = None  # not tensors: the checks say what is wrong
+        plan, n = _admit(None, cache, k, v, slot_mapping)
     else:
-        n = key[1][0]  # k.shape[0], which the checks found equal to len(slot_mapping)
+        hit = _seen.get(key)
+        if hit is None:
+            plan, n = _admit(key, cache, k, v, slot_mapping)
+        else:
+            plan, n = hit, key[1][0]  # k.shape[0], which the checks found equal to len(slot_mapping)
     if n == 0:
         return
     if plan.torch_path:
         torch_write_kv(cache, k, v, slot_mapping)
-    elif plan.tail is not None and kp is not None and _hooks_empty() and torch.cuda.current_device() == plan.device:
-        _write._run(plan.compiled, [kp, vp, sp, *plan.tail], (n, plan.head_blocks), plan.device)
+    elif (plan.tail is not None and ptrs is not None and _hooks_empty()
+            and torch.cuda.current_device() == plan.device):
+        ptrs.extend(plan.tail)
+        _write._run(plan.compiled, ptrs, (n, plan.head_blocks), plan.device)
     else:
         plan.launch(cache, k, v, slot_mapping, n)
