@@ -21,6 +21,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry  # noqa: E402
 from paged_core import write_kv as torch_write_kv  # noqa: E402
 from paged_triton_unified import TritonBackend  # noqa: E402
@@ -284,6 +286,40 @@ def test_backend_write_equals_paged_core(kv_dtype):
     torch_write_kv(want_cache, k, v, meta.slot_mapping)
     backend.write(cache, k, v, meta)
     assert all(torch.equal(raw(s), raw(w)) for s, w in zip(storages, want, strict=True))
+
+
+@triton.jit
+def _codes_kernel(y_ptr, fp8_ptr, int8_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    fp8 = triton_write._e4m3fn_code(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    tl.store(fp8_ptr + offs, fp8.to(tl.uint8), mask=mask)
+    r = (y + 12582912.0) - 12582912.0
+    tl.store(int8_ptr + offs, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_code_conversions_equal_torch_on_every_fp8_midpoint(device):
+    # Every E4M3 value, the midpoints between neighbours (ties) and one float32 step either side
+    # of each, both signs, plus int8 halves and random values: the kernel's conversions of
+    # quantized values (y = x / scale) against torch's .clamp().to(float8_e4m3fn) and
+    # .round().clamp().to(int8).
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite() & (values >= 0)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    points = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(500.0))])
+    halves = torch.arange(-128, 128) + 0.5
+    g = torch.Generator().manual_seed(11)
+    y = torch.cat([points, -points, halves, halves.nextafter(torch.tensor(0.0)), torch.tensor([480.0, -1000.0]),
+                   (torch.rand(4000, generator=g) - 0.5) * 300, torch.randn(4000, generator=g) * 2**-7])
+    fp8 = torch.empty(len(y), dtype=torch.uint8, device=device)
+    int8 = torch.empty(len(y), dtype=torch.int8, device=device)
+    _codes_kernel[(triton.cdiv(len(y), 1024),)](y.to(device), fp8, int8, len(y), BLOCK=1024)
+    want_fp8 = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    want_int8 = y.round().clamp(-127, 127).to(torch.int8)
+    assert torch.equal(fp8.cpu(), want_fp8), f"fp8 differs at y = {y[fp8.cpu() != want_fp8][:5].tolist()}"
+    assert torch.equal(int8.cpu(), want_int8), f"int8 differs at y = {y[int8.cpu() != want_int8][:5].tolist()}"
 
 
 def test_the_changing_arguments_come_first():
