@@ -8,12 +8,9 @@ are written in place; slot -1 and slots outside ``[0, num_blocks * block_size)``
 quantized in the kernel per (token, KV head) vector, step for step as
 :func:`paged_core.quantize_kv` computes it:
 
-* ``amax = max |x|`` in float32; ``scale = amax / q_max`` (``1`` for a zero vector). PyTorch
-  divides by a Python float differently per device: on CUDA it multiplies by the float32
-  reciprocal (``ATen/native/cuda/BinaryDivTrueKernel.cu``), on the CPU it divides; the kernel
-  does what the reference does on the cache's device (``SCALE_BY_RECIPROCAL``).
-* ``y = x / scale`` with IEEE round-to-nearest division (``tl.math.div_rn``; Triton's ``/`` is
-  not correctly rounded on NVIDIA GPUs, PyTorch's is).
+* ``amax = max |x|`` in float32; ``scale = amax / q_max`` (``1`` for a zero vector) and
+  ``y = x / scale``, both with IEEE round-to-nearest division (``tl.math.div_rn``: Triton's ``/``
+  is not correctly rounded on NVIDIA GPUs; PyTorch's division by a tensor is, on every device).
 * int8: ``y`` rounded half to even (``torch.round``) by the float32 add/subtract of
   ``1.5 * 2**23``, exact for ``|y| < 2**22``, clamped to ±127. fp8 E4M3: ``y`` clamped to ±448,
   then converted with PyTorch's own bit manipulation (``fp8e4m3fn_from_fp32_value``: round to
@@ -77,8 +74,6 @@ def _write_rows(
     mask_h,  # [BLOCK_H] valid slot, real head
     KV_QUANT: tl.constexpr,
     Q_MAX: tl.constexpr,
-    INV_Q_MAX: tl.constexpr,
-    SCALE_BY_RECIPROCAL: tl.constexpr,
 ):
     """Copy (or quantize and store with their scales) BLOCK_H head vectors of one token."""
     x = tl.load(src_ptr + src_offs, mask=mask, other=0.0)
@@ -87,10 +82,7 @@ def _write_rows(
     else:
         xf = x.to(tl.float32)  # [BLOCK_H, HEAD_DIM_PAD]; masked elements 0, never the max
         amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
-        if SCALE_BY_RECIPROCAL:
-            scale = amax * INV_Q_MAX
-        else:
-            scale = tl.math.div_rn(amax, Q_MAX)
+        scale = tl.math.div_rn(amax, Q_MAX)
         # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
         scale = tl.where(amax > 0, scale, 1.0)
         y = tl.math.div_rn(xf, scale[:, None])  # [BLOCK_H, HEAD_DIM_PAD]
@@ -131,8 +123,6 @@ def write_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
     KV_QUANT: tl.constexpr,  # 0: the model dtype, copied; 1: int8 codes; 2: fp8 e4m3 codes (as uint8)
     Q_MAX: tl.constexpr,  # largest code (127.0, 448.0; unused if not KV_QUANT)
-    INV_Q_MAX: tl.constexpr,  # float32(1) / float32(Q_MAX), as PyTorch's CUDA division uses it
-    SCALE_BY_RECIPROCAL: tl.constexpr,  # scale = amax * INV_Q_MAX (CUDA) or amax / Q_MAX (CPU)
 ):
     """One program writes BLOCK_H KV heads of token ``program_id(0)``, k and v, at its slot."""
     tl.static_assert(BLOCK_H & (BLOCK_H - 1) == 0)
@@ -154,7 +144,7 @@ def write_kv_kernel(
         block * stride_kc_b + offset * stride_kc_s + heads[:, None] * stride_kc_h + dims[None, :],
         block * stride_ks_b + offset * stride_ks_s + heads * stride_ks_h,
         mask, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, INV_Q_MAX=INV_Q_MAX, SCALE_BY_RECIPROCAL=SCALE_BY_RECIPROCAL,
+        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX,
     )
     _write_rows(
         v_ptr, v_cache_ptr, v_scale_ptr,
@@ -162,7 +152,7 @@ def write_kv_kernel(
         block * stride_vc_b + offset * stride_vc_s + heads[:, None] * stride_vc_h + dims[None, :],
         block * stride_vs_b + offset * stride_vs_s + heads * stride_vs_h,
         mask, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, INV_Q_MAX=INV_Q_MAX, SCALE_BY_RECIPROCAL=SCALE_BY_RECIPROCAL,
+        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX,
     )
 
 
@@ -171,10 +161,8 @@ _write = DirectKernel(write_kv_kernel)
 # Elements of one k (or v) tile per program: 8 KV heads of 128 in one program, one 16-byte load
 # per thread and row at 4 warps.
 _TILE_ELEMS = 1024
-# kv_dtype -> (KV_QUANT, Q_MAX, INV_Q_MAX): the reciprocal in float32, as PyTorch computes it on
-# CUDA (``1.0f / q_max``), which a Python float holds exactly.
-_QUANT = {kv: (i, q, float(torch.tensor(1.0) / torch.tensor(q)))
-          for i, (kv, q) in enumerate((("auto", 1.0), ("int8", 127.0), ("fp8", 448.0)))}
+# kv_dtype -> (KV_QUANT, Q_MAX).
+_QUANT = {"auto": (0, 1.0), "int8": (1, 127.0), "fp8": (2, 448.0)}
 # Entries of _seen before it is emptied: the layers x batch shapes of a few live steps.
 _SEEN_MAX = 4096
 
@@ -194,7 +182,7 @@ class _Plan:
         # Without the interpreter Triton runs on GPUs only: elsewhere the PyTorch write does the
         # same work (DirectKernel launches on CUDA devices).
         self.torch_path = cache.device.type != "cuda" and not (INTERPRET and cache.device.type == "cpu")
-        kv_quant, q_max, inv_q_max = _QUANT[cache.kv_dtype]
+        kv_quant, q_max = _QUANT[cache.kv_dtype]
         self.kv_quant = kv_quant
         ks_strides: tuple[int, ...] = (0, 0, 0)
         vs_strides: tuple[int, ...] = (0, 0, 0)
@@ -222,8 +210,6 @@ class _Plan:
             HEAD_DIM_PAD=head_dim_pad,
             KV_QUANT=kv_quant,
             Q_MAX=q_max,
-            INV_Q_MAX=inv_q_max,
-            SCALE_BY_RECIPROCAL=cache.device.type == "cuda",
         )
         # Set by the first launch through DirectKernel: the binary, the arguments after the first
         # three (the cache's pointers as ints) and the device it was loaded on.
