@@ -51,6 +51,7 @@ from paged_core import (  # noqa: E402
     registry,
     write_kv,
 )
+from paged_triton_unified.write import write_kv as triton_write_kv  # noqa: E402  # the Triton backends' write
 
 DEV = torch.device(ARGS.device)
 HQ, HKV, D, BS = 8, 2, 64, 16  # one model shape: every case reuses the same compiled kernels
@@ -253,7 +254,7 @@ def cascade_split_cases(kv_dtype: str) -> None:
 
 
 # ------------------------------------------------------------------------------ write_kv
-def write_case(kv_dtype: str, spill: bool, slots: list[int]):
+def write_case(kv_dtype: str, spill: bool, slots: list[int], write=write_kv):
     nb = 6
     num_slots = nb * BS
     if spill:
@@ -267,7 +268,7 @@ def write_case(kv_dtype: str, spill: bool, slots: list[int]):
     before = [(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone() for t in parts]
     n = len(slots)
     k = torch.randn(n, HKV, D).to(DTYPE).to(DEV)
-    write_kv(cache, k, k, torch.tensor(slots, dtype=torch.int64, device=DEV))
+    write(cache, k, k, torch.tensor(slots, dtype=torch.int64, device=DEV))
     keep = torch.ones(num_slots, dtype=torch.bool)
     keep[[s for s in slots if 0 <= s < num_slots]] = False
     for t0, t in zip(before, parts, strict=True):
@@ -282,11 +283,12 @@ def write_case(kv_dtype: str, spill: bool, slots: list[int]):
 def write_cases() -> None:
     num_slots = 6 * BS
     adversarial = [3, num_slots, num_slots + 5, 2**31 - 1, 2**40, -7, -1, num_slots - 1]
-    for kv_dtype in ("auto", "int8", "fp8"):
-        for spill in (True, False):
-            tag = f"write_kv       kv={kv_dtype:4} {'allocated' if spill else 'exact'}"
-            run_case(f"{tag} adversarial-slots", write_case, kv_dtype, spill, adversarial)
-            run_case(f"{tag} empty", write_case, kv_dtype, spill, [])
+    for name, write in (("write_kv", write_kv), ("triton write", triton_write_kv)):
+        for kv_dtype in ("auto", "int8", "fp8"):
+            for spill in (True, False):
+                tag = f"{name:14} kv={kv_dtype:4} {'allocated' if spill else 'exact'}"
+                run_case(f"{tag} adversarial-slots", write_case, kv_dtype, spill, adversarial, write=write)
+                run_case(f"{tag} empty", write_case, kv_dtype, spill, [], write=write)
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ __all__ = [
     "KVCache",
     "allocate_kv_cache",
     "write_kv",
+    "check_write_inputs",
     "quantize_kv",
     "dequantize_kv",
     "kv_bytes_per_token",
@@ -324,21 +325,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' ``k, v [num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``.
+def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> int:
+    """The checks of :func:`write_kv`, before it writes anything; returns ``num_tokens``.
 
-    Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
-    leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1. Every
-    input is checked before anything is written.
-
-    Writes go through the cache tensors' strides (``cache.k[block, offset] = ...``), so a cache
-    whose ``k``/``v`` are views of an engine's pool (``pool[:, 0]`` of a ``[num_blocks, 2,
-    block_size, heads, dim]`` pool, or HND storage ``.transpose(1, 2)``) is written in place.
+    ``cache`` a :class:`KVCache` whose :meth:`~KVCache.check` passes; ``slot_mapping`` int64 or
+    int32 ``[num_tokens]``; ``k`` and ``v`` ``[num_tokens, num_kv_heads, head_dim]`` of the
+    cache's model dtype, on its device (any strides). Host-only (slot values are not read);
+    raises :class:`InputError` saying what is wrong. A backend that writes with its own kernel
+    calls this, so every write path refuses the same inputs with the same messages.
 
     >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
-    >>> write_kv(cache, torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.tensor([5]))
-    >>> cache.k[1, 1].tolist(), int(cache.k.sum())
-    ([[1.0, 1.0]], 2)
+    >>> check_write_inputs(cache, torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 1, -1]))
+    3
     """
     if not isinstance(cache, KVCache):
         raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
@@ -372,6 +370,26 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
         raise InputError(
             f"slot_mapping is on {slot_mapping.device} but the cache is on {cache.device}; accepted: one device"
         )
+    return n
+
+
+def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' ``k, v [num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``.
+
+    Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
+    leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1. Every
+    input is checked before anything is written.
+
+    Writes go through the cache tensors' strides (``cache.k[block, offset] = ...``), so a cache
+    whose ``k``/``v`` are views of an engine's pool (``pool[:, 0]`` of a ``[num_blocks, 2,
+    block_size, heads, dim]`` pool, or HND storage ``.transpose(1, 2)``) is written in place.
+
+    >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
+    >>> write_kv(cache, torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.tensor([5]))
+    >>> cache.k[1, 1].tolist(), int(cache.k.sum())
+    ([[1.0, 1.0]], 2)
+    """
+    n = check_write_inputs(cache, k, v, slot_mapping)
     if n == 0:
         return
     bs = cache.block_size
