@@ -60,17 +60,17 @@ def test_interpreter_kernels_take_the_normal_path():
 
     if not launch.INTERPRET:
         pytest.skip("checks the TRITON_INTERPRET=1 path; this run compiles for a GPU")
-    assert not launch._attention.enabled and not launch.tile_plan.enabled
+    assert not launch._attention.enabled and not launch._tile_plan.enabled
 
 
 # Compiled mode needs no GPU to *define* kernels: a fresh process without TRITON_INTERPRET sees
 # the DirectKernels the launchers really use on a GPU.
 _COMPILED_KERNELS = """
 import triton
-from paged_triton_unified import launch
+from paged_triton_unified import launch, write
 from paged_triton_splitkv import launch as split
 from paged_triton_unified.direct import DirectKernel
-kernels = {n: getattr(m, n) for m in (launch, split) for n in dir(m)
+kernels = {n: getattr(m, n) for m in (launch, write, split) for n in dir(m)
            if isinstance(getattr(m, n), DirectKernel)}
 print(sorted(n for n, k in kernels.items() if not k.enabled))
 

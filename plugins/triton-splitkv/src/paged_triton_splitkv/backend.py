@@ -88,8 +88,8 @@ class TritonSplitKVBackend(TritonBackend):
         if type(plan) is not TritonPlan:  # a BatchMeta, or another backend's plan of one
             plan = self._triton_plan(plan)
         meta = plan.meta
-        kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
         if plan.prefix_blocks and not window:
+            kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
             # Two streams and torch ops: not something a recording can repeat.
             cascade_attention(
                 q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
@@ -97,6 +97,13 @@ class TritonSplitKVBackend(TritonBackend):
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,
             )
             return
+        # The path and split count depend only on the batch and the cache's layout: decided once
+        # per recording, and the step's other layers repeat what was launched.
+        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks,
+                     lambda: self._run(q, cache, meta, out=out, scale=scale, window=window, kv=dict(
+                         k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)))
+
+    def _run(self, q, cache, meta, *, out, scale, window, kv) -> None:
         if meta.decode_only and meta.num_tokens == meta.num_reqs and self.split_kv is not False:
             if self.blocks_per_split is not None:
                 num_splits = None  # fixed-size splits: the count follows max_seq_len
@@ -107,17 +114,17 @@ class TritonSplitKVBackend(TritonBackend):
                     meta.num_reqs, cache.num_kv_heads, meta.max_seq_len, cache.block_size, q.device
                 )
             if num_splits is None or num_splits > 1 or self.split_kv is True:
-                self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: split_decode_attention(
+                split_decode_attention(
                     q, cache.k, cache.v, out, seq_lens=meta.seq_lens, block_table=meta.block_table,
                     max_seq_len=meta.max_seq_len, scale=scale, num_splits=num_splits, window=window,
                     blocks_per_split=self.blocks_per_split, **kv,
-                ))
+                )
                 return
-        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: unified_attention(
+        unified_attention(
             q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
-        ))
+        )
 
 
 def _shared_prefix(meta: BatchMeta) -> int:

@@ -40,8 +40,11 @@ _INT, _INT_NOSPEC, _EXACT = range(3)
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
-_recording = threading.local()  # .active: the Recording launches are added to, or None
-_recording.active = None
+class _Active(threading.local):
+    active: Recording | None = None  # the Recording this thread's launches are added to
+
+
+_recording = _Active()  # per thread: engines run their generation loop in threads of their own
 _libcuda: Any = None
 _libcuda_lock = threading.Lock()
 
@@ -216,6 +219,8 @@ class DirectKernel:
         if hit is not None:
             compiled, extra = hit
             args = self._args(kwargs, extra)
+            if callable(grid):  # Triton's grid(meta): the arguments with the config's values
+                grid = grid({**kwargs, **extra})
             self._run(compiled, args, grid, device)
         elif torch.cuda.is_current_stream_capturing():
             return self._launch_in_capture(grid, kwargs, device)
@@ -224,6 +229,8 @@ class DirectKernel:
             extra = dict(self.tuner.best_config.kwargs) if self.tuner is not None else {}
             self._cache[key] = (compiled, extra)
             args = self._args(kwargs, extra)
+            if callable(grid):
+                grid = grid({**kwargs, **extra})
         recording = _recording.active
         if recording is not None:
             recording.add(compiled, grid, args, device)
@@ -236,6 +243,8 @@ class DirectKernel:
             config = self.capture_config(kwargs) if self.capture_config else self.tuner.configs[0]
             extra = dict(config.kwargs)
             options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        if callable(grid):
+            grid = grid({**kwargs, **extra})
         with relaxed_capture_mode():
             compiled = _result(self.jit.run(grid=grid, warmup=True, **kwargs, **extra, **options))
             compiled._init_handles()
