@@ -49,8 +49,8 @@ class TritonPlan:
     (``paged_triton_unified.direct.Recording``); the step's other layers repeat them with their
     own tensors for a few microseconds of host time, and what depends only on the batch (a mixed
     batch's tile plan) runs once. A plan serves the step it was made for: after
-    ``meta.copy_(step)``, plan again. Inside a CUDA-graph capture nothing is taken from or kept
-    in the plan.
+    ``meta.copy_(step)``, plan again (a plan used after it records anew: correct, without the
+    saving). Inside a CUDA-graph capture nothing is taken from or kept in the plan.
     """
 
     meta: BatchMeta
@@ -60,6 +60,12 @@ class TritonPlan:
     #: calls whose batch tensors changed in place, so it repeats every launch.
     per_step: bool = True
     recordings: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: The batch's structure check the recordings were made under: ``meta.copy_(step)`` makes
+    #: the next check a new one (new host ints), and the recordings are dropped.
+    generation: int = dataclasses.field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.generation = self.meta._generation
 
 
 class TritonBackend(Backend):
@@ -96,6 +102,9 @@ class TritonBackend(Backend):
         # dtypes and pointer alignment (the compiled binaries are specialised on it).
         key = (cache._layout, q.shape, q.stride(), q.data_ptr() % 16 == 0, out.stride(), out.data_ptr() % 16 == 0,
                scale, window, softcap, None if sinks is None else sinks.data_ptr() % 16 == 0, lse is None)
+        if plan.generation != plan.meta._generation:  # the batch was copied into or reassigned
+            plan.recordings.clear()
+            plan.generation = plan.meta._generation
         recording = plan.recordings.get(key)
         if recording is not None:
             recording.replay(layer, everything=not plan.per_step)
