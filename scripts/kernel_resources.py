@@ -1,11 +1,19 @@
-"""Registers, spills and shared memory of the Triton kernels per config, for sm_90a, offline.
+"""Registers, spills, shared memory and loop instructions of the Triton kernels per config, for sm_90a, offline.
 
 No GPU needed: Triton compiles the kernel to a cubin with its bundled ptxas and cuobjdump reads
-the resource usage. It answers "does this config spill?" before any GPU time is spent on it:
+the resource usage and the SASS. It answers "does this config spill?" and "how many instructions
+does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
     python scripts/kernel_resources.py --head-dim 256 --group 8
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
     python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
+    python scripts/kernel_resources.py --kv bf16,int8,fp8 --configs 128/4/2   # quantized caches, bf16 q
+
+Loop columns: the SASS instructions of the kernel's longest loop (one BLOCK_N-key step of the
+attention; triton-unified's key ranges each compile a loop of their own, the longest is shown),
+and in it the shared-memory loads of single bytes (LDS.U8/S8: 8-bit codes gathered one at a
+time, as when they are converted after the layout change into the MMA operand) and the local
+(spill) loads and stores.
 
 The arguments get the specialisation they get at run time (pointers and strides divisible by
 16, a last-dim stride equal to 1; the kernel's do_not_specialize ints nothing), otherwise
@@ -41,22 +49,29 @@ REGISTERS_PER_SM = 65536
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
+def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in constexprs]
     if missing:
         raise SystemExit(f"kernel_resources.py does not set the kernel's constexprs {missing}: add them to `base`")
     skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     sig, attrs = {}, {}
+    cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8"}[kv]  # fp8 codes travel as uint8
     for i, name in enumerate(names):
         if name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
             constexprs[name] = 1
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*bf16" if name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr") else (
-                "*i32" if name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "tile_end_ptr",
-                                   "tile_end_large_ptr") else "*fp32")
+            if name in ("k_cache_ptr", "v_cache_ptr"):
+                sig[name] = cache
+            elif name in ("q_ptr", "out_ptr"):
+                sig[name] = "*bf16"
+            elif name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "tile_end_ptr",
+                          "tile_end_large_ptr"):
+                sig[name] = "*i32"
+            else:
+                sig[name] = "*fp32"
         elif name in ("scale", "softcap"):
             sig[name] = "fp32"
         else:
@@ -66,11 +81,37 @@ def _signature(fn, constexprs: dict) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None) -> dict:
+# The kernels' constexprs for each cache format, with bf16 q: what the launchers pass.
+KV_FLAGS = {
+    "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False, "V_SCALE_ON_P": False},
+    "int8": {"KV_QUANT": 1, "QDOT16": False, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
+    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": True, "V_SCALE_ON_P": True},
+}
+
+
+def loop_stats(sass: str) -> dict:
+    """The longest loop of a cuobjdump -sass listing (a backward branch and its target): its
+    instruction count, single-byte shared loads and local-memory (spill) accesses."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    addrs = [int(a, 16) for a, _ in ins]
+    best: list[str] = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:\S+ )?(0x[0-9a-f]+)", text)
+        if m and int(m[1], 16) <= addrs[i] and int(m[1], 16) in addrs:
+            body = [t for _, t in ins[addrs.index(int(m[1], 16)):i + 1]]
+            if len(body) > len(best):
+                best = body
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
+    return {"loop": len(ops), "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in ops),
+            "local": sum(o.startswith(("LDL", "STL")) for o in ops)}
+
+
+def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
+              kv: str = "bf16") -> dict:
     fn = kernel if kernel is not None else kernels.unified_attention_kernel
     fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
-    constexprs = {k: v for k, v in {**constexprs, "BLOCK_N": block_n}.items() if k in fn.arg_names}
-    sig, attrs = _signature(fn, constexprs)
+    constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
+    sig, attrs = _signature(fn, constexprs, kv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -81,10 +122,12 @@ def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, k
         f.flush()
         usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"REG:(\d+)", usage)[1])
     stack = int(re.search(r"STACK:(\d+)", usage)[1])
     return {"regs": regs, "spill": stack, "smem": kernel.metadata.shared,
-            "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps)}
+            "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps), **loop_stats(sass)}
 
 
 def main() -> None:
@@ -96,6 +139,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="decode,fused",
                     help="which of decode,fused (triton-unified) and split (triton-splitkv)")
     ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
+    ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8 (q is bf16)")
     args = ap.parse_args()
     only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
     group_pad = 1 << max(0, args.group - 1).bit_length()
@@ -103,7 +147,7 @@ def main() -> None:
     base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
                 BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
                 BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
-                KV_QUANT=0, QDOT16=False, FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
+                FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
                 HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
     tiles = {
         "decode": ("decode (direct)", {"FUSED": False}, kernels._DECODE_CONFIGS),
@@ -113,7 +157,7 @@ def main() -> None:
     if split_kernels is not None:
         split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
                           HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
-                          HAS_QSL=False, FIXED_SPLITS=False, QUANT=False, FP8=False, V_SCALE_ON_P=False,
+                          HAS_QSL=False, FIXED_SPLITS=False,
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
                           DIRECT_OUT=False, HAS_SINKS=False, STORE_LSE=False)
         split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
@@ -121,24 +165,30 @@ def main() -> None:
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")
+    kvs = args.kv.split(",")
+    if set(kvs) - set(KV_FLAGS):
+        ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
-          f"block {args.block_size}, bf16")
-    print(f"{'tile':24s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s}")
+          f"block {args.block_size}, bf16 q")
+    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} "
+          f"{'CTAs/SM':>8s} {'loop':>5s} {'LDS.U8':>6s} {'local':>5s}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
-        for block_n, warps, stages in sorted(only or configs):
-            try:
-                if kernel:
-                    r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0])
-                else:
-                    r = resources({**base, **spec}, block_n, warps, stages)
-            except Exception as exc:  # out of shared memory and the like: say so, go on
-                print(f"{name:24s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
-                      f"{(str(exc).splitlines() or [''])[0][:80]}")
-                continue
-            flag = "  SPILLS" if r["spill"] else ""
-            print(f"{name:24s} {f'{block_n}/{warps}/{stages}':>20s} {r['regs']:5d} {r['spill']:8d} "
-                  f"{r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d}{flag}")
+        for kv in kvs:
+            for block_n, warps, stages in sorted(only or configs):
+                try:
+                    if kernel:
+                        r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0], kv=kv)
+                    else:
+                        r = resources({**base, **spec}, block_n, warps, stages, kv=kv)
+                except Exception as exc:  # out of shared memory and the like: say so, go on
+                    print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
+                          f"{(str(exc).splitlines() or [''])[0][:80]}")
+                    continue
+                flag = "  SPILLS" if r["spill"] else ""
+                print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s} {r['regs']:5d} {r['spill']:8d} "
+                      f"{r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {r['loop']:5d} {r['lds8']:6d} "
+                      f"{r['local']:5d}{flag}")
 
 
 if __name__ == "__main__":
