@@ -69,6 +69,8 @@ class Run:
     calls: dict[str, int]
     #: Per step that paged planned: the query length of each request.
     steps: list[list[int]]
+    #: The sliding windows of the layers paged planned for (0: none).
+    windows: set[int]
 
 
 def generate(model: str, attention_backend: str | None, paged: str | None = None, *,
@@ -81,11 +83,13 @@ def generate(model: str, attention_backend: str | None, paged: str | None = None
     if paged is not None:
         monkeypatch.setenv(_backend.BACKEND_ENV, paged)
     steps: list[list[int]] = []
+    windows: set[int] = set()
     build = _backend.PagedMetadataBuilder.build
 
     def recording_build(self, *args, **kwargs):
         meta = build(self, *args, **kwargs)
         steps.append(meta.meta.query_lens.tolist())
+        windows.update(layer["window"] for layer in self.layers.values())
         return meta
 
     before = dict(_backend.counters)
@@ -98,4 +102,4 @@ def generate(model: str, attention_backend: str | None, paged: str | None = None
         del llm
         gc.collect()
     calls = {k: _backend.counters[k] - before.get(k, 0) for k in ("plan", "write", "forward")}
-    return Run(tokens=[list(o.outputs[0].token_ids) for o in outs], calls=calls, steps=steps)
+    return Run(tokens=[list(o.outputs[0].token_ids) for o in outs], calls=calls, steps=steps, windows=windows)

@@ -4,7 +4,7 @@ own CPU attention, with paged's write, plan and forward provably on the path."""
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL_DIMS, generate
+from conftest import MODEL_DIMS, generate, save_tiny_model
 
 # The Triton kernel runs under its interpreter on the CPU: slow but exact enough for fp32.
 PAGED_BACKENDS = ["reference", "triton-unified"]
@@ -35,3 +35,26 @@ def test_same_greedy_tokens_as_vllm_cpu_attention(model_dir, own_run, paged, mon
     assert run.calls["forward"] == run.calls["write"] == layers * len(run.steps)
     # The scheduler mixed prompt chunks and decodes in one step at least once.
     assert any(1 in lens and max(lens) > 1 for lens in run.steps), run.steps
+
+
+def test_unsupported_layer_is_refused_at_startup_naming_it(tmp_path, monkeypatch):
+    """head_dim 24 is outside triton-unified's head dims: vLLM's engine does not start, and the
+    error names each layer and the reason instead of failing inside a step."""
+    from paged_core import UnsupportedSpecError
+
+    model = save_tiny_model("llama", tmp_path, head_dim=24)
+    with pytest.raises(UnsupportedSpecError) as err:
+        generate(model, "PAGED", "triton-unified", monkeypatch=monkeypatch)
+    message = str(err.value)
+    for layer in range(MODEL_DIMS["num_hidden_layers"]):
+        assert f"layer 'model.layers.{layer}.self_attn.attn': head_dim 24 is not supported (accepted: 32," in message
+
+
+def test_sliding_window_layers(tmp_path, monkeypatch):
+    """Qwen3 with every layer windowed to 8 tokens (prompts up to 90): vLLM hands the window to
+    paged, and the tokens are vLLM's own CPU attention's with the same window."""
+    model = save_tiny_model("qwen3", tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    want = generate(model, None, monkeypatch=monkeypatch)
+    run = generate(model, "PAGED", "reference", monkeypatch=monkeypatch)
+    assert run.windows == {8}
+    assert run.tokens == want.tokens

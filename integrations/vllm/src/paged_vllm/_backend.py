@@ -28,7 +28,16 @@ import threading
 from typing import Any, ClassVar
 
 import torch
-from paged_core import AttentionSpec, Backend, BatchMeta, KVCache, PagedError, UnsupportedSpecError, registry
+from paged_core import (
+    AttentionSpec,
+    Backend,
+    BatchMeta,
+    InputError,
+    KVCache,
+    PagedError,
+    UnsupportedSpecError,
+    registry,
+)
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
@@ -396,7 +405,7 @@ def pool_view(kv_cache: torch.Tensor, head_size: int) -> KVCache:
     ((4, 16, 2, 32), (2048, 64, 1024, 1), 128)
     """
     if (kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1):
-        raise PagedError(
+        raise InputError(
             f"vLLM's KV cache of this layer is {list(kv_cache.shape)} with strides {kv_cache.stride()}; "
             f"accepted: [num_blocks, num_kv_heads, block_size, 2 * {head_size}] with the last dimension "
             "contiguous (vLLM 0.32's attention cache; other vLLM releases are not supported)"
