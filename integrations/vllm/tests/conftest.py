@@ -76,7 +76,7 @@ class Run:
 def generate(model: str, attention_backend: str | None, paged: str | None = None, *,
              max_tokens: int = 8, monkeypatch=None, **engine) -> Run:
     """Greedy tokens of ``model`` on :func:`prompts` with vLLM's ``attention_backend``
-    (None: vLLM's own choice) and, for ``PAGED``, the paged backend ``paged``."""
+    (None: vLLM's own choice) and, for ``CUSTOM``, the paged backend ``paged``."""
     from paged_vllm import _backend
     from vllm import LLM, SamplingParams, TokensPrompt
 

@@ -1,4 +1,4 @@
-"""The PAGED backend's answers to vLLM, without running an engine: capabilities as vLLM's
+"""The CUSTOM (paged) backend's answers to vLLM, without running an engine: capabilities as vLLM's
 reasons, the pool views, the CUDA-graph level, the plugin's registration."""
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ def test_register_is_idempotent_and_overrides_cpu_attention_by_path():
 
     register()
     register()
-    assert AttentionBackendEnum["PAGED"].get_path() == "paged_vllm._backend.PagedAttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_path() == "paged_vllm._backend.PagedAttentionBackend"
     assert AttentionBackendEnum.CPU_ATTN.get_path() == "paged_vllm._cpu.CPUAttentionBackend"
-    # With no configuration asking for PAGED, CPU_ATTN stays vLLM's own backend.
+    # With no configuration asking for CUSTOM, CPU_ATTN stays vLLM's own backend.
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend

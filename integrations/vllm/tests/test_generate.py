@@ -19,7 +19,7 @@ def own_run(model_dir):
 
 def test_without_paged_vllm_runs_its_own_backend(own_run):
     run = own_run
-    # The plugin is loaded (it registered PAGED) but a run that does not ask for it never calls it.
+    # The plugin is loaded (it registered CUSTOM) but a run that does not ask for it never calls it.
     assert run.calls == {"plan": 0, "write": 0, "forward": 0}
     assert all(len(t) == 8 for t in run.tokens)
 
@@ -27,7 +27,7 @@ def test_without_paged_vllm_runs_its_own_backend(own_run):
 @pytest.mark.parametrize("paged", PAGED_BACKENDS)
 def test_same_greedy_tokens_as_vllm_cpu_attention(model_dir, own_run, paged, monkeypatch):
     want = own_run
-    run = generate(model_dir, "PAGED", paged, monkeypatch=monkeypatch)
+    run = generate(model_dir, "CUSTOM", paged, monkeypatch=monkeypatch)
     assert run.tokens == want.tokens
     layers = MODEL_DIMS["num_hidden_layers"]
     # Every step was planned once and every layer wrote and read through paged.
@@ -44,7 +44,7 @@ def test_unsupported_layer_is_refused_at_startup_naming_it(tmp_path, monkeypatch
 
     model = save_tiny_model("llama", tmp_path, head_dim=24)
     with pytest.raises(UnsupportedSpecError) as err:
-        generate(model, "PAGED", "triton-unified", monkeypatch=monkeypatch)
+        generate(model, "CUSTOM", "triton-unified", monkeypatch=monkeypatch)
     message = str(err.value)
     for layer in range(MODEL_DIMS["num_hidden_layers"]):
         assert f"layer 'model.layers.{layer}.self_attn.attn': head_dim 24 is not supported (accepted: 32," in message
@@ -55,6 +55,6 @@ def test_sliding_window_layers(tmp_path, monkeypatch):
     paged, and the tokens are vLLM's own CPU attention's with the same window."""
     model = save_tiny_model("qwen3", tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     want = generate(model, None, monkeypatch=monkeypatch)
-    run = generate(model, "PAGED", "reference", monkeypatch=monkeypatch)
+    run = generate(model, "CUSTOM", "reference", monkeypatch=monkeypatch)
     assert run.windows == {8}
     assert run.tokens == want.tokens

