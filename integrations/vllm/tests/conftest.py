@@ -50,9 +50,19 @@ def save_tiny_model(kind: str, folder, **overrides) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """The folder of each saved tiny model, by kind, saved on first use."""
+    class Saved(dict):
+        def __missing__(self, kind: str) -> str:
+            self[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(kind))
+            return self[kind]
+    return Saved()
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
-def model_dir(request, tmp_path_factory) -> str:
-    return save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def model_dir(request, tiny_models) -> str:
+    return tiny_models[request.param]
 
 
 def prompts(lengths=PROMPT_LENS, *, seed: int = 1) -> list[list[int]]:

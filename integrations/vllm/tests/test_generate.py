@@ -3,6 +3,11 @@ own CPU attention, with paged's write, plan and forward provably on the path."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 from conftest import MODEL_DIMS, generate, save_tiny_model
 
@@ -58,3 +63,29 @@ def test_sliding_window_layers(tmp_path, monkeypatch):
     run = generate(model, "CUSTOM", "reference", monkeypatch=monkeypatch)
     assert run.windows == {8}
     assert run.tokens == want.tokens
+
+
+def test_engine_in_its_own_processes(tiny_models, monkeypatch):
+    """vLLM's default: the engine core and its worker are spawned processes, which load the
+    plugin themselves (after unpickling the configuration that names the backend)."""
+    model_dir = tiny_models["llama"]
+    own_run = generate(model_dir, None, monkeypatch=monkeypatch)
+    script = (
+        "import os, sys, conftest\n"
+        "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '1'  # conftest turned it off; vLLM reads it lazily\n"
+        "from vllm import LLM, SamplingParams, TokensPrompt\n"
+        "llm = LLM(model=sys.argv[1], attention_backend='CUSTOM', **conftest.ENGINE)\n"
+        "params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)\n"
+        "outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in conftest.prompts()], params)\n"
+        "print('TOKENS', [list(o.outputs[0].token_ids) for o in outs])\n"
+    )
+    env = {**os.environ, "PAGED_VLLM_BACKEND": "reference",
+           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, model_dir], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert tokens == [f"TOKENS {own_run.tokens}"], done.stdout[-2000:]
+    # The worker process says which paged backend serves its layers.
+    assert "paged-vllm: 2 attention layer(s) of this KV cache group run on paged backend 'reference'" in (
+        done.stdout + done.stderr)
