@@ -64,5 +64,10 @@ def register() -> None:
                      "registered (uninstall the other plugin to use paged)", ENUM_NAME, slot.get_path())
         return
     register_backend(slot, _BACKEND_PATH)
-    if current_platform.is_cpu() and not AttentionBackendEnum.CPU_ATTN.is_overridden():
-        register_backend(AttentionBackendEnum.CPU_ATTN, _CPU_OVERRIDE)
+    if current_platform.is_cpu():
+        cpu = AttentionBackendEnum.CPU_ATTN
+        if cpu.is_overridden() and cpu.get_path() != _CPU_OVERRIDE:
+            _log.warning("paged-vllm: vLLM's CPU_ATTN backend is overridden by %s, so on the CPU platform "
+                         "--attention-backend %s keeps that backend instead of paged's", cpu.get_path(), ENUM_NAME)
+        else:
+            register_backend(cpu, _CPU_OVERRIDE)
