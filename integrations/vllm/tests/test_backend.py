@@ -1,0 +1,142 @@
+"""The CUSTOM (paged) backend's answers to vLLM, without running an engine: capabilities as vLLM's
+reasons, the pool views, the CUDA-graph level, the plugin's registration."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from paged_core import Capabilities, InputError, KVCache, ReferenceBackend, registry
+from paged_vllm import _backend, _cpu, register
+from paged_vllm._backend import PagedAttentionBackend, PagedAttentionImpl, cudagraph_support, pool_view
+from paged_vllm._meta import batch_meta_from_vllm
+
+VALIDATE = dict(dtype=torch.float32, kv_cache_dtype="auto", block_size=32, use_mla=False, has_sink=False,
+                use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                device_capability=None, attn_type="decoder")
+
+
+class _NoWindow(ReferenceBackend):
+    name = "no-window"
+    capabilities = Capabilities(head_dims=frozenset({64}), dtypes=frozenset({torch.float16}))
+
+
+@pytest.fixture
+def use(monkeypatch):
+    """Make paged_vllm use backend instance ``b`` (by its name) in this test."""
+    def _use(b):
+        monkeypatch.setitem(_backend._INSTANCES, b.name, b)
+        monkeypatch.setenv(_backend.BACKEND_ENV, b.name)
+        return b
+    return _use
+
+
+def test_supported_configuration_has_no_reasons(monkeypatch):
+    monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
+    assert PagedAttentionBackend.validate_configuration(head_size=32, **VALIDATE) == []
+
+
+def test_capabilities_become_vllm_reasons(monkeypatch):
+    monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
+    reasons = PagedAttentionBackend.validate_configuration(
+        head_size=24, **{**VALIDATE, "kv_cache_dtype": "fp8", "use_mla": True})
+    assert any(r.startswith("triton-unified: head_dim 24 is not supported (accepted: 32,") for r in reasons), reasons
+    assert any("kv_cache_dtype 'fp8' is not supported" in r for r in reasons), reasons
+    assert "MLA (latent attention) is not supported" in reasons
+    assert len(reasons) == 3
+
+
+def test_class_methods_follow_the_capabilities(use):
+    use(_NoWindow())
+    assert PagedAttentionBackend.get_supported_head_sizes() == [64]
+    assert PagedAttentionBackend.supports_dtype(torch.float16)
+    assert not PagedAttentionBackend.supports_dtype(torch.float32)
+    assert not PagedAttentionBackend.supports_sliding_window()
+    assert not PagedAttentionBackend.supports_sink()
+    assert PagedAttentionBackend.get_supported_kernel_block_sizes()[0].base == 1  # any block size
+
+
+def test_unknown_backend_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setenv(_backend.BACKEND_ENV, "no-such-backend")
+    reasons = PagedAttentionBackend.validate_configuration(head_size=32, **VALIDATE)
+    assert len(reasons) == 1 and "no-such-backend" in reasons[0]
+
+
+def test_layer_reasons_cover_what_vllm_and_paged_refuse(use):
+    use(_NoWindow())
+    impl = PagedAttentionImpl(4, 32, 32**-0.5, 2, alibi_slopes=[1.0] * 4, sliding_window=8,
+                              kv_cache_dtype="fp8", attn_type="encoder_only", chunk_lookback=4)
+    reasons = impl.reasons(16, "cpu")
+    for expected in ("kv_cache_dtype 'fp8' is not supported", "attention type 'encoder_only' is not supported",
+                     "ALiBi slopes are not supported", "the attention argument 'chunk_lookback' is not supported",
+                     "head_dim 32 is not supported (accepted: 64)", "dtype float32 is not supported",
+                     "sliding window attention is not supported"):
+        assert any(expected in r for r in reasons), (expected, reasons)
+
+
+@pytest.mark.parametrize("order", [(0, 2, 1), (0, 1, 2), (1, 0, 2)], ids=["NHD", "HND", "head-outer"])
+def test_pool_view_writes_and_reads_vllm_storage_in_place(order):
+    """vLLM's logical [blocks, heads, block_size, 2 * head] cache, stored in three physical orders
+    of its first three dimensions; a vLLM step of a 3-token prompt and a decode at position 5."""
+    blocks, heads, bs, d = 6, 2, 4, 8
+    logical = (blocks, heads, bs)
+    storage = torch.zeros([logical[i] for i in order] + [2 * d])
+    kv = storage.permute(*[order.index(i) for i in range(3)], 3)  # logical shape, physical strides
+    assert tuple(kv.shape) == (blocks, heads, bs, 2 * d) and kv.data_ptr() == storage.data_ptr()
+    cache = pool_view(kv, d)
+    common = SimpleNamespace(
+        num_reqs=2, num_actual_tokens=4, max_query_len=3, max_seq_len=6,
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32), query_start_loc_cpu=None,
+        seq_lens=torch.tensor([3, 6], dtype=torch.int32),
+        block_table_tensor=torch.tensor([[2, 0], [5, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([8, 9, 10, 5]))
+    meta = batch_meta_from_vllm(common, bs)
+    k, v = torch.randn(4, heads, d), torch.randn(4, heads, d)
+    backend = registry.get("reference")
+    backend.write(cache, k, v, meta)
+    for row, slot in enumerate([8, 9, 10, 5]):  # block 2 offsets 0-2; block 1 offset 1
+        block, offset = divmod(slot, bs)
+        assert torch.equal(kv[block, :, offset, :d], k[row])
+        assert torch.equal(kv[block, :, offset, d:], v[row])
+    assert int((storage != 0).sum()) == 4 * heads * 2 * d  # nothing else written
+    q = torch.randn(4, 4, d)
+    dense = KVCache(k=cache.k.contiguous(), v=cache.v.contiguous(), kv_dtype="auto", dtype=torch.float32)
+    torch.testing.assert_close(backend.forward(q, cache, meta), backend.forward(q, dense, meta), rtol=0, atol=0)
+
+
+def test_pool_view_refuses_another_layout():
+    with pytest.raises(InputError, match=r"accepted: \[num_blocks, num_kv_heads, block_size, 2 \* 32\]"):
+        pool_view(torch.zeros(4, 2, 16, 32), 32)
+
+
+class _Graphs(ReferenceBackend):
+    capabilities = Capabilities(cuda_graphs=True)
+
+
+class _GraphsOwnWrite(_Graphs):
+    def _write(self, cache, k, v, slot_mapping):
+        raise NotImplementedError
+
+
+def test_cudagraph_level_needs_graph_safe_kernels_and_write():
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    assert cudagraph_support(ReferenceBackend()) is AttentionCGSupport.NEVER
+    assert cudagraph_support(_Graphs()) is AttentionCGSupport.NEVER  # paged_core.write_kv syncs
+    assert cudagraph_support(_GraphsOwnWrite()) is AttentionCGSupport.ALWAYS
+
+
+def test_register_is_idempotent_and_overrides_cpu_attention_by_path():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register()
+    register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == "paged_vllm._backend.PagedAttentionBackend"
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "paged_vllm._cpu.CPUAttentionBackend"
+    # With no configuration asking for CUSTOM, CPU_ATTN stays vLLM's own backend.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
+    with pytest.raises(AttributeError):
+        _cpu.Other  # noqa: B018
