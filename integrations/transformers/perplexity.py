@@ -99,10 +99,19 @@ def perplexity(model, implementation: str, ids: list[int], chunk: int) -> float:
     return math.exp(nll.item())
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} ({len(names)} cores)" if names else platform.machine()
+    except OSError:
+        return platform.machine()
+
+
 def environment() -> str:
     import transformers
 
-    parts = [datetime.date.today().isoformat(), platform.node(), platform.processor() or platform.machine()]
+    parts = [datetime.date.today().isoformat(), platform.node(), _cpu()]
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
     parts += [f"Python {platform.python_version()}", f"torch {torch.__version__}",
