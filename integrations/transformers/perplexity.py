@@ -76,7 +76,7 @@ def perplexity(model, implementation: str, ids: list[int], chunk: int) -> float:
     # The final norm sees every row of every step (the head may keep only the last ones).
     hook = model.model.norm.register_forward_hook(lambda mod, args, out: hidden.append(out.detach()[0]))
     options = dict(max_batch_tokens=chunk, num_blocks=-(-(len(ids) + 16) // 16) + 4, max_requests_per_batch=1,
-                   allow_block_sharing=False)
+                   allow_block_sharing=False, use_cuda_graph=False)
     if "page_size" in ContinuousBatchingConfig.__dataclass_fields__:  # 5.24
         options.update(page_size=16, auto_switch_to_flash=False)
     else:

@@ -136,9 +136,16 @@ def register(adapter: PagedAttention) -> str:
     AttentionInterface.register(adapter.name, adapter)
     _ENABLED[adapter.name] = adapter
     if adapter.hook == "gathered":
-        from transformers import modeling_flash_attention_utils
+        from transformers import modeling_flash_attention_utils as loader
 
-        modeling_flash_attention_utils._loaded_implementation = adapter.name
+        if not hasattr(loader, "_loaded_implementation"):
+            raise UnsupportedSpecError(adapter.backend.name, [
+                f"transformers {_transformers_version()} has no flash-attention loader state "
+                f"(modeling_flash_attention_utils._loaded_implementation) to record {adapter.name!r} in, so "
+                "set_attn_implementation would look the name up as a flash-attention package; accepted: "
+                "transformers 5.24.x or 5.17.x"
+            ])
+        loader._loaded_implementation = adapter.name
     return adapter.name
 
 
