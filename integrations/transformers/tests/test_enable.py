@@ -2,29 +2,63 @@
 
 from __future__ import annotations
 
+import re
+
 import paged_transformers
 import pytest
 import torch
-from conftest import generate, random_prompts, tiny_model
-from paged_core import BackendNotFoundError, InputError, UnsupportedSpecError
+from conftest import HOOK, TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
+from paged_core import BackendNotFoundError, InputError, UnsupportedSpecError, registry
+from paged_transformers import PagedAttention, implementation_name
 
 
 def test_enable_returns_one_registered_name_per_backend_and_options():
     from transformers import AttentionInterface
 
     name = paged_transformers.enable("reference")
-    assert name == "paged|paged-reference"
+    assert name == {"pool": "paged|paged-reference", "gathered": "paged-reference+flash"}[HOOK]
     assert paged_transformers.enable("reference") == name
     assert name in AttentionInterface._global_mapping
     other = paged_transformers.enable("reference", validate=True)
     assert other != name and other in AttentionInterface._global_mapping
 
 
-def test_names_never_contain_flash():
-    # transformers imports any implementation whose name contains "flash" as a flash-attention
-    # package (or downloads it from the Hub).
-    assert "flash" not in paged_transformers.implementation_name("flashinfer", {})
-    assert "flash" not in paged_transformers.implementation_name("flash-attn2", {"x": "flash"})
+def test_pool_names_never_contain_flash():
+    # transformers 5.17 imports any implementation whose name contains "flash" as a
+    # flash-attention package (or downloads it from the Hub).
+    assert "flash" not in implementation_name("flashinfer", {})
+    assert "flash" not in implementation_name("flash-attn2", {"x": "flash"})
+
+
+def test_gathered_names_hold_one_flash_marker_at_the_end():
+    # transformers 5.24's continuous batching accepts custom names only with "flash" in them, and
+    # takes "flash" followed by a 2 or 3 for flash-attention 2/3 (its decode fast path).
+    for backend in ("flashinfer", "flash-attn2", "triton-unified"):
+        name = implementation_name(backend, {"x": "flash3"}, hook="gathered")
+        assert name.count("flash") == 1 and name.endswith("+flash"), name
+        assert not re.match(r".*flash.*[23]", name), name
+
+
+def test_a_backend_named_flash_runs_without_any_lookup():
+    """A backend whose name contains "flash" is served by its adapter, never resolved as a
+    flash-attention package or Hub kernel (the reference backend stands in for it here: the
+    vendor libraries are not installed on a CPU)."""
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 9, 1])
+    want = generate(model, TRANSFORMERS_PAGED, prompts, max_new_tokens=2)
+    name = implementation_name("flash-attn2", {}, hook=HOOK)
+    adapter = PagedAttention(registry.get("reference"), name)
+    paged_transformers.register(adapter)
+    calls = []
+    original = adapter.backend.forward
+    adapter.backend.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        run = generate(model, name, prompts, max_new_tokens=2)
+    finally:
+        del adapter.backend.forward
+    assert run.errors == {r: None for r in run.errors}, run.errors
+    assert run.tokens == want.tokens
+    assert len(calls) == len(run.logits) * model.config.num_hidden_layers
 
 
 def test_unknown_backend_is_the_registry_error():
@@ -32,20 +66,23 @@ def test_unknown_backend_is_the_registry_error():
         paged_transformers.enable("flashinfr")
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.18.0", "5.18.3"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.18.0", "5.18.3", "5.24.0", "5.24.1"])
 def test_supported_releases(version):
     assert paged_transformers.check_transformers_version(version) == version
 
 
 @pytest.mark.parametrize("version, says", [
-    ("5.19.0", "from 5.19 its continuous batching accepts only"),
-    ("5.24.0", "from 5.19 its continuous batching accepts only"),
+    ("5.19.0", "5.19 to 5.23 are untested"),
+    ("5.23.2", "5.19 to 5.23 are untested"),
+    ("5.25.0", "newer than the newest release paged-transformers was tested with"),
+    ("6.0.0", "newer than the newest release"),
     ("5.16.1", "predates"),
 ])
-def test_releases_without_a_hook_are_refused(version, says):
+def test_releases_without_a_tested_hook_are_refused(version, says):
     with pytest.raises(UnsupportedSpecError, match=says) as info:
         paged_transformers.check_transformers_version(version)
-    assert "pip install 'transformers>=5.17,<5.19'" in str(info.value)
+    assert "accepted: transformers 5.17.x, 5.18.x or 5.24.x" in str(info.value)
+    assert "pip install 'transformers==5.24.0'" in str(info.value)
 
 
 def test_sliding_window_layer_is_refused_by_name():
@@ -63,5 +100,5 @@ def test_sliding_window_layer_is_refused_by_name():
 def test_a_plain_forward_is_refused():
     model = tiny_model("llama")
     model.set_attn_implementation(paged_transformers.enable("reference"))
-    with pytest.raises(InputError, match="without transformers' paged cache"):
+    with pytest.raises(InputError, match="it serves continuous batching only"):
         model(torch.tensor([[1, 2, 3]]))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import paged_transformers
 import pytest
-from conftest import TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
+from conftest import HOOK, TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
 from paged_core import registry
+from paged_transformers import PagedAttention
 from paged_transformers._attention import _ENABLED
 
 #: Logits vs transformers' paged|sdpa in float32 on the CPU. Both compute attention in float32
@@ -79,26 +80,33 @@ def _spy_plans(name):
     return seen, lambda: delattr(backend, "plan")
 
 
-def test_prefix_sharing_matches_transformers(models, oracle):
+def test_prefix_sharing_matches_transformers(models, oracle, monkeypatch):
     # Three prompts after one 40-token prefix: with block sharing on, transformers hands the
     # later requests the first request's full prefix blocks.
     prompts = random_prompts([3, 7, 1], prefix=40)
     cb = dict(max_batch_tokens=64, max_requests_per_batch=4, allow_block_sharing=True)
     want = oracle("qwen3", "shared", prompts, 4, cb)
     name = paged_transformers.enable("reference")
-    seen, restore = _spy_plans(name)
-    try:
-        run = generate(models["qwen3"], name, prompts, max_new_tokens=4, **cb)
-    finally:
-        restore()
+    steps = []  # (cu_seq_lens_k, read slots) of layer 0 of every step
+
+    def spy(self, module, *args, **kwargs):
+        if module.layer_idx == 0:
+            cu_k = kwargs["cu_seq_lens_k"]
+            cu_k = cu_k["full_attention"] if isinstance(cu_k, dict) else cu_k
+            steps.append((cu_k.tolist(), kwargs["read_index"][0].tolist()))
+        return original(self, module, *args, **kwargs)
+    original = PagedAttention.__call__
+    monkeypatch.setattr(PagedAttention, "__call__", spy)
+    run = generate(models["qwen3"], name, prompts, max_new_tokens=4, **cb)
     assert_same_generation(run, want)
-    # The sharing happened: in some step two live requests read one physical block.
+    # The sharing happened: in some step two live requests read one slot of transformers' pool.
     shared = False
-    for meta in seen:
-        rows = [set(meta.block_table[r, : -(-int(s) // meta.block_size)].tolist())
-                for r, s in enumerate(meta.seq_lens.tolist()) if s > 0]
+    for cu_k, reads in steps:
+        if not reads:
+            continue
+        rows = [set(reads[a:b]) for a, b in zip(cu_k, cu_k[1:], strict=False) if b > a]
         shared |= any(rows[i] & rows[j] for i in range(len(rows)) for j in range(i + 1, len(rows)))
-    assert shared, "no step had two requests on one block: the scenario did not exercise prefix sharing"
+    assert shared, "no step had two requests on one slot: the scenario did not exercise prefix sharing"
 
 
 def test_one_plan_per_step_serves_every_layer(models):
@@ -142,6 +150,8 @@ def _transformers_pools(cache):
     return [*cache.key_cache, *cache.value_cache]
 
 
+@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 writes its pool itself: see "
+                    "test_gathered_kv_is_read_without_a_copy")
 def test_kv_pool_is_written_in_place(models, monkeypatch):
     """The backend reads and writes transformers' own pool tensors (no copy of the cache)."""
     from paged_transformers import _attention
@@ -166,3 +176,27 @@ def test_kv_pool_is_written_in_place(models, monkeypatch):
         assert kv.k.untyped_storage().data_ptr() in storages and kv.v.untyped_storage().data_ptr() in storages
         assert kv.block_size == 16
     assert {id(c) for c in written} == {id(kv) for _, kv in views}
+
+
+@pytest.mark.skipif(HOOK != "gathered", reason="transformers 5.17/5.18 pass their pool: see "
+                    "test_kv_pool_is_written_in_place")
+def test_gathered_kv_is_read_without_a_copy(models, monkeypatch):
+    """5.24: the backend reads the K/V transformers gathered, as one-token blocks, and writes nothing."""
+    name = paged_transformers.enable("reference")
+    adapter = _ENABLED[name]
+    given, read = [], []
+
+    def spy(self, module, query, key, *args, **kwargs):
+        given.append(key.untyped_storage().data_ptr())
+        return original(self, module, query, key, *args, **kwargs)
+    original = PagedAttention.__call__
+    monkeypatch.setattr(PagedAttention, "__call__", spy)
+    original_forward = adapter.backend.forward
+    monkeypatch.setattr(adapter.backend, "forward", lambda q, cache, plan, **kw: read.append(cache) or
+                        original_forward(q, cache, plan, **kw))
+    monkeypatch.setattr(adapter.backend, "write", lambda *a: pytest.fail("5.24 wrote the pool already"))
+    run = generate(models["llama"], name, random_prompts([4, 9]), max_new_tokens=3)
+    assert run.errors == {r: None for r in run.errors}
+    assert len(read) == len(given) == len(run.logits) * models["llama"].config.num_hidden_layers
+    for ptr, kv in zip(given, read, strict=True):
+        assert kv.block_size == 1 and kv.k.untyped_storage().data_ptr() == ptr

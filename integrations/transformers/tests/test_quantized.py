@@ -6,8 +6,8 @@ import paged_transformers
 import pytest
 import torch
 import transformers
-from conftest import TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
-from paged_core import Q_MAX
+from conftest import HOOK, TRANSFORMERS_PAGED, generate, random_prompts, tiny_model
+from paged_core import Q_MAX, UnsupportedSpecError
 from paged_transformers import _attention
 
 #: First-step logits (the same batch in both runs) vs full precision. Per-vector symmetric
@@ -19,6 +19,8 @@ from paged_transformers import _attention
 FIRST_STEP_LOGITS = {"int8": 0.15, "fp8": 0.5}
 
 
+@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 writes K/V into its own pool itself: "
+                    "see test_quantized_pools_are_refused_on_5_24")
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_pools(kv_dtype, monkeypatch):
     model = tiny_model("llama")
@@ -53,3 +55,9 @@ def test_quantized_pools(kv_dtype, monkeypatch):
 def test_unknown_kv_dtype():
     with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8"):
         paged_transformers.enable("reference", kv_dtype="int4")
+
+
+@pytest.mark.skipif(HOOK != "gathered", reason="transformers 5.17 serves quantized pools: see test_quantized_pools")
+def test_quantized_pools_are_refused_on_5_24():
+    with pytest.raises(UnsupportedSpecError, match="kv_dtype='int8' on transformers 5.24"):
+        paged_transformers.enable("reference", kv_dtype="int8")

@@ -7,14 +7,16 @@ Usage::
     model.set_attn_implementation(name)
     outputs = model.generate_batch(prompts)
 
-Every full-attention layer then writes and reads transformers' own paged pools (viewed, never
-copied) through the backend, with one ``BatchMeta`` and one ``plan`` per step shared by all
-layers. Supported: transformers 5.17 and 5.18 (see :mod:`paged_transformers._versions`).
+Every full-attention layer then runs through the backend, with one ``BatchMeta`` and one
+``plan`` per step shared by all layers: on transformers 5.17/5.18 it writes and reads
+transformers' own paged pools (viewed, never copied); on 5.24, whose model writes the pool
+itself, it reads the K/V transformers gathered from it. Supported: transformers 5.17, 5.18 and
+5.24 (see :mod:`paged_transformers._versions`).
 """
 
-from ._attention import PagedAttention, enable, implementation_name
-from ._meta import batch_meta_from_transformers
-from ._versions import SUPPORTED, TESTED, check_transformers_version
+from ._attention import PagedAttention, enable, implementation_name, register
+from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
+from ._versions import SUPPORTED, TESTED, check_transformers_version, hook_of
 
 __version__ = "0.1.0"
 
@@ -22,8 +24,11 @@ __all__ = [
     "SUPPORTED",
     "TESTED",
     "PagedAttention",
+    "batch_meta_from_gathered",
     "batch_meta_from_transformers",
     "check_transformers_version",
+    "hook_of",
     "enable",
     "implementation_name",
+    "register",
 ]

@@ -1,20 +1,32 @@
 """The attention function transformers' continuous batching calls, backed by a paged backend.
 
-transformers 5.17 and 5.18 look an attention implementation up by name in ``AttentionInterface``
-(its public registry) and call it once per layer with the packed queries, the step's new keys
-and values, and the step's metadata as keyword arguments (``cache``, ``cu_seq_lens_q``,
-``cu_seq_lens_k``, ``max_seqlen_q``, ``max_seqlen_k``, ``read_index``, ``write_index``). A name
-``paged|<anything>`` tells continuous batching that the function manages the paged cache itself;
-one that is not ``paged|eager`` or ``paged|sdpa`` gets no attention mask (transformers builds a
-``[tokens, pool]`` mask only for those two), and one that contains ``flash`` is treated as a
-flash-attention package and looked up on the Hub, so names never contain it.
+transformers looks an attention implementation up by name in ``AttentionInterface`` (its public
+registry) and calls it once per layer with the packed queries, keys and values and the step's
+metadata as keyword arguments. What it hands over depends on the release
+(:mod:`paged_transformers._versions` names the two hooks):
 
-Per layer the function views the layer's pool as paged's ``[blocks, block_size, kv_heads,
-head_dim]`` (a view: no copy; :func:`_view_pool` has each release's layout), writes the new K/V
-with ``backend.write`` and runs ``backend.forward``. The ``BatchMeta`` and the backend's
-plan are built at the first layer of a step and reused by every other layer; a new step is
-recognised by the identity of transformers' per-step tensors (each step slices new views), and
-a CUDA-graph capture of a step plans again inside the capture, so replays recompute the metadata.
+- **"pool"** (5.17, 5.18): the new K/V of the step and transformers' paged cache object
+  (``cache``, ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_seqlen_q``, ``max_seqlen_k``,
+  ``read_index``, ``write_index``). A name ``paged|<anything>`` tells continuous batching that the
+  function manages the cache itself; one that is not ``paged|eager`` or ``paged|sdpa`` gets no
+  attention mask, and one that contains ``flash`` is resolved as a flash-attention package (and
+  looked up on the Hub), so these names never contain it (``flash`` is written ``fl-ash``). Per
+  layer the function views the layer's pool as paged's ``[blocks, block_size, kv_heads,
+  head_dim]`` (no copy; :func:`_view_pool` has each release's layout), writes the new K/V with
+  ``backend.write`` and runs ``backend.forward``.
+- **"gathered"** (5.24): the model has already written the new K/V into the pool and gathered
+  each request's whole K/V (``key``/``value`` are ``[1, kv_heads, rows, head_dim]``, request r at
+  rows ``cu_k[r]:cu_k[r+1]``); the cache object is not passed. Continuous batching accepts only
+  names that contain ``flash`` (besides its own), so these names end with ``+flash`` and the
+  backend's own name keeps ``fl-ash``: nothing after the marker can read as a flash-attention
+  version (5.24 turns on its flash-only decode path for ``flash...2`` / ``flash...3``). The
+  function runs ``backend.forward`` over the gathered K/V seen as a cache of one-token blocks
+  (:func:`batch_meta_from_gathered`), without a copy and without a write.
+
+The ``BatchMeta`` and the backend's plan are built at the first layer of a step and reused by
+every other layer; a new step is recognised by the identity of transformers' per-step tensors
+(each step slices new views), and a CUDA-graph capture of a step plans again inside the
+capture, so replays recompute the metadata.
 """
 
 from __future__ import annotations
@@ -34,29 +46,34 @@ from paged_core import (
     registry,
 )
 
-from ._meta import batch_meta_from_transformers
-from ._versions import check_transformers_version
+from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
+from ._versions import check_transformers_version, hook_of
 
-__all__ = ["enable", "PagedAttention", "implementation_name"]
+__all__ = ["enable", "PagedAttention", "implementation_name", "register"]
 
 #: The adapters registered by :func:`enable`, by implementation name.
 _ENABLED: dict[str, PagedAttention] = {}
 _LOCK = threading.Lock()
 
 
-def implementation_name(backend: str, options: dict[str, Any]) -> str:
+def implementation_name(backend: str, options: dict[str, Any], *, hook: str = "pool") -> str:
     """The attention-implementation name :func:`enable` registers for ``backend`` and ``options``.
 
-    transformers reads any name containing ``flash`` as a flash-attention package to import or
-    download, so ``flash`` is written ``fl-ash`` here.
+    ``hook`` is the transformers release's hook (:func:`paged_transformers._versions.hook_of`).
+    The backend part never contains ``flash`` (written ``fl-ash``): 5.17 would resolve such a
+    name as a flash-attention package; 5.24 needs ``flash`` in the name, once, at its end.
 
     >>> implementation_name("triton-unified", {})
     'paged|paged-triton-unified'
     >>> implementation_name("flashinfer", {"validate": True})
     'paged|paged-fl-ashinfer-validate=True'
+    >>> implementation_name("flash-attn2", {}, hook="gathered")
+    'paged-fl-ash-attn2+flash'
     """
-    parts = [backend, *(f"{k}={options[k]}" for k in sorted(options))]
-    return "paged|paged-" + "-".join(parts).replace("flash", "fl-ash")
+    parts = "-".join([backend, *(f"{k}={options[k]}" for k in sorted(options))]).replace("flash", "fl-ash")
+    if hook == "gathered":
+        return f"paged-{parts}+flash"
+    return f"paged|paged-{parts}"
 
 
 def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend_options: Any) -> str:
@@ -73,43 +90,85 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
     transformers still allocates (and no longer uses) its own pool, so this measures what
     quantization costs in accuracy, not what it saves in memory. transformers 5.17 only.
 
+    On transformers 5.24 the name contains ``flash`` (the only custom names its continuous
+    batching accepts); ``enable`` then marks the name as loaded in transformers' flash-attention
+    loader, which would otherwise look for a flash-attention package or Hub kernel of that name
+    when ``set_attn_implementation`` is called (see the README). Call ``enable`` again before
+    ``set_attn_implementation`` if another flash-attention implementation was set in between.
+
     Raises :class:`paged_core.UnsupportedSpecError` on a transformers release without a
     supported hook, and the registry's errors for an unknown or unavailable backend.
     """
-    check_transformers_version()
+    hook = hook_of(check_transformers_version())
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_dtype != "auto" and hook == "gathered":
+        raise UnsupportedSpecError(backend, [
+            f"kv_dtype={kv_dtype!r} on transformers {_transformers_version()}: its model writes K/V into its "
+            "own full-precision pool and hands the attention function a gathered copy, so there is no write "
+            "a quantized pool could take; accepted: kv_dtype='auto' there, or transformers 5.17 for int8/fp8"
+        ])
     name = implementation_name(backend, backend_options if kv_dtype == "auto" else
-                               {**backend_options, "kv_dtype": kv_dtype})
+                               {**backend_options, "kv_dtype": kv_dtype}, hook=hook or "pool")
     with _LOCK:
         if name not in _ENABLED:
             # Fails here, with the registry's message, for a missing or broken backend.
             instance = registry.get(backend, **backend_options)
-            from transformers import AttentionInterface
-
-            adapter = PagedAttention(instance, name, kv_dtype=kv_dtype)
-            AttentionInterface.register(name, adapter)
-            _ENABLED[name] = adapter
+            register(PagedAttention(instance, name, kv_dtype=kv_dtype))
+        else:
+            register(_ENABLED[name])
     return name
+
+
+def register(adapter: PagedAttention) -> str:
+    """Register ``adapter`` with transformers under ``adapter.name`` (what :func:`enable` does).
+
+    On 5.24 a name containing ``flash`` is also marked as loaded in transformers' flash-attention
+    loader (``transformers.modeling_flash_attention_utils``). That loader is private: it is the
+    one step between a registered name and continuous batching that 5.24 gives no public way
+    through. ``set_attn_implementation`` calls it for every name containing ``flash``, and for a
+    name that is neither ``flash_attention_2/3/4`` nor a Hub repository it raises "Could not find
+    the currently requested flash attention implementation"; a name without ``flash`` is refused
+    by continuous batching instead. Nothing else of transformers is touched.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(adapter.name, adapter)
+    _ENABLED[adapter.name] = adapter
+    if adapter.hook == "gathered":
+        from transformers import modeling_flash_attention_utils as loader
+
+        if not hasattr(loader, "_loaded_implementation"):
+            raise UnsupportedSpecError(adapter.backend.name, [
+                f"transformers {_transformers_version()} has no flash-attention loader state "
+                f"(modeling_flash_attention_utils._loaded_implementation) to record {adapter.name!r} in, so "
+                "set_attn_implementation would look the name up as a flash-attention package; accepted: "
+                "transformers 5.24.x or 5.17.x"
+            ])
+        loader._loaded_implementation = adapter.name
+    return adapter.name
 
 
 class _Step:
     """One step's metadata and plans: the key tensors held (so their ids are never reused)."""
 
-    __slots__ = ("key", "plans")
+    __slots__ = ("key", "plans", "rows")
 
     def __init__(self, key: tuple) -> None:
         self.key = key
         self.plans: dict[int, Any] = {}  # layer group -> backend.plan(meta)
+        self.rows = 0  # "gathered": the K/V rows the plan was built for
 
 
 class PagedAttention:
     """transformers' attention-function signature over one paged backend instance."""
 
-    def __init__(self, backend: Backend, name: str, *, kv_dtype: str = "auto") -> None:
+    def __init__(self, backend: Backend, name: str, *, kv_dtype: str = "auto", hook: str | None = None) -> None:
         self.backend = backend
         self.name = name
         self.kv_dtype = kv_dtype
+        #: "pool" (5.17, 5.18) or "gathered" (5.24): what transformers hands the function.
+        self.hook = hook or hook_of(_transformers_version()) or "pool"
         self._step: _Step | None = None
         # (transformers' cache object, per layer: (group, the layer as a paged cache, padding slot)):
         # views (or, for kv_dtype, pools of paged's format), dropped when transformers drops its
@@ -131,8 +190,10 @@ class PagedAttention:
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        cache = kwargs.get("cache")
         layer = getattr(module, "layer_idx", None)
+        if self.hook == "gathered":
+            return self._gathered(module, layer, query, key, value, dropout, scaling, kwargs)
+        cache = kwargs.get("cache")
         if cache is None or "write_index" not in kwargs:
             raise InputError(
                 f"{self.name!r} was called without transformers' paged cache (layer {layer}); it serves "
@@ -153,14 +214,56 @@ class PagedAttention:
         out = self.backend.forward(q, kv, plan, scale=scaling)
         return out.unsqueeze(0), None  # [1, N, H, D], as transformers' paged paths return
 
-    # ----------------------------------------------------------------------------- per step
-    def _plan(self, kwargs: dict, group: int, query: torch.Tensor, kv: KVCache, scaling: float | None,
-              padding_slot: int | None) -> Any:
-        write_index = kwargs["write_index"][group]
-        # transformers captures a CUDA graph by running the same step twice, eagerly and then under
-        # capture: a plan built by the eager run holds tensors computed outside the graph, which a
-        # replay would never recompute, so a capture starts a new step.
+    def _gathered(self, module: torch.nn.Module, layer: int | None, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, dropout: float, scaling: float | None,
+                  kwargs: dict) -> tuple[torch.Tensor, None]:
+        """transformers 5.24: attention over the K/V the model wrote and gathered itself."""
+        if "write_index" not in kwargs or "cu_seq_lens_q" not in kwargs:
+            raise InputError(
+                f"{self.name!r} was called without transformers' continuous-batching metadata (layer {layer}); "
+                "it serves continuous batching only: call model.generate_batch(...), or switch the model back "
+                "with model.set_attn_implementation('sdpa') for a plain forward"
+            )
+        if dropout:
+            raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
+                                                           "training mode); paged serves inference: call model.eval()"])
+        if kwargs.get("block_table") is not None:
+            raise UnsupportedSpecError(self.backend.name, [
+                "transformers' decode fast path (a block table with its k_cache/v_cache) is meant for "
+                "flash_attn_with_kvcache; accepted: ContinuousBatchingConfig(max_blocks_per_request=0)"
+            ])
+        window = getattr(module, "sliding_window", None)
+        if window:
+            raise UnsupportedSpecError(self.backend.name, [_window_reason(module, layer, window)])
+        if getattr(module, "is_causal", True) is False:
+            raise UnsupportedSpecError(self.backend.name, [
+                f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
+            ])
+        # [1, kv_heads, rows, D] -> [rows, 1, kv_heads, D]: one-token blocks, a view of the gathered rows.
+        k = key[0].transpose(0, 1).unsqueeze(1)
+        v = value[0].transpose(0, 1).unsqueeze(1)
+        kv = KVCache(k=k, v=v, kv_dtype="auto", dtype=k.dtype)
         step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"], _capturing())
+        step = self._new_step(step_key)
+        plan = step.plans.get(0)
+        if plan is None or step.rows != k.shape[0]:
+            meta = batch_meta_from_gathered(
+                cu_seq_lens_q=kwargs["cu_seq_lens_q"], cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+                num_tokens=query.shape[2], num_kv_rows=k.shape[0],
+                max_query_len=int(kwargs["max_length_q"]), max_seq_len=int(kwargs["max_length_k"]),
+            )
+            plan = self.backend.plan(
+                meta, num_heads=query.shape[1], num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                dtype=query.dtype, scale=scaling,
+            )
+            step.plans[0], step.rows = plan, k.shape[0]
+        q = query[0].transpose(0, 1)
+        out = self.backend.forward(q, kv, plan, scale=scaling)
+        return out.unsqueeze(0), None
+
+    # ----------------------------------------------------------------------------- per step
+    def _new_step(self, step_key: tuple) -> _Step:
+        """This step's record, a new one when transformers' per-step tensors changed."""
         step = self._step
         if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
             if step_key[-1] and not self.backend.capabilities.cuda_graphs:
@@ -170,6 +273,16 @@ class PagedAttention:
                     "or a backend whose capabilities claim CUDA graphs (e.g. triton-unified)"
                 ])
             step = self._step = _Step(step_key)
+        return step
+
+    def _plan(self, kwargs: dict, group: int, query: torch.Tensor, kv: KVCache, scaling: float | None,
+              padding_slot: int | None) -> Any:
+        write_index = kwargs["write_index"][group]
+        # transformers captures a CUDA graph by running the same step twice, eagerly and then under
+        # capture: a plan built by the eager run holds tensors computed outside the graph, which a
+        # replay would never recompute, so a capture starts a new step.
+        step_key = (kwargs["cu_seq_lens_q"], kwargs["write_index"], kwargs["read_index"], _capturing())
+        step = self._new_step(step_key)
         plan = step.plans.get(group)
         if plan is None:
             cu_k = kwargs["cu_seq_lens_k"]
@@ -236,17 +349,21 @@ class PagedAttention:
     def _check_layer(self, module: torch.nn.Module, cache: Any, layer: int) -> None:
         window = _layer_window(module, cache, layer)
         if window:
-            raise UnsupportedSpecError(self.backend.name, [
-                f"layer {layer} ({type(module).__name__}) is a sliding-window layer (window {window}); "
-                "transformers keeps such layers in a rolling buffer whose slots are not paged's "
-                "block_size * block + offset positions, so paged cannot read them. Accepted: models whose "
-                "layers are all full attention (e.g. Qwen3 with use_sliding_window=False, Llama); use "
-                "attn_implementation='paged|sdpa' for this model"
-            ])
+            raise UnsupportedSpecError(self.backend.name, [_window_reason(module, layer, window)])
         if getattr(module, "is_causal", True) is False:
             raise UnsupportedSpecError(self.backend.name, [
                 f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
             ])
+
+
+def _window_reason(module: torch.nn.Module, layer: int | None, window: int) -> str:
+    return (
+        f"layer {layer} ({type(module).__name__}) is a sliding-window layer (window {window}); "
+        "transformers keeps such layers in a rolling buffer whose slots are not paged's "
+        "block_size * block + offset positions, so paged cannot read them. Accepted: models whose "
+        "layers are all full attention (e.g. Qwen3 with use_sliding_window=False, Llama); use "
+        "attn_implementation='sdpa' (5.24) or 'paged|sdpa' (5.17) for this model"
+    )
 
 
 def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:

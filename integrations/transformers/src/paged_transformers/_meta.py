@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from paged_core import BatchMeta, InputError
 
-__all__ = ["batch_meta_from_transformers"]
+__all__ = ["batch_meta_from_gathered", "batch_meta_from_transformers"]
 
 
 def batch_meta_from_transformers(
@@ -100,6 +100,73 @@ def batch_meta_from_transformers(
         block_table=torch.cat([table.to(torch.int32), torch.zeros((1, width), dtype=torch.int32, device=device)]),
         slot_mapping=slot_mapping,
         block_size=block_size,
+        max_query_len=max(max_query_len, 0),
+        max_seq_len=max(max_seq_len, 0),
+    )
+
+
+def batch_meta_from_gathered(
+    *,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    num_tokens: int,
+    num_kv_rows: int,
+    max_query_len: int,
+    max_seq_len: int,
+) -> BatchMeta:
+    """The ``BatchMeta`` of one transformers 5.24 step over the K/V it gathered: block_size 1.
+
+    transformers 5.24 hands the attention function every request's K/V gathered from its pool,
+    request after request (request r's positions ``0 .. seq_len-1`` are rows
+    ``cu_k[r]:cu_k[r+1]``; ``num_kv_rows`` counts them, padding included). Seen as a pool of
+    one-token blocks, request r's block table is ``cu_k[r] + j`` and each new token's K/V is
+    already in row ``cu_k[r] + seq_len - query_len + i``, its ``slot_mapping`` (padding rows -1).
+    Rows of q past ``cu_q[R]`` become one padding request (``seq_len`` 0), as above.
+
+    Two requests: a decode at 3 tokens and a 2-token chunk after 1, padded to 4 query rows:
+
+    >>> import torch
+    >>> meta = batch_meta_from_gathered(
+    ...     cu_seq_lens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+    ...     cu_seq_lens_k=torch.tensor([0, 3, 6], dtype=torch.int32),
+    ...     num_tokens=4, num_kv_rows=8, max_query_len=4, max_seq_len=3)
+    >>> meta.block_table.tolist(), meta.seq_lens.tolist(), meta.slot_mapping.tolist()
+    ([[0, 1, 2], [3, 4, 5], [0, 0, 0]], [3, 3, 0], [2, 4, 5, -1])
+    >>> meta.validate(num_blocks=8) is meta
+    True
+    """
+    if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+        raise InputError(
+            f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
+            "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
+        )
+    device = cu_seq_lens_q.device
+    num_reqs = cu_seq_lens_q.shape[0] - 1
+    cu_q = cu_seq_lens_q.to(torch.int64)
+    cu_k = cu_seq_lens_k.to(torch.int64)
+    width = max(1, max_seq_len)
+    seq_lens = cu_k[1:] - cu_k[:-1]  # [R]
+    query_lens = cu_q[1:] - cu_q[:-1]  # [R]
+    j = torch.arange(width, device=device, dtype=torch.int64)
+    rows = (cu_k[:-1, None] + j[None, :]).clamp(max=max(num_kv_rows - 1, 0))  # [R, W]
+    table = torch.where(j[None, :] < seq_lens[:, None], rows, 0)
+    # Each query row's request (the padding rows past cu_q[R] get the last one, then -1).
+    n = torch.arange(num_tokens, device=device, dtype=torch.int64)
+    req = (torch.searchsorted(cu_q[1:], n, right=True)).clamp(max=max(num_reqs - 1, 0))
+    if num_reqs:
+        slot = cu_k[req] + seq_lens[req] - query_lens[req] + (n - cu_q[req])
+        slot_mapping = torch.where(n < cu_q[-1], slot, -1)
+    else:
+        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    query_start_loc = torch.cat([cu_q.to(torch.int32),
+                                 torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
+    return BatchMeta(
+        num_reqs=num_reqs + 1,
+        query_start_loc=query_start_loc,
+        seq_lens=torch.cat([seq_lens.to(torch.int32), torch.zeros(1, dtype=torch.int32, device=device)]),
+        block_table=torch.cat([table.to(torch.int32), torch.zeros((1, width), dtype=torch.int32, device=device)]),
+        slot_mapping=slot_mapping,
+        block_size=1,
         max_query_len=max(max_query_len, 0),
         max_seq_len=max(max_seq_len, 0),
     )
