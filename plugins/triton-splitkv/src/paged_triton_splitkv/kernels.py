@@ -16,17 +16,16 @@ Conventions shared by every kernel of this file:
   bfloat16 as raw 16-bit integers and computes garbage (silently) on any bf16 value that was not
   first converted with ``.to(tl.float32)``. On the GPU the 16-bit operands go into ``tl.dot``
   untouched so they run on tensor cores.
-* float8 codes arrive as ``uint8`` (the launcher views the cache): the interpreter cannot load
-  ``float8_e4m3fn`` tensors. int8 and fp8 codes convert to the dot dtype with triton-unified's
-  ``codes_to_dot`` (in registers on the GPU, exact).
+* float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast here: the
+  interpreter cannot load ``float8_e4m3fn`` tensors, the GPU does not care.
 * Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``), and
-  so do the interpreter and autotuning flags, ``tanh`` and ``codes_to_dot``: one definition of
-  each, imported from triton-unified's public API.
+  so do the interpreter and autotuning flags and ``tanh``: one definition of each, imported from
+  triton-unified's public API.
 """
 
 import triton
 import triton.language as tl
-from paged_triton_unified import AUTOTUNE, INTERPRET, codes_to_dot, tanh
+from paged_triton_unified import AUTOTUNE, INTERPRET, tanh
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -78,11 +77,12 @@ def _attend_tile(
         mask=key_ok[None, :] & d_mask[:, None],
         other=0,
     )  # [HEAD_DIM_PAD, BLOCK_N]
+    if FP8:
+        kt = kt.to(tl.float8e4nv, bitcast=True)
     # int8 and e4m3 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
-    CODES: tl.constexpr = 2 if FP8 else 1 if QUANT else 0  # codes_to_dot's KV_QUANT
-    kt = codes_to_dot(kt, q.dtype, CODES)
+    kt = kt.to(q.dtype)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT:
         ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
@@ -108,7 +108,8 @@ def _attend_tile(
         mask=key_ok[:, None] & d_mask[None, :],
         other=0,
     )  # [BLOCK_N, HEAD_DIM_PAD]
-    v = codes_to_dot(v, q.dtype, CODES)
+    if FP8:
+        v = v.to(tl.float8e4nv, bitcast=True)
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
@@ -116,11 +117,13 @@ def _attend_tile(
             # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
             # BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into subnormals.
             pv = p * v_sc[None, :]
+            v = v.to(q.dtype)
         else:
             pv = p
-            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)  # the codes are exact in q's dtype
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
     else:
         pv = p
+        v = v.to(q.dtype)
     acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -27,9 +27,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = [
-    "AUTOTUNE", "INTERPRET", "capture_config", "codes_to_dot", "tanh", "tile_plan_kernel", "unified_attention_kernel",
-]
+__all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
 
 # Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
 # it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
@@ -105,110 +103,16 @@ def tile_plan_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-# Code conversions in registers (codes_to_dot). Left to `.to()`, Triton converts quantized codes
-# after their layout change into the MMA operand: V (token-major; there is no transposed 8-bit
-# ldmatrix) is then read from shared memory one byte at a time. Offline (sm_90a, Triton 3.9,
-# 2026-12-01, scripts/kernel_resources.py --kv, decode tile 128 keys/4 warps/2 stages): 128
-# LDS.U8 and 1,565 (int8) / 1,212 (fp8) instructions per key step vs 673 for bf16, 255 registers.
-# Converted by inline asm in the layout they are loaded in, the codes reach shared memory as a
-# 16-bit tile that ldmatrix reads transposed: 1,181 / 846 instructions, no byte load, 166
-# registers. is_pure=False keeps the asm there: a pure one is moved behind the layout change
-# like `.to()` (1,542 / 1,240 instructions).
-#
-# Packing, as Triton lowers tl.inline_asm_elementwise with pack=4: the four elements e0..e3 of
-# one call are four consecutive elements of the thread's part of the tile; 8-bit inputs arrive
-# as one 32-bit register $2 holding e_k in bits [8k, 8k + 8); 16-bit outputs leave in two
-# registers, $0 = (e1 << 16) | e0 and $1 = (e3 << 16) | e2. PRMT below selects bytes by a
-# selector whose nibble i names the source byte of result byte i (0-3: first operand, 4-7:
-# second operand), so selector 0x4140 with a second operand of 0x43434343 builds the two
-# halves 0x43:e0 and 0x43:e1 from the first operand's bytes 0 and 1.
-#
-# int8 -> bf16 (exact for all 256 codes): a half 0x43:b is the bf16 128 + b[6:0] when masked with
-# 0x437f (exponent 2**7, b's low seven bits as the mantissa), and 128 or 256 when masked with
-# 0x4380 (b's sign bit becomes the exponent's lowest bit). Their difference, (b & 127) - 128 * b[7],
-# is the signed code, an integer of at most 8 significant bits: exact in bf16.
-_S8_TO_BF16 = tl.constexpr("""{
-.reg .b32 t0, t1, m0, m1, s0, s1, c43, neg1;
-mov.b32 c43, 0x43434343;
-mov.b32 neg1, 0xbf80bf80;
-prmt.b32 t0, $2, c43, 0x4140;
-prmt.b32 t1, $2, c43, 0x4342;
-and.b32 m0, t0, 0x437f437f;
-and.b32 s0, t0, 0x43804380;
-and.b32 m1, t1, 0x437f437f;
-and.b32 s1, t1, 0x43804380;
-fma.rn.bf16x2 $0, s0, neg1, m0;
-fma.rn.bf16x2 $1, s1, neg1, m1;
-}""")
-# int8 -> fp16 (exact): b ^ 0x80 is b + 128 as an unsigned byte u; the half 0x64:u is the fp16
-# 1024 + u (exponent 2**10, spacing 1); minus 1152 (0x6480) it is b.
-_S8_TO_F16 = tl.constexpr("""{
-.reg .b32 u, t0, t1, c64, bias;
-mov.b32 c64, 0x64646464;
-mov.b32 bias, 0x64806480;
-xor.b32 u, $2, 0x80808080;
-prmt.b32 t0, u, c64, 0x4140;
-prmt.b32 t1, u, c64, 0x4342;
-sub.f16x2 $0, t0, bias;
-sub.f16x2 $1, t1, bias;
-}""")
-# fp8 e4m3 -> fp16 (exact): the native conversion of two codes per instruction (sm_89+, like
-# every float8e4nv use in Triton): the low byte of a 16-bit pair becomes the low half.
-_E4M3_TO_F16 = tl.constexpr("""{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
-# fp8 e4m3 -> bf16 (exact for every finite code): with code bits s eeee mmm, the bf16 half
-# s 0000eeee mmm0000 is 2**-120 times the code's value, normal (e > 0: 2**(e - 127) (1 + m/8)
-# vs 2**(e - 7) (1 + m/8)) or subnormal (e = 0: 2**-126 m/8 vs 2**-6 m/8) alike, and the
-# multiply by 2**120 (0x7b80) is exact; the -0.0 addend keeps the sign of zero. The two NaN codes
-# (0x7f, 0xff) become +-480: a quantized cache never holds them (codes saturate at +-448).
-# Halves are built as 0x(code)00 (selector 0x1404 over a zero register), shifted right by 4
-# (which leaves the sign at bit 11, cleared by the 0x07f0 mask), and given back their sign bit.
-_E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 t0, t1, m0, m1, zero, pow120, negzero;
-mov.b32 zero, 0;
-mov.b32 pow120, 0x7b807b80;
-mov.b32 negzero, 0x80008000;
-prmt.b32 t0, $2, zero, 0x1404;
-prmt.b32 t1, $2, zero, 0x3424;
-shr.b32 m0, t0, 4;
-shr.b32 m1, t1, 4;
-and.b32 m0, m0, 0x07f007f0;
-and.b32 m1, m1, 0x07f007f0;
-and.b32 t0, t0, 0x80008000;
-and.b32 t1, t1, 0x80008000;
-or.b32 m0, m0, t0;
-or.b32 m1, m1, t1;
-fma.rn.bf16x2 $0, m0, pow120, negzero;
-fma.rn.bf16x2 $1, m1, pow120, negzero;
-}""")
-# Compiled kernels read only constexpr globals; the interpreter cannot run inline asm.
-_ASM = tl.constexpr(not INTERPRET)
-
-
 @triton.jit
-def codes_to_dot(x, dot_dtype: tl.constexpr, KV_QUANT: tl.constexpr):
-    """A loaded K/V tile (values; int8 codes, KV_QUANT 1; fp8 e4m3 codes as uint8, KV_QUANT 2)
-    in the dot dtype; codes convert exactly (int8 to fp16/bf16; e4m3 to fp16, and to bf16 for
-    every finite code). On the GPU, 16-bit dots convert in registers (see the asm above); the
-    interpreter, and float32 dots, use ``.to()``. e4m3 -> fp16 is one native instruction per two
-    codes, e4m3 -> bf16 five (sm_89+ has no e4m3 -> bf16): why QDOT16 runs fp8 tiles in fp16."""
-    if _ASM and KV_QUANT == 1 and dot_dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_S8_TO_BF16, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4)
-    elif _ASM and KV_QUANT == 1 and dot_dtype == tl.float16:
-        return tl.inline_asm_elementwise(_S8_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    elif _ASM and KV_QUANT == 2 and dot_dtype == tl.float16:
-        return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    elif _ASM and KV_QUANT == 2 and dot_dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4)
-    else:
-        if KV_QUANT == 2:
-            # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
-            x = x.to(tl.float8e4nv, bitcast=True)
-        return x.to(dot_dtype)
+def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr):
+    """A loaded K/V tile (values, int8 codes, or fp8 codes as uint8) in the dot dtype."""
+    if KV_QUANT == 2:
+        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
+        x = x.to(tl.float8e4nv, bitcast=True)
+    # Quantized codes convert exactly to fp16/bf16. e4m3 -> fp16 is a native cvt on sm_89+
+    # (cvt.rn.f16x2.e4m3x2: two codes per instruction); e4m3 -> bf16 is not, it goes through
+    # f16/f32, which is why QDOT16 runs fp8 tiles in fp16.
+    return x.to(dot_dtype)
 
 
 @triton.jit
@@ -275,7 +179,7 @@ def _attend_step(
     k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask, other=0)
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = codes_to_dot(k, q.dtype, KV_QUANT)
+    k = _codes_to_dot(k, q.dtype, KV_QUANT)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
@@ -324,7 +228,7 @@ def _attend_step(
     v = tl.load(
         v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0
     )
-    v = codes_to_dot(v, q.dtype, KV_QUANT)
+    v = _codes_to_dot(v, q.dtype, KV_QUANT)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -420,7 +324,7 @@ def _tile_program(
     else:
         qk_scale = scale * 1.4426950408889634
     if QDOT16:
-        # fp8 caches run their dots in fp16 (see codes_to_dot). bf16 q is exact in fp16
+        # fp8 caches run their dots in fp16 (see _codes_to_dot). bf16 q is exact in fp16
         # as long as it stays in fp16's range: scale q by a power of two (exact) so that
         # max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
         q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
@@ -685,7 +589,7 @@ def unified_attention_kernel(
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
-    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (see codes_to_dot)
+    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (see _codes_to_dot)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
