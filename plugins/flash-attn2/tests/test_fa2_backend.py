@@ -194,6 +194,20 @@ def test_decode_batch_keeps_max_seqlen_q_1_only_when_every_request_has_a_row():
     assert FlashAttn2Backend().plan(meta).max_seqlen_q == 2
 
 
+@pytest.mark.parametrize("window", [0, 64])
+def test_a_decode_batch_returning_its_lse_skips_flash_attns_head_swap(window):
+    # flash-attn's decode reshape (max_seqlen_q == 1, more q heads than KV heads) leaves the
+    # lse of its unsplit path in another order: an lse call passes a bound of 2 query tokens.
+    q, cache, meta = make_batch([(1, 70), (1, 300), (1, 5)])
+    plan = FlashAttn2Backend().plan(meta)
+    assert plan.max_seqlen_q == 1 and q.shape[1] > cache.num_kv_heads
+    with_lse = varlen_kwargs(q, cache, plan, scale=0.125, window=window, return_lse=True)
+    without = varlen_kwargs(q, cache, plan, scale=0.125, window=window, return_lse=False)
+    assert with_lse["max_seqlen_q"] == 2 and without["max_seqlen_q"] == 1
+    for r, s in enumerate([70, 300, 5]):  # the keys each decode sees are the same either way
+        assert _visible(with_lse, r, 0, 1, s) == _visible(without, r, 0, 1, s)
+
+
 def test_without_the_bump_flash_attn_would_reject_the_decode_batch(fake_flash_attn):
     q, cache, meta = make_batch([(1, 70), (0, 300), (1, 5)])
     plan = FlashAttn2Backend().plan(meta)

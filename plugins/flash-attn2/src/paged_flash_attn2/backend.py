@@ -169,13 +169,20 @@ def varlen_kwargs(
     is flash-attn's paged layout, flash_api.cpp: CHECK_SHAPE(k, num_blocks, page_block_size,
     num_heads_k, head_size)).
     """
+    # flash-attn moves a decode batch's query heads into its sequence dimension (flash_api.cpp
+    # mha_varlen_fwd: seqlenq_ngroups_swapped when max_seqlen_q == 1 and num_heads >
+    # num_heads_k, no window) and, on its unsplit path, leaves softmax_lse in (kv head, request,
+    # group) order under the [num_heads, total_q] shape: on the H200 (2026-12-01) the lse of a
+    # 300-request decode batch was wrong in 9,501 of 9,600 elements. Any bound at or above the
+    # longest query is valid, and 2 keeps the plain layout; only calls that return the lse pay.
+    max_seqlen_q = max(plan.max_seqlen_q, 2) if return_lse else plan.max_seqlen_q
     return dict(
         q=q,
         k=cache.k,
         v=cache.v,
         cu_seqlens_q=plan.cu_seqlens_q,
         cu_seqlens_k=plan.cu_seqlens_k,
-        max_seqlen_q=plan.max_seqlen_q,
+        max_seqlen_q=max_seqlen_q,
         max_seqlen_k=plan.max_seqlen_k,
         dropout_p=0.0,
         softmax_scale=scale,
