@@ -71,7 +71,7 @@ class TritonSplitKVBackend(TritonBackend):
                 self.capabilities, batch_invariant=True, mixed_batches=False
             )
 
-    def _plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> SplitKVPlan:
+    def _plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> TritonPlan:
         """Once per step (``plan(meta, ...)`` checks the layer keywords, then calls this). With
         ``cascade=True`` and no declared prefix, reads the block table from the device (a sync)
         to find the shared prefix; declare it to avoid that. The layer keywords are unused."""
