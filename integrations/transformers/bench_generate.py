@@ -19,16 +19,15 @@ Nothing is downloaded: the model is built from a config, the prompts are random 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 import traceback
 
 import torch
+from paged_transformers import describe_environment
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,22 +126,6 @@ def implementations(args) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def environment() -> str:
-    import transformers
-
-    parts = [datetime.date.today().isoformat(), platform.node()]
-    if torch.cuda.is_available():
-        parts.append(torch.cuda.get_device_name())
-    parts += [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
-    try:
-        import triton
-
-        parts.append(f"triton {triton.__version__}")
-    except ImportError:
-        pass
-    return ", ".join(parts)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,7 +142,7 @@ def main(argv=None) -> int:
     if device == "cpu" and "graphs" in modes:
         modes.remove("graphs")  # transformers turns CUDA graphs off without CUDA anyway
 
-    print(f"# generate_batch, {environment()}")
+    print(f"# generate_batch, {describe_environment()}")
     print(f"# Qwen3-shaped, {args.layers} layers, {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} "
           f"tokens, {args.new_tokens} new tokens each, block_size {args.block_size}")
 
@@ -211,7 +194,7 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"environment": describe_environment(), "args": vars(args), "rows": rows}, f, indent=2)
     return 0
 
 

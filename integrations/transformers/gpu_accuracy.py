@@ -25,14 +25,13 @@ Nothing is downloaded: the model is built from a config, the prompts are random 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import traceback
 
 import torch
+from paged_transformers import describe_environment
 
 PROMPT_LENGTHS = [5, 17, 64, 130, 257, 511, 1, 40]
 
@@ -115,22 +114,6 @@ def plain_forward(model, implementation, prompts):
     return torch.stack(rows)
 
 
-def environment() -> str:
-    import transformers
-
-    parts = [datetime.date.today().isoformat(), platform.node()]
-    if torch.cuda.is_available():
-        parts.append(torch.cuda.get_device_name())
-    parts += [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
-    try:
-        import triton
-
-        parts.append(f"triton {triton.__version__}")
-    except ImportError:
-        pass
-    return ", ".join(parts)
-
-
 def _error(exc: Exception) -> str:
     traceback.print_exc(file=sys.stderr)
     first = str(exc).splitlines()[0][:160] if str(exc) else ""
@@ -151,7 +134,7 @@ def main(argv=None) -> int:
     import paged_transformers
 
     lengths = [min(n, 40) for n in PROMPT_LENGTHS] if args.small else PROMPT_LENGTHS
-    print(f"# generate_batch accuracy and CUDA graphs, {environment()}")
+    print(f"# generate_batch accuracy and CUDA graphs, {describe_environment()}")
     print(f"# Qwen3-shaped, {args.layers} layers, prompts of {lengths} tokens, block_size {args.block_size}",
           flush=True)
     model = build_model(args, device)
@@ -226,7 +209,7 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "prompt_lengths": lengths, "accuracy": accuracy,
+            json.dump({"environment": describe_environment(), "prompt_lengths": lengths, "accuracy": accuracy,
                        "cuda_graphs": graphs}, f, indent=2)
     return 0
 

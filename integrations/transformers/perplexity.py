@@ -21,18 +21,17 @@ Nothing is downloaded at run time: the model file and the text are installed pac
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import math
 import os
 import pathlib
-import platform
 import sys
 import time
 import traceback
 
 import torch
+from paged_transformers import describe_environment
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -99,26 +98,6 @@ def perplexity(model, implementation: str, ids: list[int], chunk: int) -> float:
     return math.exp(nll.item())
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return f"{names[0]} ({len(names)} cores)" if names else platform.machine()
-    except OSError:
-        return platform.machine()
-
-
-def environment() -> str:
-    import transformers
-
-    parts = [datetime.date.today().isoformat(), platform.node(), _cpu()]
-    if torch.cuda.is_available():
-        parts.append(torch.cuda.get_device_name())
-    parts += [f"Python {platform.python_version()}", f"torch {torch.__version__}",
-              f"transformers {transformers.__version__}"]
-    return ", ".join(parts)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,7 +113,7 @@ def main(argv=None) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=GGUF, dtype=torch.float32)
     model = model.to(device).eval()
     ids = tokenizer(text())["input_ids"][: args.tokens]
-    print(f"# perplexity, {environment()}", flush=True)
+    print(f"# perplexity, {describe_environment()}", flush=True)
     print(f"# SmolLM2-135M-Instruct ({GGUF}, dequantized to fp32), pydoc_data.topics: {len(ids)} tokens, "
           f"chunked prefill of {args.chunk}; model loaded in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -168,7 +147,7 @@ def main(argv=None) -> int:
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "tokens": len(ids), "chunk": args.chunk,
+            json.dump({"environment": describe_environment(), "tokens": len(ids), "chunk": args.chunk,
                        "problems": [str(p) for p in paged_core.registry.problems()], "rows": results}, f, indent=2)
     return 1 if any("error" in r for r in results) else 0
 

@@ -15,6 +15,7 @@ itself, it reads the K/V transformers gathered from it. Supported: transformers 
 """
 
 from ._attention import PagedAttention, enable, implementation_name, register
+from ._environment import describe_environment
 from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
 from ._versions import SUPPORTED, TESTED, check_transformers_version, hook_of
 
@@ -27,6 +28,7 @@ __all__ = [
     "batch_meta_from_gathered",
     "batch_meta_from_transformers",
     "check_transformers_version",
+    "describe_environment",
     "hook_of",
     "enable",
     "implementation_name",
