@@ -131,16 +131,31 @@ def test_contiguous_and_interleaved_ownership():
     assert compact.block_table[0].tolist() == [0, 1, 2] and compact.slot_mapping.tolist() == [2 * 8 + 3]
 
 
-def test_a_shared_block_is_stored_once_in_a_compact_pool():
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+def test_a_shared_block_is_stored_once_in_a_compact_pool(kv_dtype: str):
     # Two requests share their first block (parallel sampling): one copy in the pool.
     meta = BatchMeta.from_lists([1, 1], [20, 12], [[5, 6, 7], [5, 2]], block_size=8)
     shard = shard_decode_batch(meta, 0, 1)
     assert shard.block_table.tolist() == [[0, 1, 2], [0, 3, 0]]
-    whole = allocate_kv_cache(8, 8, HKV, D, dtype=torch.float32)
-    whole.k.normal_(generator=torch.Generator().manual_seed(1))
+    whole = allocate_kv_cache(8, 8, HKV, D, dtype=torch.float32, kv_dtype=kv_dtype)
+    g = torch.Generator().manual_seed(1)
+    every_slot = BatchMeta.from_lists([64], [64], [list(range(8))], block_size=8)
+    registry.get("reference").write(whole, torch.randn(64, HKV, D, generator=g),
+                                    torch.randn(64, HKV, D, generator=g), every_slot)
     pool = shard_kv_cache(whole, meta, 0, 1)
-    assert pool.num_blocks == 4
-    assert torch.equal(pool.k, whole.k[[5, 6, 7, 2]])
+    assert pool.num_blocks == 4 and pool.kv_dtype == kv_dtype
+    order = [5, 6, 7, 2]
+    for name in ("k", "v", "k_scale", "v_scale"):
+        got, want = getattr(pool, name), getattr(whole, name)
+        if want is None:
+            assert got is None and kv_dtype == "auto"
+            continue
+        if want.dtype == torch.float8_e4m3fn:  # compare the bytes: CPU indexing lacks float8
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(got, want[order]), name
+    # Rank 1 of 2, contiguous: request 0's logical blocks 1 and 2 (6, 7), request 1's block 1 (2).
+    assert torch.equal(shard_kv_cache(whole, meta, 1, 2).k.view(torch.uint8),
+                       whole.k.view(torch.uint8)[[6, 7, 2]])
 
 
 @pytest.mark.parametrize(("query_lens", "seq_lens", "match"), [

@@ -180,8 +180,9 @@ def shard_kv_cache(
     if blocks:
         idx = torch.tensor(blocks, dtype=torch.long, device=cache.k.device)
         pairs = [(shard.k, cache.k), (shard.v, cache.v)]
-        if cache.k_scale is not None and shard.k_scale is not None:
-            pairs += [(shard.k_scale, cache.k_scale), (shard.v_scale, cache.v_scale)]
+        for dst_scale, src_scale in ((shard.k_scale, cache.k_scale), (shard.v_scale, cache.v_scale)):
+            if dst_scale is not None and src_scale is not None:  # a quantized cache
+                pairs.append((dst_scale, src_scale))
         for dst, src in pairs:
             # Through bytes: PyTorch's CPU indexing lacks float8.
             view = torch.uint8 if src.dtype == torch.float8_e4m3fn else src.dtype
@@ -210,11 +211,12 @@ def context_parallel_decode(
     lse)`` of attention over the whole context (``out`` in ``q``'s dtype; padding requests:
     zeros and ``-inf``). ``sinks`` join at the merge, once, never in the ranks' ``forward``.
     Every rank of ``group`` must call it (a collective). ``window`` must be 0: a sliding window
-    counts positions, which a shard does not know.
+    counts positions, which a shard does not know. On every rank, after
+    ``torch.distributed.init_process_group`` (NCCL or gloo)::
 
-    >>> # on every rank, after init_process_group (NCCL or gloo):
-    >>> # shard = shard_decode_batch(meta, dist.get_rank(), dist.get_world_size())
-    >>> # out, lse = context_parallel_decode(backend, q, cache_r, shard)
+        shard = shard_decode_batch(meta, dist.get_rank(), dist.get_world_size())
+        plan = backend.plan(shard)                       # once per step
+        out, lse = context_parallel_decode(backend, q, cache_r, plan)   # per layer
     """
     batch = meta if isinstance(meta, BatchMeta) else getattr(meta, "meta", None)
     if isinstance(batch, BatchMeta) and batch.max_query_len > 1:
