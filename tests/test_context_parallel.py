@@ -17,8 +17,9 @@ from paged_core.distributed import context_parallel_decode, shard_decode_batch, 
 
 HQ, HKV, D, BS = 4, 2, 32, 8
 # One decode token per request. 0: padding; 1: the new token alone; 5 and 8: one block, so one
-# rank only; 70 and 45: 9 and 6 blocks, uneven over 2 and 3 ranks; 16: a full last block.
-SEQ_LENS = [70, 0, 5, 45, 1, 16, 8]
+# rank only; 83 and 37: 11 and 5 blocks, uneven shares over 2 and 3 ranks (5 + 6, 3 + 4 + 4;
+# 2 + 3, 1 + 2 + 2 contiguous) with a partly full last block; 16: a full last block.
+SEQ_LENS = [83, 0, 5, 37, 1, 16, 8]
 BACKENDS = ["reference", "triton-unified"]  # triton-unified under TRITON_INTERPRET=1 (conftest)
 LAYOUTS = ["contiguous", "interleaved"]
 
@@ -34,7 +35,7 @@ def _whole_batch():
     q = torch.randn(len(SEQ_LENS), HQ, D, generator=g)
     k_new = torch.randn(len(SEQ_LENS), HKV, D, generator=g)
     v_new = torch.randn(len(SEQ_LENS), HKV, D, generator=g)
-    # Sinks big enough to matter next to ~log(70) of the real keys' mass.
+    # Sinks big enough to matter next to the real keys' mass (log-sum-exp ~ log(83)).
     sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
     registry.get("reference").write(cache, k_new, v_new, meta)
     return meta, cache, q, k_new, v_new, sinks
