@@ -192,3 +192,19 @@ def test_the_step_refuses_a_window_and_a_prefill_before_any_collective():
     prefill = BatchMeta.build([5], [30], block_size=BS)
     with pytest.raises(InputError, match="max_query_len 5; accepted: decode steps"):
         context_parallel_decode(backend, torch.randn(5, HQ, D), cache, prefill)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_shard_is_a_valid_batch(layout: str):
+    # PAGED_VALIDATE=1 runs validate() in write and forward: a rank that does not own a
+    # request's last block has slot -1 on a real row, which a shard must be allowed.
+    meta = BatchMeta.build([1] * len(SEQ_LENS), SEQ_LENS, block_size=BS, num_blocks=40, seed=3)
+    whole = allocate_kv_cache(40, BS, HKV, D, dtype=torch.float32)
+    backend = registry.get("reference", validate=True)
+    for rank in range(3):
+        for compact in (True, False):
+            shard = shard_decode_batch(meta, rank, 3, layout=layout, compact=compact)
+            pool = shard_kv_cache(whole, meta, rank, 3, layout=layout) if compact else whole
+            shard.validate(num_blocks=pool.num_blocks)
+            backend.write(pool, torch.randn(len(SEQ_LENS), HKV, D), torch.randn(len(SEQ_LENS), HKV, D), shard)
+            backend.forward(torch.randn(len(SEQ_LENS), HQ, D), pool, shard, return_lse=True)
