@@ -102,8 +102,11 @@ def _device_type() -> str:
 
 
 def cudagraph_support(backend: Backend) -> AttentionCGSupport:
-    """vLLM's full-CUDA-graph level for ``backend``: ``ALWAYS`` (any mixed batch replays) when its
-    capabilities claim CUDA graphs and it writes K/V with its own kernel, else ``NEVER``.
+    """vLLM's full-CUDA-graph level for ``backend``: ``UNIFORM_SINGLE_TOKEN_DECODE`` (graphs of
+    decode batches) when its capabilities claim CUDA graphs and it writes K/V with its own
+    kernel, else ``NEVER``. Not ``ALWAYS``: a capture fixes what the backend chose from the
+    captured batch's host ints (the Triton backends' tile classes from ``max_query_len``), which
+    holds for every batch of the captured shape only when that shape is "one token per request".
 
     The write counts because vLLM's pool has no block past its last one: ``paged_core.write_kv``
     (the default ``Backend._write``) then filters the padding slots on the host, a sync that a
@@ -111,7 +114,9 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
     attention running eagerly between the pieces.
     """
     own_write = type(backend)._write is not Backend._write
-    return AttentionCGSupport.ALWAYS if backend.capabilities.cuda_graphs and own_write else AttentionCGSupport.NEVER
+    if backend.capabilities.cuda_graphs and own_write:
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    return AttentionCGSupport.NEVER
 
 
 class PagedAttentionBackend(AttentionBackend):
