@@ -31,8 +31,8 @@ def test_write_then_read(paged_backend, paged_case, conformance):
 
 
 def test_layers_share_a_plan(paged_backend, paged_case, conformance):
-    """One plan serves every layer of a step: three layers, each with its own cache, K/V and q,
-    each output matching the reference for that layer."""
+    """One plan serves every layer of a step: layers with their own cache, K/V and q, each
+    output matching the reference for that layer."""
     conformance.check("layers_share_a_plan", paged_backend, paged_case)
 
 
