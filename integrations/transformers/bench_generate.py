@@ -27,7 +27,7 @@ import time
 import traceback
 
 import torch
-from paged_transformers import describe_environment
+from paged_transformers import describe_environment, qwen3_shaped_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,23 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true",
                    help="a tiny CPU smoke run (2 layers, small dims, 4 short prompts, fp32)")
     return p.parse_args(argv)
-
-
-def build_model(args, dtype, device):
-    import transformers
-
-    if args.small:
-        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=128)
-    else:  # Qwen3-8B's attention and width; fewer layers keep the run short.
-        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=151936)
-    config = transformers.Qwen3Config(num_hidden_layers=args.layers, max_position_embeddings=32768,
-                                      initializer_range=0.02, **dims)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 def make_prompts(args, vocab: int) -> list[list[int]]:
@@ -147,7 +130,7 @@ def main(argv=None) -> int:
           f"tokens, {args.new_tokens} new tokens each, block_size {args.block_size}")
 
     # The accuracy baseline: transformers' own paged path in fp32 on the same weights.
-    model = build_model(args, torch.float32, device)
+    model = qwen3_shaped_model(args.layers, small=args.small, dtype=torch.float32, device=device)
     prompts = make_prompts(args, model.config.vocab_size)
     _, ref32_tokens, ref32_logprobs = generate(model, "paged|sdpa", prompts, args, use_cuda_graph=False)
     dtype = torch.float32 if args.small else torch.bfloat16

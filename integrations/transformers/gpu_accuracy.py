@@ -31,7 +31,7 @@ import sys
 import traceback
 
 import torch
-from paged_transformers import describe_environment
+from paged_transformers import describe_environment, qwen3_shaped_model
 
 PROMPT_LENGTHS = [5, 17, 64, 130, 257, 511, 1, 40]
 
@@ -45,23 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--small", action="store_true", help="a tiny CPU smoke run (small dims, fp32 and bf16 on CPU)")
     return p.parse_args(argv)
-
-
-def build_model(args, device):
-    import transformers
-
-    if args.small:
-        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=128)
-    else:  # Qwen3-8B's attention and width; fewer layers keep the run short.
-        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=151936)
-    config = transformers.Qwen3Config(num_hidden_layers=args.layers, max_position_embeddings=32768,
-                                      initializer_range=0.02, **dims)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.eval()
 
 
 def own_paged_name() -> str:
@@ -137,7 +120,7 @@ def main(argv=None) -> int:
     print(f"# generate_batch accuracy and CUDA graphs, {describe_environment()}")
     print(f"# Qwen3-shaped, {args.layers} layers, prompts of {lengths} tokens, block_size {args.block_size}",
           flush=True)
-    model = build_model(args, device)
+    model = qwen3_shaped_model(args.layers, small=args.small, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     own = own_paged_name()

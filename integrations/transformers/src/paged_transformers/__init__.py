@@ -15,7 +15,7 @@ itself, it reads the K/V transformers gathered from it. Supported: transformers 
 """
 
 from ._attention import PagedAttention, enable, implementation_name, register
-from ._environment import describe_environment
+from ._bench import describe_environment, qwen3_shaped_model
 from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
 from ._versions import SUPPORTED, TESTED, check_transformers_version, hook_of
 
@@ -32,5 +32,6 @@ __all__ = [
     "hook_of",
     "enable",
     "implementation_name",
+    "qwen3_shaped_model",
     "register",
 ]
