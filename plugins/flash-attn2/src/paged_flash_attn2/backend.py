@@ -143,10 +143,12 @@ class FlashAttn2Plan:
     meta: BatchMeta
     #: int32 [num_reqs + 1]: query offsets (``meta.query_start_loc``).
     cu_seqlens_q: torch.Tensor
-    #: int32 [num_reqs + 1]: prefix sums of ``seq_lens``; in the paged path flash-attn reads only
-    #: the differences (each request's key count), K/V come through the block table.
+    #: int32 [num_reqs + 1]: prefix sums of ``seq_lens``, a padding request (``seq_len == 0``)
+    #: counted as 1 key (see :meth:`FlashAttn2Backend._plan`); in the paged path flash-attn reads
+    #: only the differences (each request's key count), K/V come through the block table.
     cu_seqlens_k: torch.Tensor
-    #: int32 [num_reqs, max_blocks]: the block table, contiguous in its last dim as flash-attn checks.
+    #: int32 [num_reqs, max_blocks]: the block table, contiguous in its last dim as flash-attn
+    #: checks; a padding request's first entry is block 0 (its one key).
     block_table: torch.Tensor
     #: Host int handed to flash-attn as ``max_seqlen_q`` (see :meth:`FlashAttn2Backend.plan`).
     max_seqlen_q: int
@@ -269,6 +271,23 @@ class FlashAttn2Backend(Backend):
         layer keywords of :meth:`paged_core.Backend.plan` are checked there and unused here."""
         args = to_flash_attn_args(meta)
         dev = meta.device
+        # No request may reach flash-attn without keys. flash-attn 2.8.3's paged varlen kernel
+        # (flash_fwd_kernel.h, compute_attn_1rowblock_splitkv, early exit when n_block_max <=
+        # n_block_min, unsplit path) writes such a request's lse at the *padded* offset
+        # ((bidb * h + bidh) * max_seqlen_q + row) of the unpadded [h, total_q] buffer: past its
+        # end for later requests, over other tensors. On the H200 (2026-12-01) that zeroed rows
+        # of real requests in batches holding padding requests, differently from run to run. A
+        # padding request therefore sees one key of block 0 (valid in every cache); its rows
+        # are forced to zeros and its lse to -inf in forward as before.
+        padding = meta.seq_lens == 0
+        seq_k = meta.seq_lens.clamp(min=1)
+        cu_seqlens_k = torch.zeros(meta.num_reqs + 1, dtype=torch.int32, device=dev)
+        cu_seqlens_k[1:] = torch.cumsum(seq_k, 0)
+        block_table = args.block_table.clone(memory_format=torch.contiguous_format)
+        if block_table.shape[1]:
+            block_table[:, 0].masked_fill_(padding, 0)
+        else:  # every request is padding: one column for block 0
+            block_table = torch.zeros(meta.num_reqs, 1, dtype=torch.int32, device=dev)
         n = meta.num_tokens
         rows = torch.arange(n, dtype=torch.int32, device=dev)
         if meta.num_reqs:
@@ -289,10 +308,10 @@ class FlashAttn2Backend(Backend):
         return FlashAttn2Plan(
             meta=meta,
             cu_seqlens_q=args.cu_seqlens_q.contiguous(),
-            cu_seqlens_k=args.cu_seqlens_k,
-            block_table=args.block_table.contiguous(),
+            cu_seqlens_k=cu_seqlens_k,
+            block_table=block_table,
             max_seqlen_q=max_q,
-            max_seqlen_k=args.max_seqlen_k,
+            max_seqlen_k=max(args.max_seqlen_k, 1),
             token_req=token_req.long(),
             token_pos=token_pos,
             pad_rows=pad_rows,
