@@ -669,6 +669,54 @@ def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Ba
     return row
 
 
+def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tolerance) -> Row | None:
+    """A backend of 256-token blocks only (flash-attn 2) on this workload of smaller blocks,
+    through the block-size bridge (``paged_flash_attn2.bridge``), as an engine with 16-token
+    blocks runs it: the same K/V re-placed in aligned runs of blocks, the 256-token view of that
+    pool, and the table converted in every step's plan (its host time is in the row's plan
+    column). None where the bridge does not apply (the backend takes the workload's block size,
+    or not 256; a shared prefix)."""
+    caps = backend.capabilities
+    if 256 % cfg.block_size or caps.accepts_block_size(cfg.block_size) or not caps.accepts_block_size(256) \
+            or case.lengths.shared_prefix_blocks:
+        return None
+    try:
+        from paged_flash_attn2.bridge import BridgedAllocator, bridge_cache, bridge_meta
+    except ImportError:
+        return None
+    ratio = 256 // cfg.block_size
+    label = f"{name} (bridge)"
+    try:
+        bs, old = cfg.block_size, data.cache
+        need = sum(math.ceil(math.ceil(s / bs) / ratio) * ratio for s in case.seq_lens)
+        alloc = BridgedAllocator(need + ratio, ratio=ratio, seed=cfg.seed)
+        tables = [alloc.allocate(max(1, math.ceil(s / bs))) for s in case.seq_lens]
+        meta16 = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
+                                      device=cfg.device)
+        cache16 = allocate_kv_cache(need + ratio, bs, old.num_kv_heads, old.head_dim, dtype=old.dtype,
+                                    kv_dtype=old.kv_dtype, device=cfg.device)
+        # Every request's tokens, moved from the workload's random blocks to their aligned runs.
+        src, dst = [], []
+        for s, t_old, t_new in zip(case.seq_lens, data.tables, tables, strict=True):
+            j = torch.arange(s)
+            src.append(torch.tensor(t_old[: math.ceil(s / bs)])[j // bs] * bs + j % bs)
+            dst.append(torch.tensor(t_new[: math.ceil(s / bs)])[j // bs] * bs + j % bs)
+        src_i, dst_i = (torch.cat(x).to(cfg.device) for x in (src, dst))
+        for a, b in ((cache16.k, old.k), (cache16.v, old.v), (cache16.k_scale, old.k_scale),
+                     (cache16.v_scale, old.v_scale)):
+            if a is not None:
+                a.view(-1, *a.shape[2:])[dst_i] = b.view(-1, *b.shape[2:])[src_i]
+        bridged = dataclasses.replace(data, meta=bridge_meta(meta16), cache=bridge_cache(cache16), tables=[])
+        row = _run_backend(dataclasses.replace(cfg, block_size=256), case, bridged, name, backend, tol)
+        if row.status == "ok" and row.plan_ms is not None:
+            row.plan_ms += _floor.host_time_ms(lambda: bridge_meta(meta16), cfg.device)
+    except Exception as exc:
+        row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, label, True,
+                  status=f"error: bridge: {_short(exc)}")
+    row.label = label
+    return row
+
+
 def _recover(device: torch.device) -> None:
     try:
         _free(device)
@@ -1055,6 +1103,12 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
                 case_rows.append(row)
                 _progress(f"[{i + 1}/{len(cases)}] {case.id:<16} {case.shape:<14} {row.label:<24} "
                           + (f"{row.ms:.4f} ms" if row.status == "ok" else row.status[:140]))
+        for name, backend in backends.items():
+            bridged = _bridge_row(cfg, case, data, name, backend, tol)
+            if bridged is not None:
+                case_rows.append(bridged)
+                _progress(f"[{i + 1}/{len(cases)}] {case.id:<16} {case.shape:<14} {bridged.label:<24} "
+                          + (f"{bridged.ms:.4f} ms" if bridged.status == "ok" else bridged.status[:140]))
         if baselines and case.uniform:
             for row in _sdpa_rows(cfg, case, data, baselines, tol):
                 case_rows.append(row)
