@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -120,6 +121,28 @@ def first_call_capture(backend: str, case: str, tmp_path: Path, autotune: str) -
 @pytest.mark.parametrize("case", CAPTURE_CASES)
 def test_first_call_is_capture_safe(case, autotune, tmp_path):
     first_call_capture("triton-unified", case, tmp_path, autotune)
+
+
+FIRST_CALL = HOST_COST.with_name("first_call.py")
+
+
+@pytest.mark.parametrize("backend", ["triton-unified", "triton-splitkv"])
+def test_a_later_process_does_not_tune_again(backend, tmp_path):
+    """Tuned choices persist next to the compiled kernels: the second process times no config."""
+    if not torch.cuda.is_available():
+        pytest.skip("autotuning times kernels on a CUDA device")
+    if not FIRST_CALL.exists():
+        pytest.skip(f"needs the repository's {FIRST_CALL.name} (not in an installed distribution)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PAGED_AUTOTUNE="1")
+    timed = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(FIRST_CALL), "child", backend, "decode 64 x 4096", "128"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        timed.append(json.loads(proc.stdout.strip().splitlines()[-1])["timed_configs"])
+    assert timed[0] > 0, "the first process timed no config: nothing was tuned"
+    assert timed[1] == 0, f"a later process timed {timed[1]} configs again"
 
 
 class _FakeBinary:

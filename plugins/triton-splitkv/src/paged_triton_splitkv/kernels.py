@@ -237,8 +237,10 @@ else:
 # batch-invariant mode needs the same config for a request alone and in any batch. DIRECT_OUT
 # (one split) is in it, but the launcher never uses it in that mode (blocks_per_split).
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
+# Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
 @triton.autotune(
-    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"]
+    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"],
+    cache_results=True,
 )
 @triton.jit
 def split_kv_attention_kernel(
@@ -437,7 +439,7 @@ else:
         _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
-@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"])
+@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True)
 @triton.jit
 def cascade_prefix_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype

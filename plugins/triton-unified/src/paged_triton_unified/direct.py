@@ -116,6 +116,10 @@ def specialization_key(kinds: Mapping[str, int], kwargs: Mapping[str, Any]) -> t
     return tuple(key)
 
 
+class _NotTuned(Exception):
+    """No tuned choice on disk (raised instead of timing configs, which a capture cannot)."""
+
+
 def _result(compiled: Any) -> Any:
     """The compiled kernel (Triton's asynchronous compile mode returns a future of it)."""
     return compiled.result() if hasattr(compiled, "result") else compiled
@@ -225,6 +229,8 @@ class DirectKernel:
         elif torch.cuda.is_current_stream_capturing():
             return self._launch_in_capture(grid, kwargs, device)
         else:
+            if self.tuner is not None:
+                self._precompile(grid, kwargs)
             compiled = _result(self.kernel[grid](**kwargs))
             extra = dict(self.tuner.best_config.kwargs) if self.tuner is not None else {}
             self._cache[key] = (compiled, extra)
@@ -236,11 +242,65 @@ class DirectKernel:
             recording.add(compiled, grid, args, device)
         return compiled
 
+    def _tuned(self, kwargs: Mapping[str, Any]) -> tuple[tuple, list[Any], Any]:
+        """(the autotuner's key, its pruned configs, the tuned config or None) for ``kwargs``:
+        tuned in this process, or earlier by any process that shares the cache directory
+        (``cache_results``: Triton keeps its timings next to the compiled kernels)."""
+        tuner = self.tuner
+        # As Autotuner.run builds it: the key arguments' values, then every tensor's dtype in
+        # the order of the call's arguments.
+        args = {k: v for k, v in kwargs.items() if k in tuner.arg_names}
+        key = tuple([args[k] for k in tuner.keys if k in args]
+                    + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+        tuner.nargs = {}  # prune_configs reads it; every argument comes by keyword here
+        configs = tuner.prune_configs(kwargs) if len(tuner.configs) > 1 else list(tuner.configs)
+        if len(configs) == 1:
+            return key, configs, configs[0]
+        if key in tuner.cache:
+            return key, configs, tuner.cache[key]
+        if getattr(tuner, "cache_results", False):
+            def not_tuned() -> None:
+                raise _NotTuned
+            try:
+                if tuner.check_disk_cache(key, configs, not_tuned):
+                    return key, configs, tuner.cache[key]
+            except _NotTuned:
+                pass
+        return key, configs, None
+
+    def _precompile(self, grid: Any, kwargs: dict[str, Any]) -> None:
+        """Compile every config the autotuner is about to time, in parallel threads (Triton's
+        asynchronous compile mode), so its timing loop finds them compiled.
+
+        A new shape class otherwise compiles its configs one after another inside the timing
+        loop: most of a first call's latency.
+        """
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:  # Triton < 3.5: the timing loop compiles them in turn
+            return
+        _, configs, tuned = self._tuned(kwargs)
+        if tuned is not None or len(configs) < 2:
+            return
+        workers = min(len(configs), os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for config in configs:
+                g = grid({**kwargs, **config.kwargs}) if callable(grid) else grid
+                # A config that does not compile (out of resources) is timed as inf by the
+                # autotuner, which compiles it again and sees the error there.
+                self.jit.run(grid=g, warmup=True, **kwargs, **config.all_kwargs())
+
     def _launch_in_capture(self, grid: tuple[int, ...], kwargs: dict[str, Any], device: int) -> Any:
         extra: dict[str, Any] = {}
         options: dict[str, Any] = {}
         if self.tuner is not None:
-            config = self.capture_config(kwargs) if self.capture_config else self.tuner.configs[0]
+            # A choice tuned before (this process or an earlier one), else the capture default.
+            config = self._tuned(kwargs)[2]
+            if config is None:
+                config = self.capture_config(kwargs) if self.capture_config else self.tuner.configs[0]
             extra = dict(config.kwargs)
             options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         if callable(grid):

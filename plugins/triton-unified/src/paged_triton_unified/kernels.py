@@ -529,6 +529,9 @@ def capture_config(named_args):
     key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT", "QDOT16",
          "FOLD_SCALE", "occupancy"],
     prune_configs_by={"early_config_prune": _prune},
+    # Tuned choices persist next to the compiled kernels (TRITON_CACHE_DIR): a later process
+    # does not time a shape class again, and a first call inside a CUDA-graph capture uses them.
+    cache_results=True,
 )
 # Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
 # kernel for each combination as batches change; none of them feeds address alignment.
