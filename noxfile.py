@@ -6,8 +6,11 @@ multi-GB CUDA build on a CPU machine). ``nox -s tests`` is what CI runs.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import nox
@@ -87,6 +90,8 @@ def tests(session: nox.Session) -> None:
     # Without a GPU, Triton kernels run only under its interpreter (read at import time).
     if not _has_cuda(session):
         session.env["TRITON_INTERPRET"] = "1"
+    # Two pytest processes share the machine's cores (below): one thread each for torch's CPU ops.
+    session.env.setdefault("OMP_NUM_THREADS", "1")
     session.run("paged", "list")
     # One pytest per test tree: each has its own conftest.py, and pytest's default import mode
     # cannot hold two top-level modules called conftest in one run.
@@ -97,22 +102,46 @@ def tests(session: nox.Session) -> None:
              for p in PLUGINS if (ROOT / "plugins" / p / "tests").exists()]
     # Each engine integration inside its engine (transformers' generate_batch on tiny models).
     runs += [[f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src"] for i in INTEGRATIONS]
-    # The suite itself, on every installed backend, writing conformance-report.md/.json.
-    runs += [["--pyargs", "paged_conformance"]]
     with tempfile.TemporaryDirectory(prefix="paged-tests-") as reports:
+        # The suite itself, on every installed backend, writing conformance-report.md/.json: the
+        # longest run (Triton's interpreter on every case), so it runs beside the others, one
+        # process each, its log printed when it ends.
+        suite = _start_pytest(session, ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml",
+                                        *session.posargs], log=pathlib.Path(reports) / "suite.log")
         for n, args in enumerate(runs):
             # Exit status 1 (some tests failed) does not stop the others: the total says it.
             session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
         # The transformers integration again on the newest release it supports (in this
-        # virtualenv: only transformers changes; about a minute on 2 cores).
+        # virtualenv: only transformers changes; about a minute on 2 cores). The suite imports
+        # no transformers, so it may change under it.
         _install_integrations(session, TRANSFORMERS_NEWEST)
         session.run("pytest", "integrations/transformers/tests", "--doctest-modules", "integrations/transformers/src",
                     f"--junitxml={reports}/transformers-newest.xml", *session.posargs, success_codes=[0, 1])
+        _finish(session, suite, pathlib.Path(reports) / "suite.log")
         passed, failed, skipped = _junit_totals(pathlib.Path(reports))
     # One line for the whole command, in the form CI reads.
     print(f"total: {passed} passed, {failed} failed, {skipped} skipped", flush=True)
     if failed:
         session.error(f"{failed} test(s) failed")
+
+
+def _start_pytest(session: nox.Session, args: list[str], *, log: pathlib.Path) -> subprocess.Popen:
+    """pytest in the session's virtualenv and environment, in the background, output to ``log``."""
+    env = {**os.environ, **{k: v for k, v in session.env.items() if v is not None}}
+    env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
+    session.log(f"pytest {' '.join(args)} (in the background, its log follows when it ends)")
+    with log.open("wb") as out:
+        return subprocess.Popen([os.path.join(session.bin, "pytest"), *args], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _finish(session: nox.Session, proc: subprocess.Popen, log: pathlib.Path) -> None:
+    """Wait for a background pytest, print its log; exit status 0 or 1 (failures are counted)."""
+    code = proc.wait()
+    sys.stdout.write(log.read_text(errors="replace"))
+    sys.stdout.flush()
+    if code not in (0, 1):
+        session.error(f"background pytest exited with status {code} (an internal or usage error; its log is above)")
 
 
 def _junit_totals(folder: pathlib.Path) -> tuple[int, int, int]:
