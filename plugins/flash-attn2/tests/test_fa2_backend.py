@@ -75,7 +75,8 @@ def test_registry_lists_flash_attn2_as_unavailable_with_the_install_command(monk
     assert reg.names().index("flash-attn2") < reg.names().index("reference")  # priority 10 > -100
     assert reg.problems() == []  # unavailable is not broken
     reasons = reg.unavailable("flash-attn2")
-    assert reasons[0] == f"flash-attn is not installed (to fix: {INSTALL})"
+    assert reasons[0].startswith(f"flash-attn is not installed (to fix: {INSTALL}; ")
+    assert "compiles flash-attn from source" in reasons[0] and "build_sm90.sh" in reasons[0]  # what it costs
     assert all("(to fix: " in r and r.endswith(")") for r in reasons)
     assert len(reasons) == (1 if torch.cuda.is_available() else 2)  # + "no CUDA device" here
     explained = reg.explain(spec())

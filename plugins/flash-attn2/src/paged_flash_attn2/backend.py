@@ -26,6 +26,7 @@ from paged_core import Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
+    "BUILD_COST",
     "FlashAttn2Backend",
     "FlashAttn2Capabilities",
     "FlashAttn2Plan",
@@ -37,6 +38,10 @@ __all__ = [
 
 #: What installs the backend and flash-attn (shown whenever it is unavailable).
 INSTALL = "pip install 'paged-core[flash-attn]'"
+#: What that install costs where no prebuilt flash-attn wheel matches torch and CUDA.
+BUILD_COST = ("without a prebuilt wheel for this torch and CUDA, pip compiles flash-attn from source: "
+              "tens of minutes; for Hopper, plugins/flash-attn2/build_sm90.sh builds only the paged "
+              "kernels, about 6 minutes on 16 cores")
 #: The flash-attn versions this adapter was written against (pyproject: flash-attn>=2.6,<3).
 MIN_VERSION, MAX_MAJOR = (2, 6), 3
 
@@ -95,7 +100,7 @@ def _probe() -> tuple[str, ...]:
 
 def _package_reasons() -> list[str]:
     if importlib.util.find_spec("flash_attn") is None:
-        return [f"flash-attn is not installed (to fix: {INSTALL})"]
+        return [f"flash-attn is not installed (to fix: {INSTALL}; {BUILD_COST})"]
     version: str | None
     try:
         version = importlib.metadata.version("flash-attn")
