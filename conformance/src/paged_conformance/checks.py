@@ -25,6 +25,11 @@ batch_invariance           each request run alone equals its rows in the batch: 
                            backend declares ``batch_invariant``, else within tolerance (in
                            batches of more than 16 requests: the first, the last and those at
                            the index boundaries 31-33, 127-129, 255-256)
+cuda_graph_replay          (GPU, ``cuda_graphs``) a captured ``forward`` replayed on new q equals
+                           an eager call
+plan_captured_with_forward (GPU, ``cuda_graphs`` and ``device_plan``) plan + forward captured in
+                           one graph on another batch of the same shape, replayed after
+                           ``BatchMeta.copy_`` of the case's batch: equal to the reference
 random_batches             hypothesis draws batches, shapes and features within the backend's
                            capabilities and runs ``matches_reference`` on each
 =========================  =====================================================================
@@ -73,6 +78,7 @@ __all__ = [
     "check_cuda_graph_replay",
     "check_lse_matches_reference",
     "check_matches_reference",
+    "check_plan_captured_with_forward",
     "check_random_batches",
     "check_write_then_read",
     "run",
@@ -535,6 +541,67 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
 
 
 
+def _plan_in_graph_reasons(backend: Backend, case: Case, device: torch.device) -> list[str]:
+    reasons = _graph_reasons(backend, case, device)
+    if not backend.capabilities.device_plan:
+        reasons.append(f"{backend.name} plans on the host (capabilities.device_plan is False): engines plan "
+                       "it outside the capture")
+    return reasons
+
+
+def check_plan_captured_with_forward(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """Capture ``plan`` *and* ``forward`` in one CUDA graph on another batch of the same shape,
+    copy the case's batch into it (``BatchMeta.copy_``), replay: equal to the float64 reference.
+
+    What transformers' continuous batching does (it captures whole steps); a backend claiming
+    ``device_plan`` must plan from the metadata tensors' contents at replay time, not from
+    what they held at capture.
+    """
+    reasons = _plan_in_graph_reasons(backend, case, device)
+    if reasons:
+        raise NotApplicable(reasons)
+    wl = build_workload(case, device)
+    cache = _step(backend, wl)
+    kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
+    # Another batch of the same shape: every real request sees about half its keys (at least its
+    # own rows); the host bounds stay the case's, as an engine captures with its largest.
+    meta = wl.meta
+    real = meta.seq_lens > 0
+    qlens = torch.diff(meta.query_start_loc)
+    shorter = torch.where(real, torch.maximum(meta.seq_lens // 2, qlens), meta.seq_lens)
+    static = dataclasses.replace(
+        meta, query_start_loc=meta.query_start_loc.clone(), seq_lens=shorter.to(meta.seq_lens.dtype),
+        block_table=meta.block_table.clone(), slot_mapping=meta.slot_mapping.clone(),
+        query_start_loc_cpu=None if meta.query_start_loc_cpu is None else meta.query_start_loc_cpu.clone(),
+        seq_lens_cpu=None if meta.seq_lens_cpu is None else shorter.cpu().to(meta.seq_lens_cpu.dtype),
+    )
+    static_out = _poisoned(wl)
+    backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw)  # compiles, not captured
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw)
+    except Exception as exc:
+        raise ConformanceFailure(
+            f"[{backend.name}/{case.id}] plan + forward could not be captured in one CUDA graph although "
+            f"the backend claims cuda_graphs and device_plan: {type(exc).__name__}: {exc}", max_error=math.inf,
+        ) from exc
+    static.copy_(meta)
+    static_out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    _assert_padding_zero(static_out, wl, backend.name, "replayed output")
+    _assert_rows_written(static_out, wl, backend.name)
+    err = assert_close_to_reference(
+        static_out, wl.ref_out, backend=backend.name, case=case.id,
+        what="plan + forward captured on another batch, replayed on this one",
+        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err)
+
+
 def check_random_batches(backend: Backend, device: torch.device, size: str = "small",
                          *, max_examples: int | None = None) -> CheckResult:
     """Hypothesis-drawn batches within the backend's capabilities, each run as matches_reference.
@@ -604,6 +671,8 @@ CHECKS: dict[str, Check] = {
               applies=lambda case: len(case.real_requests) >= 2),
         Check("cuda_graph_replay", check_cuda_graph_replay,
               applies=lambda case: case.id in GRAPH_CASES, reasons=_graph_reasons),
+        Check("plan_captured_with_forward", check_plan_captured_with_forward,
+              applies=lambda case: case.id in GRAPH_CASES, reasons=_plan_in_graph_reasons),
     )
 }
 #: The per-backend property test's name; its row in the report.

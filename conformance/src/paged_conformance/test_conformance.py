@@ -47,6 +47,12 @@ def test_cuda_graph_replay(paged_backend, paged_case, conformance):
     conformance.check("cuda_graph_replay", paged_backend, paged_case)
 
 
+def test_plan_captured_with_forward(paged_backend, paged_case, conformance):
+    """For backends claiming CUDA-graph safety and a device-side plan (GPU only): plan + forward
+    captured in one graph on another batch, replayed on this one, equal the reference."""
+    conformance.check("plan_captured_with_forward", paged_backend, paged_case)
+
+
 def test_random_batches(paged_backend, conformance):
     """Hypothesis-drawn batches and shapes within the backend's capabilities match the reference."""
     conformance.check("random_batches", paged_backend)

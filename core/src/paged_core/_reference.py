@@ -136,6 +136,8 @@ class ReferenceBackend(Backend):
         softcap=True,
         sinks=True,
         returns_lse=True,
+        # plan() is the batch itself.
+        device_plan=True,
         batch_invariant=True,
     )
 

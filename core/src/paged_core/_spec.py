@@ -146,6 +146,11 @@ class Capabilities:
     mixed_batches: bool = True
     returns_lse: bool = False
     cuda_graphs: bool = False
+    #: ``plan()`` reads nothing of the batch on the host (it runs on the device, or does
+    #: nothing): an engine that captures whole steps in a CUDA graph (transformers' continuous
+    #: batching) may capture the plan with ``forward``, and a replay plans the batch it finds
+    #: in the metadata tensors then. With ``cuda_graphs`` only, plan outside the capture.
+    device_plan: bool = False
     #: Each request's output is bitwise the same whatever else is in the batch.
     batch_invariant: bool = False
 
@@ -216,6 +221,7 @@ class Capabilities:
                 ("sinks", self.sinks),
                 ("lse", self.returns_lse),
                 ("cuda-graphs", self.cuda_graphs),
+                ("device-plan", self.device_plan),
                 ("batch-invariant", self.batch_invariant),
             ]
             if on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import paged_transformers
@@ -102,3 +103,35 @@ def test_a_plain_forward_is_refused():
     model.set_attn_implementation(paged_transformers.enable("reference"))
     with pytest.raises(InputError, match="it serves continuous batching only"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("claims, says", [
+    (dict(cuda_graphs=False), "does not claim to be safe in (capabilities.cuda_graphs is False)"),
+    (dict(cuda_graphs=True, device_plan=False), "plans on the host (capabilities.device_plan is False"),
+])
+def test_a_capture_is_refused_for_backends_that_cannot_be_captured_whole(claims, says, monkeypatch):
+    """transformers captures whole steps, the plan included: both claims are needed (FlashInfer
+    plans on the host; inside the capture it failed on a host-to-device copy)."""
+    from paged_core._reference import ReferenceBackend
+    from paged_transformers import _attention
+
+    monkeypatch.setattr(ReferenceBackend, "capabilities",
+                        dataclasses.replace(ReferenceBackend.capabilities, **claims))
+    monkeypatch.setattr(_attention, "_capturing", lambda: True)
+    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]),
+                   max_new_tokens=1)
+    (error,) = run.errors.values()
+    assert "running inside a CUDA-graph capture" in error and says in error
+    assert "use_cuda_graph=False" in error
+
+
+def test_a_capture_runs_backends_that_claim_graphs_and_plan_on_the_device(monkeypatch):
+    from paged_core._reference import ReferenceBackend
+    from paged_transformers import _attention
+
+    monkeypatch.setattr(ReferenceBackend, "capabilities",
+                        dataclasses.replace(ReferenceBackend.capabilities, cuda_graphs=True))
+    monkeypatch.setattr(_attention, "_capturing", lambda: True)
+    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]),
+                   max_new_tokens=1)
+    assert run.errors == {"req_0": None}

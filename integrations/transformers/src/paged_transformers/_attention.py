@@ -266,11 +266,18 @@ class PagedAttention:
         """This step's record, a new one when transformers' per-step tensors changed."""
         step = self._step
         if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
-            if step_key[-1] and not self.backend.capabilities.cuda_graphs:
+            caps = self.backend.capabilities
+            if step_key[-1] and not (caps.cuda_graphs and caps.device_plan):
+                # transformers captures each step whole: the plan (first layer) with the forwards.
+                why = ("which this backend does not claim to be safe in (capabilities.cuda_graphs is False)"
+                       if not caps.cuda_graphs else
+                       "and transformers captures each step whole, plan() included, while this backend "
+                       "plans on the host (capabilities.device_plan is False: a replay would run the "
+                       "captured schedule on another batch)")
                 raise UnsupportedSpecError(self.backend.name, [
-                    "running inside a CUDA-graph capture, which this backend does not claim to be safe in "
-                    "(capabilities.cuda_graphs is False); accepted: ContinuousBatchingConfig(use_cuda_graph=False), "
-                    "or a backend whose capabilities claim CUDA graphs (e.g. triton-unified)"
+                    f"running inside a CUDA-graph capture, {why}; accepted: "
+                    "ContinuousBatchingConfig(use_cuda_graph=False), or a backend that claims CUDA graphs "
+                    "and plans on the device (triton-unified, triton-splitkv)"
                 ])
             step = self._step = _Step(step_key)
         return step

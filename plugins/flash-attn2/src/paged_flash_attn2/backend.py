@@ -262,6 +262,8 @@ class FlashAttn2Backend(Backend):
         # Probably graph-safe (no host sync here; flash-attn sizes everything from host ints), but
         # not verified on a GPU yet: not claimed.
         cuda_graphs=False,
+        # plan() is PyTorch on the batch's device, no host read (tested on meta tensors).
+        device_plan=True,
         # The decode path picks its split count from the batch size (flash_api.cpp
         # num_splits_heuristic), so a request's rounding can change with its neighbours.
         batch_invariant=False,

@@ -270,6 +270,8 @@ class FlashInferBackend(Backend):
         # run() does no host work (decode.py/prefill.py: "plan ... cannot be used in Cuda
         # Graph"; run reads only buffers). Replays across re-plans need cuda_graph=True.
         cuda_graphs=True,
+        # plan() schedules on the host from the batch's lengths: outside any capture.
+        device_plan=False,
         # Split-KV scheduling depends on the whole batch (scheduler.cuh).
         batch_invariant=False,
     )

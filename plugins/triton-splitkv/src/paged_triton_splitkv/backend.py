@@ -64,6 +64,9 @@ class TritonSplitKVBackend(TritonBackend):
         self.blocks_per_split = blocks_per_split if batch_invariant else None
         self.cascade = cascade
         self.min_prefix_tokens = min_prefix_tokens
+        if cascade:
+            # Finding the shared prefix reads the block table on the host (in plan()).
+            self.capabilities = dataclasses.replace(self.capabilities, device_plan=False)
         if batch_invariant:
             # Mixed batches go to the unified kernel, whose tiles follow the batch: the bitwise
             # promise holds for decode batches, so that is what this mode claims.

@@ -149,6 +149,8 @@ class TritonUnifiedBackend(TritonBackend):
         sinks=True,
         returns_lse=True,
         cuda_graphs=True,
+        # TritonPlan holds the batch; a mixed batch's tile plan is a kernel launched from it.
+        device_plan=True,
         # Tile sizes follow the batch's shape class (decode vs mixed), so a request's rounding
         # can change with its neighbours: close, not bitwise. triton-splitkv offers a bitwise mode.
         batch_invariant=False,
