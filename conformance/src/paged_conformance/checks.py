@@ -493,18 +493,38 @@ def _graph_reasons(backend: Backend, case: Case, device: torch.device) -> list[s
     return reasons
 
 
+def _graph_workload(backend: Backend, case: Case, device: torch.device, reasons_of) -> tuple[Workload, KVCache, dict]:
+    """The case's workload and cache (K/V written by the backend) and forward's keywords, for a
+    graph check whose claims ``reasons_of(backend, case, device)`` tests."""
+    reasons = reasons_of(backend, case, device)
+    if reasons:
+        raise NotApplicable(reasons)
+    wl = build_workload(case, device)
+    kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
+    return wl, _step(backend, wl), kw
+
+
+def _captured(backend: Backend, case: Case, call: Callable[[], Any], what: str, claims: str) -> torch.cuda.CUDAGraph:
+    """``call()`` captured in a CUDA graph; a failure to capture is the backend's (it claims it)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except Exception as exc:
+        raise ConformanceFailure(
+            f"[{backend.name}/{case.id}] {what} could not be captured in a CUDA graph although the "
+            f"backend claims {claims}: {type(exc).__name__}: {exc}", max_error=math.inf,
+        ) from exc
+    return graph
+
+
 def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) -> CheckResult:
     """Plan outside, capture ``forward`` in a CUDA graph, replay it on new q: equal to eager.
 
     What an engine does for decode steps; a backend that syncs with the host, allocates, or
     reads host state inside ``forward`` fails the capture or replays stale results.
     """
-    reasons = _graph_reasons(backend, case, device)
-    if reasons:
-        raise NotApplicable(reasons)
-    wl = build_workload(case, device)
-    cache = _step(backend, wl)
-    kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
+    wl, cache, kw = _graph_workload(backend, case, device, _graph_reasons)
     plan = backend.plan(wl.meta)
     static_q = wl.q.clone()
     static_out = _poisoned(wl)
@@ -514,15 +534,8 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
     with torch.cuda.stream(side):
         backend.forward(static_q, cache, plan, out=static_out, **kw)
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            backend.forward(static_q, cache, plan, out=static_out, **kw)
-    except Exception as exc:
-        raise ConformanceFailure(
-            f"[{backend.name}/{case.id}] forward could not be captured in a CUDA graph although the "
-            f"backend claims cuda_graphs: {type(exc).__name__}: {exc}", max_error=math.inf,
-        ) from exc
+    graph = _captured(backend, case, lambda: backend.forward(static_q, cache, plan, out=static_out, **kw),
+                      "forward", "cuda_graphs")
     new_q = torch.randn(tuple(wl.q.shape), generator=torch.Generator().manual_seed(case.seed + 1))
     static_q.copy_(new_q.to(device=device, dtype=wl.q.dtype))
     static_out.fill_(math.nan)
@@ -557,36 +570,31 @@ def check_plan_captured_with_forward(backend: Backend, case: Case, device: torch
     ``device_plan`` must plan from the metadata tensors' contents at replay time, not from
     what they held at capture.
     """
-    reasons = _plan_in_graph_reasons(backend, case, device)
-    if reasons:
-        raise NotApplicable(reasons)
-    wl = build_workload(case, device)
-    cache = _step(backend, wl)
-    kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
+    wl, cache, kw = _graph_workload(backend, case, device, _plan_in_graph_reasons)
     # Another batch of the same shape: every real request sees about half its keys (at least its
     # own rows); the host bounds stay the case's, as an engine captures with its largest.
     meta = wl.meta
     real = meta.seq_lens > 0
     qlens = torch.diff(meta.query_start_loc)
     shorter = torch.where(real, torch.maximum(meta.seq_lens // 2, qlens), meta.seq_lens)
+    # Its new tokens sit at the shorter positions: the slots the block table gives them there.
+    rows = torch.arange(meta.num_tokens, device=meta.device)
+    req = torch.searchsorted(meta.query_start_loc[1:].contiguous(), rows.to(meta.query_start_loc.dtype),
+                             right=True).clamp_(max=max(meta.num_reqs - 1, 0))
+    pos = (shorter[req] - qlens[req] + rows - meta.query_start_loc[req]).long()
+    slots = meta.block_table[req, pos.clamp(min=0) // meta.block_size].long() * meta.block_size + pos % meta.block_size
+    slots = torch.where(real[req], slots, meta.slot_mapping.long()).to(meta.slot_mapping.dtype)
     static = dataclasses.replace(
         meta, query_start_loc=meta.query_start_loc.clone(), seq_lens=shorter.to(meta.seq_lens.dtype),
-        block_table=meta.block_table.clone(), slot_mapping=meta.slot_mapping.clone(),
+        block_table=meta.block_table.clone(), slot_mapping=slots,
         query_start_loc_cpu=None if meta.query_start_loc_cpu is None else meta.query_start_loc_cpu.clone(),
         seq_lens_cpu=None if meta.seq_lens_cpu is None else shorter.cpu().to(meta.seq_lens_cpu.dtype),
     )
     static_out = _poisoned(wl)
     backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw)  # compiles, not captured
     torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw)
-    except Exception as exc:
-        raise ConformanceFailure(
-            f"[{backend.name}/{case.id}] plan + forward could not be captured in one CUDA graph although "
-            f"the backend claims cuda_graphs and device_plan: {type(exc).__name__}: {exc}", max_error=math.inf,
-        ) from exc
+    graph = _captured(backend, case, lambda: backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw),
+                      "plan + forward", "cuda_graphs and device_plan")
     static.copy_(meta)
     static_out.fill_(math.nan)
     graph.replay()
