@@ -10,7 +10,8 @@
 # Knobs (environment):
 #   FA_HEAD_DIMS="64 96 128 256"  head-dim kernels to compile, from 32 64 96 128 192 256. A head dim d
 #                             runs on flash-attn's own kernel for it (the next of those sizes >= d),
-#                             as in a full build; a d whose kernel is not compiled is a clear error.
+#                             as in a full build; a d whose kernel is not compiled is refused by the
+#                             backend's plan() (the marker paged_pruned_build.json names the kernels).
 #                             (Running d on a *larger* compiled kernel is wrong: the split-KV combine
 #                             kernel lays out its accumulator rows as kHeadDim wide while flash_api
 #                             allocates them round_multiple(d, 32) wide -- src/flash_fwd_kernel.h,
@@ -190,6 +191,14 @@ mkdir -p "$PREFIX/flash_attn"
 cp build/flash_attn_2_cuda*.so "$PREFIX/"
 # flash_attn/__init__.py imports only flash_attn_interface, which imports torch and flash_attn_2_cuda.
 cp flash_attn/__init__.py flash_attn/flash_attn_interface.py "$PREFIX/flash_attn/"
+# What this build compiled, read by paged-flash-attn2 (backend.PRUNED_BUILD_INFO): plan() then
+# refuses a head dim or dtype without a kernel here, instead of flash-attn's TORCH_CHECK mid-call.
+if [ "$FA_FULL" != 1 ]; then
+  FA_HEAD_DIMS="$FA_HEAD_DIMS" FA_DTYPES="$FA_DTYPES" $PYTHON -c "import json, os; print(json.dumps({
+    'head_dims': sorted(int(d) for d in os.environ['FA_HEAD_DIMS'].split()),
+    'dtypes': sorted(os.environ['FA_DTYPES'].split()), 'kernels': 'split-KV forward only'}))" \
+    > "$PREFIX/flash_attn/paged_pruned_build.json"
+fi
 PYTHONPATH="$PREFIX${PYTHONPATH:+:$PYTHONPATH}" $PYTHON -c \
   "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__, 'from', flash_attn.__file__)"
 echo "done: export PYTHONPATH=$PREFIX:\$PYTHONPATH"

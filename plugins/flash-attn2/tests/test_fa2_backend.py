@@ -334,3 +334,31 @@ def test_gpu_matches_reference():
     results = gpu_smoke.run_all()
     failed = [r for r in results if not r.ok]
     assert not failed, "\n".join(str(r) for r in failed)
+
+
+def test_a_pruned_build_refuses_head_dims_it_has_no_kernel_for(fake_flash_attn, tmp_path):
+    """build_sm90.sh's marker names its kernels: the backend's reasons (which plan() raises as
+    UnsupportedSpecError) name the rest; flash-attn would stop inside its dispatch."""
+    import json
+    import sys
+
+    from paged_flash_attn2.backend import PRUNED_BUILD_INFO, _pruned_build
+
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / PRUNED_BUILD_INFO).write_text(json.dumps({"head_dims": [64, 96, 128, 256], "dtypes": ["bf16"]}))
+    sys.modules["flash_attn"].__file__ = str(pkg / "__init__.py")
+    _pruned_build.cache_clear()
+    b = FlashAttn2Backend()
+    assert b.extra_reasons(spec(head_dim=128)) == [] and b.extra_reasons(spec(head_dim=80)) == []  # 80: the 96 kernel
+    (why,) = b.extra_reasons(spec(head_dim=160))
+    assert "head-dim-192 kernel, which this pruned build does not have (compiled: 64, 96, 128, 256" in why
+    assert 'FA_HEAD_DIMS="64 96 128 192 256"' in why
+    assert "head-dim-32 kernel" in b.extra_reasons(spec(head_dim=32))[0]
+    (why,) = b.extra_reasons(spec(dtype=torch.float16))
+    assert "dtype fp16 is not in this pruned build" in why
+    assert any("head-dim-192" in r for r in b.reasons(spec(head_dim=160)))  # what plan() checks
+
+
+def test_a_full_build_has_no_marker_and_no_extra_reasons(fake_flash_attn):
+    assert FlashAttn2Backend().extra_reasons(spec(head_dim=160)) == []

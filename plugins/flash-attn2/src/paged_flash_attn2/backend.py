@@ -16,13 +16,15 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import math
+import pathlib
 import re
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from paged_core import Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
+from paged_core import AttentionSpec, Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
@@ -32,6 +34,8 @@ __all__ = [
     "FlashAttn2Plan",
     "HEAD_DIMS",
     "INSTALL",
+    "PRUNED_BUILD_INFO",
+    "kernel_head_dim",
     "lse_to_paged",
     "varlen_kwargs",
 ]
@@ -57,6 +61,21 @@ BLOCK_SIZE_MULTIPLE = 256
 # other sizes to a multiple of 8 instead, which for a paged cache would copy the whole pool per
 # call (FlashAttnVarlenFunc.forward: torch.nn.functional.pad(k, ...)): not claimed.
 HEAD_DIMS = frozenset(range(8, 257, 8))
+
+#: flash-attn's head-dim kernels (csrc/flash_attn/src/static_switch.h HEADDIM_SWITCH).
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+#: The file ``plugins/flash-attn2/build_sm90.sh`` writes next to a pruned build's
+#: ``flash_attn/__init__.py``: the head-dim kernels and dtypes it compiled (JSON).
+PRUNED_BUILD_INFO = "paged_pruned_build.json"
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The flash-attn kernel a head dim runs on: the next of :data:`KERNEL_HEAD_DIMS` at or above it.
+
+    >>> kernel_head_dim(80), kernel_head_dim(128), kernel_head_dim(136)
+    (96, 128, 192)
+    """
+    return next(k for k in KERNEL_HEAD_DIMS if head_dim <= k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +150,43 @@ def _device_reasons() -> list[str]:
         return [f"the GPU has compute capability {major}.{minor}; flash-attn 2 needs 8.0 or newer "
                 "(to fix: run on an Ampere, Ada or Hopper GPU)"]
     return []
+
+
+@functools.lru_cache(maxsize=1)
+def _pruned_build() -> tuple[pathlib.Path, frozenset[int], frozenset[str]] | None:
+    """(marker file, compiled head-dim kernels, compiled dtypes) of a pruned flash-attn build;
+    None for a full one (no marker) or when flash-attn does not import."""
+    try:
+        where = getattr(importlib.import_module("flash_attn"), "__file__", None)
+    except Exception:
+        return None
+    marker = pathlib.Path(where).parent / PRUNED_BUILD_INFO if where else None
+    if marker is None or not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    return marker, frozenset(int(d) for d in info["head_dims"]), frozenset(info["dtypes"])
+
+
+def _build_reasons(head_dim: int, dtype: torch.dtype) -> list[str]:
+    """What a pruned build (plugins/flash-attn2/build_sm90.sh) lacks for this head dim and dtype:
+    flash-attn would stop inside its kernel dispatch with a TORCH_CHECK."""
+    build = _pruned_build()
+    if build is None or head_dim > KERNEL_HEAD_DIMS[-1]:
+        return []
+    marker, dims, dtypes = build
+    out = []
+    kernel = kernel_head_dim(head_dim)
+    if kernel not in dims:
+        out.append(
+            f"head_dim {head_dim} runs on flash-attn's head-dim-{kernel} kernel, which this pruned build "
+            f"does not have (compiled: {', '.join(map(str, sorted(dims)))}; {marker}); to fix: rebuild with "
+            f"FA_HEAD_DIMS=\"{' '.join(map(str, sorted(dims | {kernel})))}\" bash plugins/flash-attn2/build_sm90.sh"
+        )
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if name is not None and name not in dtypes:
+        out.append(f"dtype {name} is not in this pruned build (compiled: {', '.join(sorted(dtypes))}; {marker}); "
+                   f"to fix: rebuild with FA_DTYPES=\"{' '.join(sorted(dtypes | {name}))}\"")
+    return out
 
 
 def _varlen_func() -> Callable[..., Any]:
@@ -272,6 +328,10 @@ class FlashAttn2Backend(Backend):
     @classmethod
     def unavailable(cls) -> list[str]:
         return list(_probe())
+
+    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
+        # A pruned build has only some head-dim kernels: refused here, not inside flash-attn.
+        return _build_reasons(spec.head_dim, spec.dtype)
 
     def _plan(self, meta: BatchMeta, **layer: Any) -> FlashAttn2Plan:
         """flash-attn's description of ``meta``: pure PyTorch on its device, no host sync. The
