@@ -298,6 +298,8 @@ class DirectKernel:
         options: dict[str, Any] = {}
         if self.tuner is not None:
             # A choice tuned before (this process or an earlier one), else the capture default.
+            # The disk lookup only reads files and device attributes: allowed while capturing
+            # (its miss path runs in every first-call capture test).
             config = self._tuned(kwargs)[2]
             if config is None:
                 config = self.capture_config(kwargs) if self.capture_config else self.tuner.configs[0]
