@@ -342,7 +342,8 @@ class FlashAttn2Backend(Backend):
         # (flash_fwd_kernel.h, compute_attn_1rowblock_splitkv, early exit when n_block_max <=
         # n_block_min, unsplit path) writes such a request's lse at the *padded* offset
         # ((bidb * h + bidh) * max_seqlen_q + row) of the unpadded [h, total_q] buffer: past its
-        # end for later requests, over other tensors. On the H200 (2026-12-01) that zeroed rows
+        # end for later requests, over other tensors (the bug of vllm-project/flash-attention
+        # pull request 139). On the H200 (2026-12-01) that zeroed rows
         # of real requests in batches holding padding requests, differently from run to run. A
         # padding request therefore sees one key of block 0 (valid in every cache); its rows
         # are forced to zeros and its lse to -inf in forward as before.
