@@ -108,15 +108,21 @@ def tests(session: nox.Session) -> None:
         # process each, its log printed when it ends.
         suite = _start_pytest(session, ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml",
                                         *session.posargs], log=pathlib.Path(reports) / "suite.log")
-        for n, args in enumerate(runs):
-            # Exit status 1 (some tests failed) does not stop the others: the total says it.
-            session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
-        # The transformers integration again on the newest release it supports (in this
-        # virtualenv: only transformers changes; about a minute on 2 cores). The suite imports
-        # no transformers, so it may change under it.
-        _install_integrations(session, TRANSFORMERS_NEWEST)
-        session.run("pytest", "integrations/transformers/tests", "--doctest-modules", "integrations/transformers/src",
-                    f"--junitxml={reports}/transformers-newest.xml", *session.posargs, success_codes=[0, 1])
+        try:
+            for n, args in enumerate(runs):
+                # Exit status 1 (some tests failed) does not stop the others: the total says it.
+                session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
+            # The transformers integration again on the newest release it supports (in this
+            # virtualenv: only transformers changes; about a minute on 2 cores). The suite imports
+            # no transformers, so it may change under it.
+            _install_integrations(session, TRANSFORMERS_NEWEST)
+            session.run("pytest", "integrations/transformers/tests", "--doctest-modules",
+                        "integrations/transformers/src", f"--junitxml={reports}/transformers-newest.xml",
+                        *session.posargs, success_codes=[0, 1])
+        except BaseException:
+            suite.kill()  # the session stops here: leave no pytest behind
+            suite.wait()
+            raise
         _finish(session, suite, pathlib.Path(reports) / "suite.log")
         passed, failed, skipped = _junit_totals(pathlib.Path(reports))
     # One line for the whole command, in the form CI reads.
