@@ -104,7 +104,8 @@ def implementations(args) -> list[tuple[str, str, bool]]:
         if reasons:
             rows.append((f"paged: {backend}", "unavailable: " + "; ".join(reasons), False))
             continue
-        graphs = paged_core.registry.backend_class(backend).capabilities.cuda_graphs
+        # transformers captures whole steps, plan included.
+        graphs = paged_transformers.captures_whole_steps(paged_core.registry.capabilities(backend))
         rows.append((f"paged: {backend}", paged_transformers.enable(backend), graphs))
     return rows
 

@@ -170,8 +170,9 @@ def main(argv=None) -> int:
             row = {"path": label}
             if why:
                 row["error"] = "unavailable: " + "; ".join(why)
-            elif backend and not paged_core.registry.backend_class(backend).capabilities.cuda_graphs:
-                row["error"] = "skipped: its capabilities do not claim CUDA graphs"
+            elif backend and not paged_transformers.captures_whole_steps(paged_core.registry.capabilities(backend)):
+                # transformers captures whole steps, the plan included (paged-transformers refuses).
+                row["error"] = "skipped: its capabilities do not claim CUDA graphs and a device-side plan"
             else:
                 try:
                     name = paged_transformers.enable(backend) if backend else own

@@ -14,7 +14,7 @@ itself, it reads the K/V transformers gathered from it. Supported: transformers 
 5.24 (see :mod:`paged_transformers._versions`).
 """
 
-from ._attention import PagedAttention, enable, implementation_name, register
+from ._attention import PagedAttention, captures_whole_steps, enable, implementation_name, register
 from ._bench import describe_environment, qwen3_shaped_model
 from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
 from ._versions import SUPPORTED, TESTED, check_transformers_version, hook_of
@@ -27,6 +27,7 @@ __all__ = [
     "PagedAttention",
     "batch_meta_from_gathered",
     "batch_meta_from_transformers",
+    "captures_whole_steps",
     "check_transformers_version",
     "describe_environment",
     "hook_of",

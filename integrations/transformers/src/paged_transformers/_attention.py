@@ -39,6 +39,7 @@ import torch
 from paged_core import (
     KV_DTYPES,
     Backend,
+    Capabilities,
     InputError,
     KVCache,
     PagedError,
@@ -267,7 +268,7 @@ class PagedAttention:
         step = self._step
         if step is None or any(a is not b for a, b in zip(step.key, step_key, strict=True)):  # bools: interned
             caps = self.backend.capabilities
-            if step_key[-1] and not (caps.cuda_graphs and caps.device_plan):
+            if step_key[-1] and not captures_whole_steps(caps):
                 # transformers captures each step whole: the plan (first layer) with the forwards.
                 why = ("which this backend does not claim to be safe in (capabilities.cuda_graphs is False)"
                        if not caps.cuda_graphs else
@@ -386,6 +387,20 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def captures_whole_steps(capabilities: Capabilities) -> bool:
+    """Whether a backend with these capabilities runs inside transformers' CUDA graphs
+    (``ContinuousBatchingConfig(use_cuda_graph=True)``): transformers captures whole steps, the
+    plan included, so it needs ``cuda_graphs`` and ``device_plan`` (a plan that reads nothing
+    on the host). paged-transformers refuses a capture with any other backend.
+
+    >>> from paged_core import registry
+    >>> caps = registry.capabilities
+    >>> captures_whole_steps(caps("triton-unified")), captures_whole_steps(caps("reference"))
+    (True, False)
+    """
+    return capabilities.cuda_graphs and capabilities.device_plan
 
 
 def _capturing() -> bool:

@@ -26,6 +26,14 @@ from paged_core import BatchMeta, InputError
 __all__ = ["batch_meta_from_gathered", "batch_meta_from_transformers"]
 
 
+def _check_cu_lens(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> None:
+    if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+        raise InputError(
+            f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
+            "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
+        )
+
+
 def batch_meta_from_transformers(
     *,
     cu_seq_lens_q: torch.Tensor,
@@ -60,11 +68,7 @@ def batch_meta_from_transformers(
     >>> meta.validate(num_blocks=8) is meta
     True
     """
-    if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
-        raise InputError(
-            f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
-            "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
-        )
+    _check_cu_lens(cu_seq_lens_q, cu_seq_lens_k)
     if write_index.dim() != 1 or write_index.shape[0] != num_tokens:
         raise InputError(
             f"write_index has shape {list(write_index.shape)} but q has {num_tokens} rows; accepted: one "
@@ -135,11 +139,7 @@ def batch_meta_from_gathered(
     >>> meta.validate(num_blocks=8) is meta
     True
     """
-    if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
-        raise InputError(
-            f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
-            "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
-        )
+    _check_cu_lens(cu_seq_lens_q, cu_seq_lens_k)
     device = cu_seq_lens_q.device
     num_reqs = cu_seq_lens_q.shape[0] - 1
     cu_q = cu_seq_lens_q.to(torch.int64)
