@@ -11,7 +11,7 @@ torch.Size([6, 8, 64])
 """
 
 from ._backend import Backend, validation_enabled
-from ._batch import BatchMeta, BlockAllocator
+from ._batch import BatchMeta, BlockAllocator, shared_prefix_blocks
 from ._cache import (
     Q_MAX,
     KVCache,
@@ -72,6 +72,7 @@ __all__ = [
     "quantize_kv",
     "reference_attention",
     "registry",
+    "shared_prefix_blocks",
     "to_flash_attn_args",
     "to_flashinfer_pages",
     "validation_enabled",

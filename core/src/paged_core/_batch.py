@@ -665,3 +665,36 @@ class BatchMeta:
             raise BatchMetaError(
                 f"{name} is {self._desc(t)}; accepted: {str(dtype).removeprefix('torch.')} {list(shape)}"
             )
+
+
+def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
+    """Leading logical blocks that every request of a batch shares (the same physical ids): what
+    cascade attention reads once for the whole batch.
+
+    SYNCS with the device (reads block_table and seq_lens): call it off the hot path, e.g.
+    once per scheduler step, never inside a CUDA graph.
+
+    Counts the blocks whose physical id in row 0 equals the id in every row with
+    ``seq_len > 0`` (padding rows are ignored; row 0 must match, as cascade kernels read the
+    prefix through it), capped by the shortest non-padding request's full blocks.
+
+    >>> import torch
+    >>> bt = torch.tensor([[3, 4, 5], [3, 4, 9]], dtype=torch.int32)
+    >>> shared_prefix_blocks(bt, torch.tensor([40, 48], dtype=torch.int32), 16)
+    2
+    """
+    if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
+        raise InputError(
+            f"the shapes of block_table / seq_lens are {list(block_table.shape)} / {list(seq_lens.shape)}; "
+            "accepted: [num_reqs, max_blocks] and [num_reqs] (a batch's block table and its seq_lens)"
+        )
+    bt = block_table.cpu()
+    sl = seq_lens.cpu()
+    if bt.shape[0] == 0 or not bool((sl > 0).any()):
+        return 0
+    active = sl > 0
+    active[0] = True
+    same = (bt[active] == bt[0:1]).all(dim=0)  # [max_blocks]
+    common = int(same.int().cumprod(0).sum())
+    shortest_full = int(sl[sl > 0].min()) // block_size
+    return min(common, shortest_full)

@@ -62,3 +62,24 @@ def test_forward_with_a_meta_during_capture_is_refused():
     with pytest.raises(ValueError, match="plan"):
         with torch.cuda.graph(graph):
             backend.forward(q, cache, meta)
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "with_padding"])
+def test_cascade_matches_reference_and_runs_both_levels(padding):
+    from paged_core import BatchMeta
+    from paged_flashinfer.backend import FlashInferBackend
+
+    s = _smoke()
+    qlens, slens = [1, 1, 4, 1, 1], [300, 290, 420, 0 if padding else 333, 257]
+    meta, cache, q = s.make_case(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=128)
+    # Give every request the first 16 blocks of request 0 (a 256-token prefix cached once).
+    table = meta.block_table.clone()
+    table[[r for r, n in enumerate(slens) if n], :16] = table[0, :16]
+    rows = [row[: -(-n // 16)] for row, n in zip(table.tolist(), slens, strict=True)]
+    shared = BatchMeta.from_lists(qlens, slens, rows, block_size=16, device="cuda")
+    backend = FlashInferBackend(cascade=True)
+    plan = backend.plan(shared, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    assert plan.cascade is not None and plan.cascade.prefix_blocks == 16
+    ok, msg = s.compare(backend, plan, shared, cache, q, compute_dtype=torch.float64)
+    assert ok, f"[flashinfer/cascade] {msg}"
+    assert "cascade" in s._path_of(backend)

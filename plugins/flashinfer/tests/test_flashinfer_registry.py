@@ -210,3 +210,54 @@ def test_mixed_batch_path(heads, window, mixed, path):
     params = fib._Params(num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16,
                          window=window, softcap=0.0, scale=128**-0.5)
     assert FlashInferBackend(mixed=mixed)._path(plan, params) == path
+
+
+# ----------------------------------------------------------------------------- cascade levels
+def _shared_prefix_meta(qlens, slens, prefix_blocks, block_size=16):
+    """A batch whose requests hold blocks 1 .. prefix_blocks first, then their own."""
+    next_id = prefix_blocks + 1
+    tables = []
+    for s in slens:
+        n = -(-s // block_size)
+        own = list(range(next_id, next_id + max(0, n - prefix_blocks)))
+        next_id += len(own)
+        tables.append(list(range(1, min(n, prefix_blocks) + 1)) + own if s else [])
+    return BatchMeta.from_lists(qlens, slens, tables, block_size=block_size)
+
+
+def test_cascade_levels_split_the_shared_prefix_from_each_requests_keys():
+    meta = _shared_prefix_meta([1, 3, 1, 1], [69, 94, 0, 81], prefix_blocks=4)
+    p = prepare_plan(meta, prefix_blocks=4)
+    c = p.cascade
+    assert c is not None and c.prefix_blocks == 4
+    # Level 0: all 6 query rows as one request over the 4 prefix pages.
+    assert c.prefix_qo_indptr_cpu.tolist() == [0, 6]
+    assert c.prefix_indptr_cpu.tolist() == [0, 4] and c.prefix_indices.tolist() == [1, 2, 3, 4]
+    assert c.prefix_last_page_len_cpu.tolist() == [16]
+    # Level 1: each request's keys after the 64 prefix tokens; the padding request stays padding.
+    s = c.suffix
+    assert s.kv_lens_cpu.tolist() == [5, 30, 1, 17]
+    assert s.pages.indptr_cpu.tolist() == [0, 1, 3, 4, 6]
+    assert s.pages.indices[:6].tolist() == [5, 6, 7, 0, 8, 9]
+    assert s.pages.last_page_len_cpu.tolist() == [5, 14, 1, 1]
+    assert p.pad_rows.tolist() == s.pad_rows.tolist() == [False] * 4 + [True, False]
+
+
+def test_cascade_is_dropped_when_a_query_reaches_into_the_prefix():
+    # Request 1 has 40 new tokens over 70 keys: its first queries sit inside the 64-token prefix,
+    # which the non-causal prefix level would show them whole.
+    meta = _shared_prefix_meta([1, 40], [80, 70], prefix_blocks=4)
+    assert prepare_plan(meta, prefix_blocks=4).cascade is None
+    assert prepare_plan(meta).cascade is None
+
+
+def test_cascade_option_finds_the_prefix_and_checks_declared_ones():
+    meta = _shared_prefix_meta([1, 1, 1], [300, 290, 410], prefix_blocks=16)
+    assert FlashInferBackend(cascade=True).plan(meta).cascade.prefix_blocks == 16
+    assert FlashInferBackend().plan(meta).cascade is None  # opt-in
+    assert FlashInferBackend(cascade=True, min_prefix_tokens=512).plan(meta).cascade is None
+    assert FlashInferBackend().plan(meta, shared_prefix_blocks=16).cascade.prefix_blocks == 16
+    with pytest.raises(ValueError, match="shared_prefix_blocks is 99; accepted: an int from 0"):
+        FlashInferBackend().plan(meta, shared_prefix_blocks=99)
+    with pytest.raises(ValueError, match="min_prefix_tokens is -1"):
+        FlashInferBackend(min_prefix_tokens=-1)

@@ -21,6 +21,10 @@ decode only       ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, ba
 mixed             ``BatchAttention`` (one persistent launch for prefill and decode rows);
                   it has no sliding window, so windowed layers use the prefill wrapper
 prefill only      ``BatchPrefillWithPagedKVCacheWrapper(backend="auto")`` (FA3 on Hopper)
+shared prefix     with ``cascade=True``: FlashInfer's two-level cascade (the levels of
+                  ``MultiLevelCascadeAttentionWrapper``: the prefix once for every query,
+                  non-causal, then each request's own keys, causal, merged with
+                  ``merge_state_in_place``)
 ================  =====================================================================
 
 Everything FlashInfer's planners need on the host comes from ``BatchMeta``'s host mirrors
@@ -55,6 +59,7 @@ from paged_core import (
     FlashInferPages,
     InputError,
     KVCache,
+    shared_prefix_blocks,
     to_flashinfer_pages,
 )
 
@@ -126,8 +131,25 @@ class FlashInferPlan:
     kv_lens_cpu: torch.Tensor
     #: bool [num_tokens] on the device: rows of padding requests, or None when there are none.
     pad_rows: torch.Tensor | None
+    #: With a shared prefix (``cascade=True`` or a declared ``shared_prefix_blocks``): its two
+    #: levels; None otherwise.
+    cascade: _Cascade | None = None
     #: Distinguishes plans for the wrappers' "which plan is loaded" bookkeeping.
     token: int = dataclasses.field(default_factory=lambda: next(_tokens))
+
+
+@dataclasses.dataclass(eq=False)
+class _Cascade:
+    """The two levels of a batch whose requests share their first ``prefix_blocks`` blocks."""
+
+    prefix_blocks: int
+    #: Level 0: every query token of the batch as one request over the prefix pages.
+    prefix_qo_indptr_cpu: torch.Tensor  # [0, num_tokens]
+    prefix_indptr_cpu: torch.Tensor  # [0, prefix_blocks]
+    prefix_indices: torch.Tensor  # int32 [prefix_blocks] on the device: block_table[0, :prefix_blocks]
+    prefix_last_page_len_cpu: torch.Tensor  # [block_size]
+    #: Level 1: each request's keys after the prefix (its own plan: pages, padding rows).
+    suffix: FlashInferPlan
 
 
 @dataclasses.dataclass(eq=False)
@@ -158,13 +180,51 @@ def _host_mirrors(meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
     return qsl.to(torch.int32), sl.to(torch.int32)
 
 
-def prepare_plan(meta: BatchMeta) -> FlashInferPlan:
+def prepare_plan(meta: BatchMeta, prefix_blocks: int = 0) -> FlashInferPlan:
     """Classify the batch and build FlashInfer's page description; pure PyTorch, no FlashInfer.
 
     Without host mirrors this copies ``query_start_loc`` and ``seq_lens`` to the host (a sync),
-    because FlashInfer's planners run on the host.
+    because FlashInfer's planners run on the host. With ``prefix_blocks`` (blocks every request
+    holds at the same physical ids, see ``paged_core.shared_prefix_blocks``), the plan also gets
+    the two cascade levels, unless a request's queries reach into the prefix (the prefix level
+    is not causal): then the batch runs without the cascade.
     """
     qsl_cpu, sl_cpu = _host_mirrors(meta)
+    plan = _plain_plan(meta, qsl_cpu, sl_cpu)
+    if prefix_blocks > 0:
+        plan.cascade = _cascade_levels(meta, qsl_cpu, sl_cpu, prefix_blocks)
+    return plan
+
+
+def _cascade_levels(
+    meta: BatchMeta, qsl_cpu: torch.Tensor, sl_cpu: torch.Tensor, prefix_blocks: int
+) -> _Cascade | None:
+    bs = meta.block_size
+    prefix = prefix_blocks * bs
+    q_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
+    active = sl_cpu > 0
+    if prefix_blocks > meta.block_table.shape[1] or bool((sl_cpu[active] - q_cpu[active] < prefix).any()):
+        return None
+    suffix_sl_cpu = torch.where(active, sl_cpu - prefix, 0).to(torch.int32)
+    suffix = dataclasses.replace(
+        meta,
+        seq_lens=torch.where(meta.seq_lens > 0, meta.seq_lens - prefix, 0).to(torch.int32),
+        block_table=meta.block_table[:, prefix_blocks:],
+        max_seq_len=max(int(suffix_sl_cpu.max()) if suffix_sl_cpu.numel() else 0, 0),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=suffix_sl_cpu,
+    )
+    return _Cascade(
+        prefix_blocks=prefix_blocks,
+        prefix_qo_indptr_cpu=torch.tensor([0, meta.num_tokens], dtype=torch.int32),
+        prefix_indptr_cpu=torch.tensor([0, prefix_blocks], dtype=torch.int32),
+        prefix_indices=meta.block_table[0, :prefix_blocks].to(torch.int32).contiguous(),
+        prefix_last_page_len_cpu=torch.tensor([bs], dtype=torch.int32),
+        suffix=_plain_plan(suffix, qsl_cpu, suffix_sl_cpu),
+    )
+
+
+def _plain_plan(meta: BatchMeta, qsl_cpu: torch.Tensor, sl_cpu: torch.Tensor) -> FlashInferPlan:
     q_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
     pad_cpu = sl_cpu == 0
     has_padding = bool(pad_cpu.any())
@@ -227,6 +287,12 @@ class FlashInferBackend(Backend):
       whose metadata buffers keep their addresses across plans. Needed to capture ``forward``
       once and replay it on later steps after ``plan`` (FlashInfer's ``use_cuda_graph=True``).
       Without it, a captured ``forward`` may only be replayed for the plan it was captured with.
+    - ``cascade``: find a prefix shared by every request (the same physical blocks) in
+      :meth:`plan` (it reads the block table on the host) and run FlashInfer's two-level cascade:
+      the prefix read once for all queries, then each request's own keys, merged.
+      ``plan(meta, shared_prefix_blocks=k)`` declares the prefix instead, with or without this
+      option. Batches whose queries reach into the prefix, and windowed layers, run as usual.
+    - ``min_prefix_tokens``: a shorter shared prefix runs as a normal batch (default 256).
 
     No GPU memory is allocated until the first plan; workspaces are then reused. ``reset()``
     frees them (graphs captured against them must not be replayed afterwards).
@@ -283,9 +349,15 @@ class FlashInferBackend(Backend):
         prefill_backend: str = "auto",
         mixed: str = "batch_attention",
         cuda_graph: bool = False,
+        cascade: bool = False,
+        min_prefix_tokens: int = 256,
         validate: bool | None = None,
     ) -> None:
         super().__init__(validate=validate)
+        if not isinstance(min_prefix_tokens, int) or isinstance(min_prefix_tokens, bool) or min_prefix_tokens < 0:
+            raise InputError(f"min_prefix_tokens is {min_prefix_tokens!r}; accepted: an int >= 0")
+        self.cascade = bool(cascade)
+        self.min_prefix_tokens = min_prefix_tokens
         for opt, val, accepted in (
             ("decode_backend", decode_backend, _DECODE_BACKENDS),
             ("prefill_backend", prefill_backend, _PREFILL_BACKENDS),
@@ -331,6 +403,7 @@ class FlashInferBackend(Backend):
         window: int = 0,
         softcap: float = 0.0,
         scale: float | None = None,
+        shared_prefix_blocks: int | None = None,
     ) -> FlashInferPlan:
         """Plan one step's batch; pass the result to every layer's ``forward``.
 
@@ -340,10 +413,12 @@ class FlashInferBackend(Backend):
         ``forward`` (outside a CUDA graph capture). ``scale`` defaults to ``head_dim ** -0.5``,
         as in ``forward``. ``plan(meta, ...)`` has checked the keywords and, with the layer's
         shape given, refused a spec outside the capabilities before this runs.
+        ``shared_prefix_blocks`` declares the blocks every request shares (cascade), so no
+        block table is read on the host.
         """
         if not isinstance(meta, BatchMeta):
             raise InputError(f"meta is a {type(meta).__name__}; accepted: a paged_core.BatchMeta")
-        plan = prepare_plan(meta)
+        plan = prepare_plan(meta, self._prefix_of(meta, shared_prefix_blocks))
         given = [num_heads, num_kv_heads, head_dim, dtype]
         if any(v is not None for v in given):
             if num_heads is None or num_kv_heads is None or head_dim is None or dtype is None:
@@ -379,12 +454,27 @@ class FlashInferBackend(Backend):
                 "forward() got a BatchMeta during CUDA graph capture, but FlashInfer plans on the "
                 "host; call plan = backend.plan(meta, ...) before capturing and pass the plan"
             )
-        plan = prepare_plan(meta)
+        plan = prepare_plan(meta, self._prefix_of(meta, None))
         self._implicit = {k: v for k, v in self._implicit.items() if v[0]() is not None}
         while len(self._implicit) >= 16:  # a few steps' worth; plans hold device tensors
             self._implicit.pop(next(iter(self._implicit)))
         self._implicit[key] = (weakref.ref(meta), plan)
         return plan
+
+    def _prefix_of(self, meta: BatchMeta, declared: int | None) -> int:
+        """The shared prefix the plan uses, in blocks: declared, found (``cascade=True``, a read
+        of the block table) or none; 0 when shorter than ``min_prefix_tokens``."""
+        if declared is not None:
+            if not isinstance(declared, int) or isinstance(declared, bool) or not (
+                    0 <= declared <= meta.block_table.shape[1]):
+                raise InputError(f"shared_prefix_blocks is {declared!r}; accepted: an int from 0 to the "
+                                 f"block table's width ({meta.block_table.shape[1]})")
+            prefix = declared
+        elif self.cascade and meta.num_reqs > 1:
+            prefix = shared_prefix_blocks(meta.block_table, meta.seq_lens, meta.block_size)
+        else:
+            prefix = 0
+        return prefix if prefix * meta.block_size >= max(self.min_prefix_tokens, 1) else 0
 
     def reset(self) -> None:
         """Free every workspace and wrapper (the next plan allocates them again)."""
@@ -395,6 +485,8 @@ class FlashInferBackend(Backend):
 
     # ----------------------------------------------------------------------------- wrappers
     def _path(self, plan: FlashInferPlan, params: _Params) -> str:
+        if plan.cascade is not None and params.window == 0:
+            return "cascade"
         if plan.batch_class == "decode":
             return "decode"
         # BatchAttention has no sliding window; and with one query head per KV head (MHA) it
@@ -439,6 +531,13 @@ class FlashInferBackend(Backend):
                 self._workspace(device), "NHD", backend=self.prefill_backend,
             )
             return _Slot(path, wrapper)
+        if path == "cascade":
+            # As MultiLevelCascadeAttentionWrapper(2, workspace, "NHD") builds its levels (one
+            # prefill wrapper each, one float workspace); its run() returns no LSE and takes no
+            # out=, so the levels are run here, the same way (cascade.py run).
+            wrappers = tuple(fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace(device), "NHD", backend=self.prefill_backend) for _ in range(2))
+            return _Slot(path, wrappers)
         # BatchAttention owns its workspaces (attention/_core.py __init__: 384 MB float, 8 MB int).
         dev = f"cuda:{device.index}" if device.index is not None else "cuda"
         return _Slot(path, fi.BatchAttention(kv_layout="NHD", device=dev))
@@ -491,6 +590,18 @@ class FlashInferBackend(Backend):
                     slot.pad_rows.zero_()
                 else:
                     slot.pad_rows.copy_(plan.pad_rows)
+        elif slot.path == "cascade":
+            assert plan.cascade is not None
+            c, sp = plan.cascade, plan.cascade.suffix.pages
+            levels = dict(pos_encoding_mode="NONE", logits_soft_cap=p.softcap, non_blocking=True, **common)
+            prefix_level, suffix_level = slot.wrapper
+            # Level 0 is not causal (cascade.py plan: causal only on the last level): every query
+            # lies after the prefix, which prepare_plan checked.
+            prefix_level.plan(c.prefix_qo_indptr_cpu, c.prefix_indptr_cpu, c.prefix_indices,
+                              c.prefix_last_page_len_cpu, p.num_heads, p.num_kv_heads, p.head_dim, bs,
+                              causal=False, **levels)
+            suffix_level.plan(plan.qo_indptr_cpu, sp.indptr_cpu, sp.indices, sp.last_page_len_cpu,
+                              p.num_heads, p.num_kv_heads, p.head_dim, bs, causal=True, **levels)
         elif slot.path == "prefill":
             # prefill.py plan: qo_indptr.to("cpu") and _paged_kv_host_metadata(indptr,
             # last_page_len).to("cpu"): CPU tensors here, so no sync.
@@ -550,7 +661,13 @@ class FlashInferBackend(Backend):
         qc = q if q.is_contiguous() else q.contiguous()
         o = out if out.is_contiguous() else torch.empty_like(qc)
         kv = (cache.k, cache.v)
-        if slot.path == "batch_attention":
+        if slot.path == "cascade":
+            prefix_level, suffix_level = slot.wrapper
+            lse_s = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            suffix_level.run(qc, kv, out=o, lse=lse_s, return_lse=True)
+            o_p, lse_p = prefix_level.run(qc, kv, return_lse=True)
+            _flashinfer().merge_state_in_place(o, lse_s, o_p, lse_p)  # both LSEs base 2
+        elif slot.path == "batch_attention":
             # BatchAttention.run always computes the LSE; soft-cap must be repeated at run time
             # (_core.py: "Must be consistent with the logits_soft_cap passed to plan()").
             slot.wrapper.run(qc, kv, out=o, lse=lse, logits_soft_cap=params.softcap)
