@@ -40,8 +40,9 @@ from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL  # noqa: E402
 
 try:  # triton-splitkv is optional here
     from paged_triton_splitkv import kernels as split_kernels  # noqa: E402
+    from paged_triton_splitkv import launch as split_launch  # noqa: E402
 except ImportError:
-    split_kernels = None
+    split_kernels = split_launch = None
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -159,9 +160,10 @@ def main() -> None:
                           HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
                           HAS_QSL=False, FIXED_SPLITS=False,
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
-                          DIRECT_OUT=False, HAS_SINKS=False, STORE_LSE=False)
+                          DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
+                          MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK)
         split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
-        tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
+        tiles["split"] = ("split-KV (merging)", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")

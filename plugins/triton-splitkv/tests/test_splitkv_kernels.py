@@ -167,6 +167,52 @@ def test_decode_matches_reference_for_split_counts(num_splits):
     assert_lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_several_splits_are_one_launch_that_merges_itself(num_splits, monkeypatch):
+    """The last split of each (request, KV head) merges in the same launch; its counters end at
+    zero, so one workspace serves the next launch (a recording's or a CUDA graph's replays)."""
+    q, kc, vc, _, _, sl, bt = decode_case([70, 130, 0, 255], hq=6, hkv=2, seed=11)
+    launches = []
+    real_launch = split_launch._launch_split
+    monkeypatch.setattr(split_launch, "_launch_split", lambda *a, **k: (launches.append(k), real_launch(*a, **k)))
+    monkeypatch.setattr(split_launch, "merge_states", lambda *a, **k: pytest.fail("a second, merge launch"))
+    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
+                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=num_splits)
+    assert len(launches) == 1
+    counters = launches[0]["counters"]
+    assert_close(out, ref, torch.float32, f"fused merge, {num_splits} splits")
+    assert_lse_close(lse, ref_lse)
+    assert counters.shape == (4, 2) and not counters.any(), "the counters must reset to zero"
+
+    # The same counters again, as a recording's or a graph's replay uses them: the same bits.
+    again = torch.full_like(out, float("nan"), device=DEVICE)
+    kw = {k: v for k, v in launches[0].items() if k != "final"}
+    real_launch(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), None, None,
+                torch.full((num_splits, 4, 6, HEAD_DIM), float("nan"), device=DEVICE),
+                torch.full((num_splits, 4, 6), float("nan"), device=DEVICE), final=(again, None, None), **kw)
+    assert torch.equal(again.cpu(), out), "a second launch on the reset counters must merge the same way"
+    assert not counters.any()
+
+
+def test_the_fused_merge_is_the_same_on_every_launch():
+    """The merging program must see every other split's partial (acquire-release counting): a
+    missed one changes the result, differently from launch to launch. Many launches on a GPU,
+    where programs really run at once; two under the interpreter."""
+    q, kc, vc, _, _, sl, bt = decode_case([700, 1300, 2000, 90], hq=8, hkv=2, seed=13)
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
+                                 block_table=bt, scale=HEAD_DIM**-0.5)
+    first, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=13, with_lse=False)
+    assert_close(first, ref, torch.float32, "fused merge, 13 splits")
+    args = [t.to(DEVICE) for t in (q, kc, vc, sl, bt)]
+    out = torch.empty_like(args[0])
+    for i in range(300 if DEVICE == "cuda" else 1):
+        out.fill_(float("nan"))
+        split_decode_attention(*args[:3], out, seq_lens=args[3], block_table=args[4], max_seq_len=2000,
+                               scale=HEAD_DIM**-0.5, num_splits=13)
+        assert torch.equal(out.cpu(), first), f"launch {i + 2} differs from the first"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_half_precision(dtype):
     # Block 64 > BLOCK_N exercises tiles smaller than a block.

@@ -19,7 +19,8 @@ SplitKVPlan = TritonPlan
 
 class TritonSplitKVBackend(TritonBackend):
     """Decode batches too small to fill the GPU are split along the context (Flash-Decoding):
-    each split writes a partial output and its log-sum-exp, a second kernel merges them exactly.
+    each split writes a partial output and its log-sum-exp, and the last split of each
+    (request, KV head) to finish merges them exactly, in the same launch.
     Every other batch runs the unified kernel, so any batch is served.
 
     Options:

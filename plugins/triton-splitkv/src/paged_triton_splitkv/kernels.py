@@ -233,13 +233,17 @@ else:
         _SPLIT_CONFIGS = [SPLIT_DEFAULT_CONFIG]
 
 
-# The key deliberately leaves out every batch-dependent value (num_reqs, seq lens, num_splits):
-# batch-invariant mode needs the same config for a request alone and in any batch. DIRECT_OUT
-# (one split) is in it, but the launcher never uses it in that mode (blocks_per_split).
+# The key holds the keys one program walks (keys_per_program, a power of two): the best config
+# follows the loop's length (NVIDIA H200, Triton 3.6, 2026-12-01: a choice tuned on 1 x 512 ran
+# 4 x 32,768 58 % slower than the best config). It leaves out every other batch-dependent value
+# (num_reqs, num_splits): batch-invariant mode needs the same config for a request alone and in
+# any batch, and there a split's length is fixed (blocks_per_split). DIRECT_OUT (one split) is
+# in it, but the launcher never uses it in that mode.
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
 # Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
 @triton.autotune(
-    configs=_SPLIT_CONFIGS, key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT"],
+    configs=_SPLIT_CONFIGS,
+    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program"],
     cache_results=True,
 )
 @triton.jit
@@ -254,9 +258,10 @@ def split_kv_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32 (HAS_QSL only; else request r is token r)
     part_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] float32
     part_lse_ptr,  # [num_splits, num_tokens, num_q_heads] float32
-    out_ptr,  # [num_tokens, num_q_heads, head_dim], q's dtype (DIRECT_OUT only)
-    out_lse_ptr,  # [num_tokens, num_q_heads] float32 (DIRECT_OUT and STORE_LSE only)
-    sinks_ptr,  # [num_q_heads] float32 (DIRECT_OUT and HAS_SINKS only)
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], q's dtype (DIRECT_OUT or FUSED_MERGE)
+    out_lse_ptr,  # [num_tokens, num_q_heads] float32 (STORE_LSE only)
+    sinks_ptr,  # [num_q_heads] float32 (HAS_SINKS only)
+    counter_ptr,  # [grid axis 0, num_kv_heads] int32, all zero between launches (FUSED_MERGE only)
     scale,  # float, softmax scale
     softcap,  # float (USE_SOFTCAP only)
     window,  # int (USE_WINDOW only): keys > pos - window are visible
@@ -266,6 +271,7 @@ def split_kv_attention_kernel(
     num_splits,  # int (not FIXED_SPLITS): splits per request
     tokens_per_split,  # int (FIXED_SPLITS only): key tokens per split, batch independent
     num_q_tiles,  # int, query tiles per request (grid axis 0 = num_reqs * num_q_tiles)
+    keys_per_program,  # int, a power of two near the keys one program walks: the autotune key only
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -293,13 +299,25 @@ def split_kv_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # one split: write the final out (and lse) instead of a partial
-    HAS_SINKS: tl.constexpr,  # DIRECT_OUT only
-    STORE_LSE: tl.constexpr,  # DIRECT_OUT only
+    FUSED_MERGE: tl.constexpr,  # several splits: the last to finish merges them into out (and lse)
+    HAS_SINKS: tl.constexpr,  # DIRECT_OUT or FUSED_MERGE only
+    STORE_LSE: tl.constexpr,  # DIRECT_OUT or FUSED_MERGE only
+    MERGE_PARTS_CHUNK: tl.constexpr,  # FUSED_MERGE: parts per load (see _merge_rows)
     BLOCK_N: tl.constexpr,  # key tokens per loop step (autotuned)
 ):
     """One program: BLOCK_Q queries of one request x the GROUP heads of one KV head, against the
     keys of one split; writes that split's normalized partial output and natural-log LSE, or,
-    with DIRECT_OUT (a single split), the final output: no workspace and no merge launch."""
+    with DIRECT_OUT (a single split), the final output: no workspace and no merge launch.
+
+    With FUSED_MERGE, the program that finishes last among the splits of its (query tile, KV
+    head) merges them all into the final output: one launch instead of a split launch and a
+    merge launch. Finishing is counted per (query tile, KV head) in ``counter_ptr``: each
+    program stores its partial, passes a CTA barrier (every thread's stores done), then adds 1
+    with acquire-release semantics at GPU scope, so the program that sees ``num_splits - 1``
+    observes every other split's partial. It resets the count to 0, so the buffer is ready for
+    the next launch (and for CUDA-graph replays) without a memset. Every program reaches the
+    count: none returns early on this path (decode batches, one query per request).
+    """
     tl.static_assert(BLOCK_M >= BLOCK_Q * GROUP_PAD)
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs at least 16 rows
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
@@ -411,6 +429,27 @@ def split_kv_attention_kernel(
             m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
             stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
         )
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial is stored before the count releases it
+            counter = counter_ptr + pid_rq * tl.num_programs(1) + kv_head
+            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if finished == tl.num_programs(2) - 1:
+                # The tile's real rows only (BLOCK_Q x GROUP_PAD; BLOCK_M pads them to 16 for
+                # tl.dot), so a chunk of parts is a small tile.
+                offs_r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+                r_q = tile_q0 + offs_r // GROUP_PAD
+                r_hh = offs_r % GROUP_PAD
+                _merge_rows(
+                    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, out_lse_ptr, tl.num_programs(2),
+                    (q_start + r_q).to(tl.int64), kv_head * GROUP + r_hh, (r_hh < GROUP) & (r_q < q_len),
+                    offs_d, d_mask,
+                    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+                    stride_pl_s, stride_pl_t, stride_pl_h,
+                    stride_o_t, stride_o_h, stride_o_d,
+                    stride_lse_t, stride_lse_h,
+                    HAS_SINKS, STORE_LSE, MERGE_PARTS_CHUNK,
+                )
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,6 +601,89 @@ def cascade_prefix_kernel(
 # --------------------------------------------------------------------------------------------
 # Merge: exact combination of partial attention over disjoint key sets.
 # --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merge_rows(
+    parts_out_ptr,  # [num_parts, num_tokens, num_heads, head_dim], float32 / fp16 / bf16
+    parts_lse_ptr,  # [num_parts, num_tokens, num_heads] float32, natural log
+    sinks_ptr,  # [num_heads] float32 (HAS_SINKS only), natural-log logit without a value
+    out_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
+    out_lse_ptr,  # [num_tokens, num_heads] float32 (STORE_LSE only)
+    num_parts,
+    token,  # [ROWS] int64
+    head,  # [ROWS]
+    row_valid,  # [ROWS] bool
+    offs_d, d_mask,
+    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
+    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_lse_t, stride_lse_h,
+    HAS_SINKS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    PARTS_CHUNK: tl.constexpr,  # parts loaded (and summed as a tree) per step
+):
+    """For each (token, head) row: out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s
+    (and the sink, if any, in the denominator once).
+
+    Parts are read PARTS_CHUNK at a time, [PARTS_CHUNK, ROWS, head_dim] per load (one memory
+    round trip for that many parts instead of one each), summed within a chunk, chunks added in
+    order. A row's bits depend only on its own parts: a batch that launched more parts adds
+    empty ones (weight exactly 0, in a chunk's tail or in chunks of their own, and adding exact
+    zeros changes no bit). That is what makes blocks_per_split mode bit-identical across
+    batches. Loads bypass L1 (``.cg``): the parts were written by other programs, and a line
+    cached by an earlier launch on this SM would be stale.
+
+    The split kernel's fused merge; ``merge_states_kernel`` below merges one row per one-warp
+    program instead (NVIDIA H200, Triton 3.6, 2026-12-01: the cascade's 9 parts x 64 tokens x 32
+    heads merged in 0.0049 ms so, 0.0142 through this helper at 4 rows a program).
+    """
+    offs_p = tl.arange(0, PARTS_CHUNK)
+    lse_base = parts_lse_ptr + token * stride_pl_t + head * stride_pl_h  # [ROWS]
+    out_base = parts_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h \
+        + offs_d[None, :] * stride_po_d  # [ROWS, HEAD_DIM_PAD]
+    o_mask = row_valid[:, None] & d_mask[None, :]
+
+    m = tl.full(token.shape, float("-inf"), tl.float32)
+    for s in range(0, num_parts, PARTS_CHUNK):
+        part = s + offs_p
+        lse = tl.load(lse_base[None, :] + part[:, None] * stride_pl_s,
+                      mask=(part < num_parts)[:, None] & row_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")  # [PARTS_CHUNK, ROWS]
+        m = tl.maximum(m, tl.max(lse, 0))
+    empty = m == float("-inf")
+    m_all = m
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0)
+        m_all = tl.maximum(m, sink)
+    m_safe = tl.where(empty, 0.0, m_all)
+
+    denom = tl.zeros(token.shape, tl.float32)
+    acc = tl.zeros(out_base.shape, tl.float32)
+    for s in range(0, num_parts, PARTS_CHUNK):
+        part = s + offs_p
+        in_range = part < num_parts
+        w = tl.exp(tl.load(lse_base[None, :] + part[:, None] * stride_pl_s,
+                           mask=in_range[:, None] & row_valid[None, :], other=float("-inf"),
+                           cache_modifier=".cg") - m_safe[None, :])  # [PARTS_CHUNK, ROWS]
+        o = tl.load(out_base[None, :, :] + part[:, None, None] * stride_po_s,
+                    mask=in_range[:, None, None] & o_mask[None, :, :], other=0.0,
+                    cache_modifier=".cg").to(tl.float32)  # [PARTS_CHUNK, ROWS, HEAD_DIM_PAD]
+        denom += tl.sum(w, 0)
+        # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
+        # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.
+        acc += tl.sum(tl.where((w != 0.0)[:, :, None], w[:, :, None] * o, 0.0), 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_safe)
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, denom))
+    tl.store(
+        out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
+        (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+        mask=o_mask,
+    )
+    if STORE_LSE:
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, denom)))
+        tl.store(out_lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_valid)
 
 
 @triton.jit

@@ -5,8 +5,8 @@ Every launcher is CUDA-graph capturable: it never reads a device tensor on the h
 attention launchers take their arguments to satisfy the paged contract (what
 ``paged_core.Backend.forward`` checks: shapes, dtypes, devices, cache scales, host ints) and
 check only what their kernels need beyond it, on host ints, so they cost microseconds;
-``merge_states``, a primitive of its own, checks its inputs. ``shared_prefix_blocks`` is the one
-helper that syncs, and says so.
+``merge_states``, a primitive of its own, checks its inputs. ``shared_prefix_blocks`` (re-exported
+from paged_core) is the one helper that syncs, and says so.
 
 The autotuned kernels benchmark their configs on the first call for each key (GROUP_PAD,
 HEAD_DIM_PAD, BLOCK_SIZE, query tile, dtypes): run one warm-up call per layer shape before
@@ -22,7 +22,7 @@ from typing import NoReturn, cast
 
 import torch
 import triton
-from paged_core import InputError
+from paged_core import InputError, shared_prefix_blocks
 from paged_triton_unified import INTERPRET, sm_count
 from paged_triton_unified.direct import DirectKernel
 
@@ -64,9 +64,10 @@ _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
-# Parts the merge reads per step (merge_states_kernel's PARTS_CHUNK): a chunk of parts costs one
-# memory round trip instead of one per part. NVIDIA H200, Triton 3.6, 2026-11-29: the merge of
-# the cascade's 9 parts (64 x (4,000 + 100) tokens) 0.0093 ms at 8 parts a step, 0.0115 at 1.
+# Both merges (merge_states_kernel and the split kernel's fused merge) read parts
+# _MERGE_PARTS_CHUNK at a time: a chunk costs one memory round trip instead of one per part.
+# NVIDIA H200, Triton 3.6, 2026-11-29: the cascade's 9 parts (64 x (4,000 + 100) tokens) merged
+# in 0.0093 ms at 8 parts a step, 0.0115 at 1.
 _MERGE_PARTS_CHUNK = 8
 
 
@@ -235,7 +236,8 @@ def split_decode_attention(
     any batch (``num_splits`` then defaults to ``ceil(max_seq_len / (K*block_size))``; a larger
     value just adds empty splits, e.g. to keep one CUDA-graph grid). Otherwise each request's
     visible range is cut into ``num_splits`` (default: ``choose_num_splits``) near-equal parts;
-    one such part is written straight to ``out`` (no merge launch).
+    one such part is written straight to ``out``. Several are merged by the last split of each
+    (request, KV head) to finish, inside the one launch (no merge launch in either case).
 
     ``kernel_config`` (e.g. ``{"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}``) bypasses the
     autotuner: for tuning scripts and benchmarks.
@@ -274,19 +276,23 @@ def split_decode_attention(
         _launch_split(
             q, k_cache, v_cache, k_scale, v_scale, None, None,
             seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
-            window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=1,
-            direct=(out, lse, sinks), kernel_config=kernel_config,
+            window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=1, max_keys=max_seq_len,
+            final=(out, lse, sinks), kernel_config=kernel_config,
         )
         return out
+    # Several splits: one launch, whose last program per (request, KV head) merges the partials
+    # (split_kv_attention_kernel's FUSED_MERGE). The counters reset themselves, so zeroing them
+    # once per workspace is enough: a recorded or captured call keeps its workspace.
     part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
         seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
         window=window, key_start=0, num_splits=num_splits, tokens_per_split=tokens_per_split, max_query_len=1,
-        kernel_config=kernel_config,
+        max_keys=max_seq_len,
+        final=(out, lse, sinks), counters=counters, kernel_config=kernel_config,
     )
-    merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
 
 
@@ -309,11 +315,16 @@ def _launch_split(
     num_splits: int,
     tokens_per_split: int,
     max_query_len: int,
-    direct: tuple | None = None,
+    max_keys: int,
+    final: tuple | None = None,
+    counters: torch.Tensor | None = None,
     kernel_config: dict | None = None,
 ) -> None:
-    """Launch the split kernel; arguments already checked. Writes part_out / part_lse, or with
-    ``direct=(out, lse or None, sinks or None)`` (one split) the final out / lse."""
+    """Launch the split kernel; arguments already checked. Without ``final``, writes part_out /
+    part_lse; with ``final=(out, lse or None, sinks or None)``, the final out / lse: directly
+    (one split, part_out None) or merged by the last split of each (request, KV head), counted
+    in ``counters`` (int32 ``[num_reqs, num_kv_heads]``, zero). ``max_keys``: the most keys a
+    request has in this pass (it sets the autotune key's loop length)."""
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     num_reqs = block_table.shape[0]
@@ -327,12 +338,15 @@ def _launch_split(
         block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
     num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
-    if direct is not None:
-        out, out_lse, sinks = direct
-        # Unused pointers still need a tensor; the constexpr switches keep them untouched.
-        part_out, part_lse = out, out_lse if out_lse is not None else q
+    direct = final is not None and part_out is None
+    fused = final is not None and part_out is not None
+    if final is not None:
+        out, out_lse, sinks = final
     else:
         out, out_lse, sinks = q, None, None
+    if direct:
+        # Unused pointers still need a tensor; the constexpr switches keep them untouched.
+        part_out, part_lse = out, out_lse if out_lse is not None else q
     out_lse_t = out_lse if out_lse is not None else part_lse
     kernel, fixed = _split, {}
     if kernel_config is not None:
@@ -347,6 +361,7 @@ def _launch_split(
         out_ptr=out,
         out_lse_ptr=out_lse_t,
         sinks_ptr=sinks if sinks is not None else out_lse_t,
+        counter_ptr=counters if fused else seq_lens,
         scale=float(scale),
         softcap=float(softcap),
         window=int(window),
@@ -356,12 +371,14 @@ def _launch_split(
         num_splits=num_splits,
         tokens_per_split=tokens_per_split,
         num_q_tiles=num_q_tiles,
+        keys_per_program=triton.next_power_of_2(
+            tokens_per_split if tokens_per_split > 0 else max(1, triton.cdiv(max_keys, num_splits))),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
         **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
-                   cast(torch.Tensor, part_out).stride() if direct is None else (0, 0, 0, 0), strict=True)),
+                   cast(torch.Tensor, part_out).stride() if not direct else (0, 0, 0, 0), strict=True)),
         **dict(zip(("stride_pl_s", "stride_pl_t", "stride_pl_h"),
-                   cast(torch.Tensor, part_lse).stride() if direct is None else (0, 0, 0), strict=True)),
+                   cast(torch.Tensor, part_lse).stride() if not direct else (0, 0, 0), strict=True)),
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
         stride_lse_t=cast(torch.Tensor, out_lse_t).stride(0), stride_lse_h=cast(torch.Tensor, out_lse_t).stride(1),
         GROUP=group,
@@ -372,9 +389,11 @@ def _launch_split(
         FIXED_SPLITS=tokens_per_split > 0,
         USE_SOFTCAP=softcap > 0.0,
         USE_WINDOW=window > 0,
-        DIRECT_OUT=direct is not None,
+        DIRECT_OUT=direct,
+        FUSED_MERGE=fused,
         HAS_SINKS=sinks is not None,
         STORE_LSE=out_lse is not None,
+        MERGE_PARTS_CHUNK=_MERGE_PARTS_CHUNK,
         **_kv_args(q, k_cache, v_cache, k_scale, v_scale),
         **fixed,
     )
@@ -493,37 +512,6 @@ def _side_branch(device: torch.device):
         main.wait_stream(side)
 
 
-def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
-    """Leading logical blocks that every request shares, usable as ``prefix_blocks``.
-
-    SYNCS with the device (reads block_table and seq_lens): call it off the hot path, e.g.
-    once per scheduler step, never inside a CUDA graph.
-
-    Counts the blocks whose physical id in row 0 equals the id in every row with
-    ``seq_len > 0`` (padding rows are ignored; row 0 must match because the prefix kernel reads
-    the prefix through it), capped by the shortest non-padding request's full blocks. Rows whose
-    queries still lie inside that prefix are fine: ``cascade_attention`` masks them causally.
-
-    >>> import torch
-    >>> bt = torch.tensor([[3, 4, 5], [3, 4, 9]], dtype=torch.int32)
-    >>> shared_prefix_blocks(bt, torch.tensor([40, 48], dtype=torch.int32), 16)
-    2
-    """
-    if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
-        _fail("the shapes of block_table / seq_lens", f"{list(block_table.shape)} / {list(seq_lens.shape)}",
-              "[num_reqs, max_blocks] and [num_reqs]", "pass a batch's block table and its seq_lens")
-    bt = block_table.cpu()
-    sl = seq_lens.cpu()
-    active = sl > 0
-    active[0] = True
-    if bt.shape[0] == 0 or not bool((sl > 0).any()):
-        return 0
-    same = (bt[active] == bt[0:1]).all(dim=0)  # [max_blocks]
-    common = int(same.int().cumprod(0).sum())
-    shortest_full = int(sl[sl > 0].min()) // block_size
-    return min(common, shortest_full)
-
-
 def cascade_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -601,6 +589,7 @@ def cascade_attention(
             seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
             softcap=softcap, window=0, key_start=prefix_blocks * block_size, num_splits=num_splits,
             tokens_per_split=0, max_query_len=max(max_query_len, 1),
+            max_keys=max(max_seq_len - prefix_blocks * block_size, 0),
         )
         # Prefix: all query rows of the batch against the shared blocks, split along the keys;
         # the last prefix_splits parts.
