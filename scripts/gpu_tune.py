@@ -264,6 +264,27 @@ def section_split() -> None:
         del case
 
 
+def section_split_count() -> None:
+    """The split count of split decode at one config (128 keys, 4 warps, 2 stages): around
+    ``choose_num_splits`` and at the counts that put a whole number of programs on every SM."""
+    sms = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    kcfg = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    for b, n in [(4, 32768), (2, 32768), (16, 8192), (8, 16384), (1, 131072), (1, 4096)]:
+        case = make_case([1] * b, [n] * b, check_reqs=[0])
+        out = torch.empty_like(case.q)
+        auto = choose_num_splits(b, HKV, n, BS, DEV)
+        pairs = b * HKV
+        counts = {auto, max(1, auto - 1), auto + 1, *(max(1, k * sms // pairs) for k in (1, 2, 3, 4))}
+        for splits in sorted(c for c in counts if c <= max(1, n // 256)):
+            fn = lambda case=case, out=out, n=n, splits=splits: split_decode_attention(  # noqa: E731
+                case.q, case.cache.k, case.cache.v, out, seq_lens=case.meta.seq_lens,
+                block_table=case.meta.block_table, max_seq_len=n, scale=SCALE, num_splits=splits,
+                kernel_config=kcfg)
+            name = f"{b}x{n} {splits} splits{' (auto)' if splits == auto else ''}: {splits * pairs} programs"
+            report("split-count", f"{name} ({sms} SMs)", case, fn, out)
+        del case
+
+
 def section_bench_mixed() -> None:
     """The mixed batch of ``paged bench`` (chunk contexts 1,024 and 3,072: heavier than
     section_mixed's), so fixed configs compare with the bench's FlashInfer row (0.205 ms)."""
@@ -330,7 +351,8 @@ def section_cascade() -> None:
 
 
 SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
-            "mixed": section_mixed, "split": section_split, "bench-mixed": section_bench_mixed,
+            "mixed": section_mixed, "split": section_split, "split-count": section_split_count,
+            "bench-mixed": section_bench_mixed,
             "cascade": section_cascade, "chunk": section_chunk}
 
 

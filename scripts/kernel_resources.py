@@ -163,7 +163,7 @@ def main() -> None:
                           DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
                           MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK)
         split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
-        tiles["split"] = ("split-KV (merging)", split_base, split_configs, split_kernels.split_kv_attention_kernel)
+        tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")

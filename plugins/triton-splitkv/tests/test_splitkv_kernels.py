@@ -350,11 +350,13 @@ def test_choose_num_splits_on_cpu_is_one():
     assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
 
 
-def test_choose_num_splits_targets_two_programs_per_sm(monkeypatch):
+def test_choose_num_splits_gives_at_most_three_programs_per_sm(monkeypatch):
     monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
-    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 9  # ceil(264 / 32)
-    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # ceil(264 / 8) = 33, capped
+    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 12  # 396 // 32: 384 programs
+    assert choose_num_splits(2, 8, 32768, 16, "cuda:0") == 24  # 396 // 16
+    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # 396 // 8 = 49, capped
     assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 3
+    assert choose_num_splits(1, 8, 4096, 16, "cuda:0") == 16  # 256 tokens a split at least
     assert choose_num_splits(32, 8, 4096, 16, "cuda:0") == 1  # 256 pairs: one per SM already
     assert choose_num_splits(64, 8, 4096, 16, "cuda:0") == 1  # 512 pairs already fill the GPU
     assert choose_num_splits(1, 1, 131072, 16, "cuda:0") == 32  # capped

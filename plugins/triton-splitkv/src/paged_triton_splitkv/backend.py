@@ -26,7 +26,7 @@ class TritonSplitKVBackend(TritonBackend):
     Options:
 
     - ``split_kv``: ``"auto"`` (split when the (request, KV head) pairs cannot fill the GPU;
-      the count comes from the multiprocessor count, about two programs per SM, at least 256
+      the count comes from the multiprocessor count, at most three programs per SM, at least 256
       tokens a split, at most 32), ``True`` (always split decode batches) or ``False``.
     - ``num_splits``: a fixed split count for decode batches (implies ``split_kv=True``).
     - ``batch_invariant``: splits of a fixed ``blocks_per_split`` blocks, not derived from the

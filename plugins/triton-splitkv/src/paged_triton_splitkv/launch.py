@@ -52,15 +52,19 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-# choose_num_splits: about two programs per SM, and only for batches with fewer (request, KV
-# head) pairs than SMs. Measured on the H200 (Triton 3.6, bf16, 32/8 heads, d 128, CUDA-graph
-# replays, autotuned): 2 per SM gave 4 x 32768 in 0.150 ms (9 splits), 1 x 131072 in 0.150 ms
-# (32), 16 x 8192 in 0.144 ms (3); 1 per SM was no better with the autotuned 128-key steps and
-# clearly worse with 64-key ones (0.289 vs 0.194 ms for 4 x 32768, scripts/gpu_tune.py). From 256
-# pairs on, the unified kernel was as fast or faster (the crossover sweep in docs/benchmarks.md).
+# choose_num_splits: at most three programs per SM (as many as fit on one at the split kernel's
+# ~70 KB of shared memory), and only for batches with fewer (request, KV head) pairs than SMs.
+# Rounded down, never up: a few programs more than a whole number per SM leave those SMs with
+# more work than the rest. NVIDIA H200, Triton 3.6, bf16, 32/8 heads, d 128, CUDA-graph replays,
+# autotuned, the merge fused, 2026-12-01 (docs/benchmarks.md): 4 x 32,768 0.1459 ms at 9 splits
+# (ceil(2 x 132 / 32): 288 programs), 0.1406 at 8, 0.1410 at 12 (384); 2 x 32,768 0.1054 at 17
+# (272 programs), 0.0961 at 16, 0.0826 at 24 (384); 16 x 8,192 best at 3 (384). From 256 pairs
+# on, the unified kernel was as fast or faster (the crossover sweep in docs/benchmarks.md).
 # 256 tokens (16 blocks of 16) per split keeps the fixed cost of a program (loading q, writing
 # a partial, merging it) small against its K/V traffic; beyond 32 splits the merge's reads start
-# to show for short contexts.
+# to show (1 x 131,072: 0.1501 ms at 32 splits, 0.1506 at 48, 0.1542 at 64).
+_SPLIT_PROGRAMS_PER_SM = 3
+# The cascade's prefix pass: about two programs per SM (rounded up).
 _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -146,9 +150,9 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits that fills the GPU for a decode batch (host ints only, no sync).
 
-    Targets about two programs per SM over ``num_reqs * num_kv_heads * splits`` programs, keeps
-    at least 256 tokens (and a whole block) per split, caps at 32. Returns 1 on a non-CUDA
-    device or when the (request, KV head) pairs already fill the GPU.
+    Gives the GPU at most three programs per SM over ``num_reqs * num_kv_heads * splits``
+    programs (rounded down), keeps at least 256 tokens (and a whole block) per split, caps at 32.
+    Returns 1 on a non-CUDA device or when the (request, KV head) pairs already fill the GPU.
 
     >>> choose_num_splits(4, 8, 32768, 16, "cpu")
     1
@@ -156,14 +160,13 @@ def choose_num_splits(
     sms = sm_count(device)
     if sms is None:
         return 1
-    target = _PROGRAMS_PER_SM * sms
     pairs = max(1, num_reqs * num_kv_heads)
     # Split only when the (request, KV head) pairs cannot give every SM a program: on the H200
     # at 4,096 and 32,768 tokens the unified kernel won from 32 requests x 8 KV heads (256
     # pairs, 2 per SM) on, the split kernel below it (docs/benchmarks.md, the crossover sweep).
     if pairs >= sms:
         return 1
-    by_occupancy = triton.cdiv(target, pairs)
+    by_occupancy = _SPLIT_PROGRAMS_PER_SM * sms // pairs
     by_length = max(1, max_seq_len // max(_MIN_TOKENS_PER_SPLIT, block_size))
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
