@@ -69,7 +69,7 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
             elif name in ("q_ptr", "out_ptr"):
                 sig[name] = "*bf16"
             elif name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "tile_end_ptr",
-                          "tile_end_large_ptr"):
+                          "tile_end_large_ptr", "counter_ptr"):
                 sig[name] = "*i32"
             else:
                 sig[name] = "*fp32"
