@@ -292,6 +292,8 @@ class FlashInferBackend(Backend):
       the prefix read once for all queries, then each request's own keys, merged.
       ``plan(meta, shared_prefix_blocks=k)`` declares the prefix instead, with or without this
       option. Batches whose queries reach into the prefix, and windowed layers, run as usual.
+      Cascade plans are not ``cuda_graph`` plans: a captured cascade forward replays only the
+      plan it was captured with.
     - ``min_prefix_tokens``: a shorter shared prefix runs as a normal batch (default 256).
 
     No GPU memory is allocated until the first plan; workspaces are then reused. ``reset()``
