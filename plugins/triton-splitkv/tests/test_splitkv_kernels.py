@@ -644,3 +644,23 @@ def test_a_plan_made_before_copy_computes_the_copied_batch(options):
                                  seq_lens=step.seq_lens.cpu(), block_table=step.block_table.cpu(),
                                  scale=HEAD_DIM**-0.5)
     assert_close(got.cpu(), ref, torch.float32, "old plan, copied batch")
+
+
+@pytest.mark.parametrize("seq_lens, num_splits", [([0, 0], 3), ([5, 3], 1), ([300, 9000], 7), ([40, 70], None)])
+def test_the_autotune_key_holds_a_power_of_two_loop_length_of_at_least_256(seq_lens, num_splits, monkeypatch):
+    """keys_per_program picks the tuned config; below 16 Triton would also compile a binary per
+    value, so it never goes below 256 (all-padding batches included)."""
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: seen.append(kw["keys_per_program"])
+
+    monkeypatch.setattr(split_launch, "_split", Recorder())
+    q, kc, vc, _, _, sl, bt = decode_case(seq_lens)
+    split_decode_attention(q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt,
+                           max_seq_len=max(seq_lens), scale=0.125, num_splits=num_splits)
+    (keys,) = seen
+    assert keys >= 256 and keys & (keys - 1) == 0
+    if max(seq_lens) == 9000:
+        assert keys == 2048  # ceil(9000 / 7) = 1286 -> the next power of two

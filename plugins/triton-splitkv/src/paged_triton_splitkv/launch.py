@@ -374,8 +374,10 @@ def _launch_split(
         num_splits=num_splits,
         tokens_per_split=tokens_per_split,
         num_q_tiles=num_q_tiles,
-        keys_per_program=triton.next_power_of_2(
-            tokens_per_split if tokens_per_split > 0 else max(1, triton.cdiv(max_keys, num_splits))),
+        # At least 256: the loop lengths below share one tuned choice, and the int never drops
+        # under 16, where Triton would specialise (and compile) the kernel on its value.
+        keys_per_program=max(256, triton.next_power_of_2(
+            tokens_per_split if tokens_per_split > 0 else max(1, triton.cdiv(max_keys, num_splits)))),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
         **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
