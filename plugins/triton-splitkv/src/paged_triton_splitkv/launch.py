@@ -9,8 +9,9 @@ check only what their kernels need beyond it, on host ints, so they cost microse
 from paged_core) is the one helper that syncs, and says so.
 
 The autotuned kernels benchmark their configs on the first call for each key (GROUP_PAD,
-HEAD_DIM_PAD, BLOCK_SIZE, query tile, dtypes): run one warm-up call per layer shape before
-capturing a CUDA graph.
+HEAD_DIM_PAD, BLOCK_SIZE, query tile, dtypes; the split kernel also the keys per program, a
+power of two): a first call inside a CUDA-graph capture takes a tuned choice if there is one,
+else the default config (paged_triton_unified.direct).
 """
 
 from __future__ import annotations
