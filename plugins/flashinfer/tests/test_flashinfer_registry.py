@@ -261,3 +261,14 @@ def test_cascade_option_finds_the_prefix_and_checks_declared_ones():
         FlashInferBackend().plan(meta, shared_prefix_blocks=99)
     with pytest.raises(ValueError, match="min_prefix_tokens is -1"):
         FlashInferBackend(min_prefix_tokens=-1)
+
+
+def test_cascade_reads_the_prefix_through_a_request_with_keys():
+    # Request 0 is padding and its table row holds other ids: the prefix comes from request 1.
+    meta = _shared_prefix_meta([1, 1, 1], [0, 300, 290], prefix_blocks=16)
+    table = meta.block_table.clone()
+    table[0, :16] = 99
+    meta = BatchMeta.from_lists([1, 1, 1], [0, 300, 290], [table[0, :16].tolist(), *(
+        table[r, : -(-n // 16)].tolist() for r, n in ((1, 300), (2, 290)))], block_size=16)
+    c = prepare_plan(meta, prefix_blocks=16).cascade
+    assert c.prefix_indices.tolist() == list(range(1, 17))

@@ -218,7 +218,8 @@ def _cascade_levels(
         prefix_blocks=prefix_blocks,
         prefix_qo_indptr_cpu=torch.tensor([0, meta.num_tokens], dtype=torch.int32),
         prefix_indptr_cpu=torch.tensor([0, prefix_blocks], dtype=torch.int32),
-        prefix_indices=meta.block_table[0, :prefix_blocks].to(torch.int32).contiguous(),
+        # Through the first request with keys (a padding row's table may hold anything).
+        prefix_indices=meta.block_table[int(active.int().argmax()), :prefix_blocks].to(torch.int32).contiguous(),
         prefix_last_page_len_cpu=torch.tensor([bs], dtype=torch.int32),
         suffix=_plain_plan(suffix, qsl_cpu, suffix_sl_cpu),
     )
