@@ -674,9 +674,10 @@ def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, bloc
     SYNCS with the device (reads block_table and seq_lens): call it off the hot path, e.g.
     once per scheduler step, never inside a CUDA graph.
 
-    Counts the blocks whose physical id in row 0 equals the id in every row with
-    ``seq_len > 0`` (padding rows are ignored; row 0 must match, as cascade kernels read the
-    prefix through it), capped by the shortest non-padding request's full blocks.
+    Counts the blocks whose physical id in the first request with ``seq_len > 0`` equals the id
+    in every other such request (padding rows are ignored, whatever their table holds), capped
+    by the shortest non-padding request's full blocks. Cascade kernels read the prefix through
+    that first request's row.
 
     >>> import torch
     >>> bt = torch.tensor([[3, 4, 5], [3, 4, 9]], dtype=torch.int32)
@@ -693,8 +694,8 @@ def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, bloc
     if bt.shape[0] == 0 or not bool((sl > 0).any()):
         return 0
     active = sl > 0
-    active[0] = True
-    same = (bt[active] == bt[0:1]).all(dim=0)  # [max_blocks]
+    first = int(active.int().argmax())
+    same = (bt[active] == bt[first:first + 1]).all(dim=0)  # [max_blocks]
     common = int(same.int().cumprod(0).sum())
     shortest_full = int(sl[sl > 0].min()) // block_size
     return min(common, shortest_full)

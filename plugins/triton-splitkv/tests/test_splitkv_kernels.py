@@ -489,6 +489,38 @@ def test_cascade_decode_batch_matches_reference(dtype):
     assert_lse_close(lse, ref_lse, dtype)
 
 
+def test_cascade_reads_the_prefix_through_a_request_that_holds_it():
+    """Row 0 is a padding request whose table holds other (valid) ids: the prefix is found and
+    read through the first request with keys, by the detection and by the backend's plan."""
+    from paged_core import BatchMeta
+    from paged_triton_splitkv.backend import TritonSplitKVBackend
+
+    seq_lens = [0, 130, 97, 180, 111]
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, seq_lens, 6, hq=6, hkv=2)
+    bt[0, :9] = bt[1, :9].flip(0)  # other blocks of the pool, all valid
+    assert shared_prefix_blocks(bt, sl, 16) == 6
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5)
+    out, _ = run_cascade(q, kc, vc, qsl, sl, bt, 6, prefix_row=1)
+    assert_close(out, ref, torch.float32, "cascade through row 1")
+    wrong, _ = run_cascade(q, kc, vc, qsl, sl, bt, 6)  # row 0: the test's premise, that it matters
+    assert not torch.allclose(wrong[1:], ref[1:].float(), atol=1e-3)
+
+    rows = [bt[0, :9].tolist()] + [bt[r, : -(-n // 16)].tolist() for r, n in enumerate(seq_lens) if r]
+    meta = BatchMeta.from_lists([1] * 5, seq_lens, rows, block_size=16, device=DEVICE)
+    for backend, kw in [(TritonSplitKVBackend(cascade=True, min_prefix_tokens=16), {}),
+                        (TritonSplitKVBackend(min_prefix_tokens=16), {"shared_prefix_blocks": 6})]:
+        plan = backend.plan(meta, **kw)
+        assert (plan.prefix_blocks, plan.prefix_row) == (6, 1)
+        got = backend.forward(q.to(DEVICE), _cache_of(kc, vc), plan)
+        assert_close(got.cpu(), ref, torch.float32, f"plan {kw or 'found'}")
+
+
+def _cache_of(kc, vc):
+    from paged_core import KVCache
+
+    return KVCache(kc.to(DEVICE), vc.to(DEVICE), dtype=kc.dtype)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="the cascade's prefix pass runs on a forked CUDA stream: needs a CUDA device")
 def test_concurrent_cascade_passes_eager_and_in_a_cuda_graph():

@@ -78,15 +78,22 @@ class TritonSplitKVBackend(TritonBackend):
     def _plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> TritonPlan:
         """Once per step (``plan(meta, ...)`` checks the layer keywords, then calls this). With
         ``cascade=True`` and no declared prefix, reads the block table from the device (a sync)
-        to find the shared prefix; declare it to avoid that. The layer keywords are unused."""
-        prefix = 0
+        to find the shared prefix; declare it to avoid that. The prefix is read through the
+        first request with keys (found on the host: from the batch's host mirror, or from the
+        device with the table); a declared prefix without host mirrors is read through row 0,
+        which must then hold it. The layer keywords are unused."""
+        prefix, row = 0, 0
         if shared_prefix_blocks is not None:
             prefix = shared_prefix_blocks
+            if meta.seq_lens_cpu is not None and prefix:
+                row = _first_with_keys(meta.seq_lens_cpu)
         elif self.cascade and meta.num_reqs > 1:
             prefix = _shared_prefix(meta)
+            if prefix:
+                row = _first_with_keys(meta.seq_lens.cpu())
         if prefix * meta.block_size < self.min_prefix_tokens:
-            prefix = 0
-        return TritonPlan(meta, prefix)
+            prefix, row = 0, 0
+        return TritonPlan(meta, prefix, prefix_row=row)
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
         if type(plan) is not TritonPlan:  # a BatchMeta, or another backend's plan of one
@@ -97,7 +104,7 @@ class TritonSplitKVBackend(TritonBackend):
             # Two streams and torch ops: not something a recording can repeat.
             cascade_attention(
                 q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                block_table=meta.block_table, prefix_blocks=plan.prefix_blocks,
+                block_table=meta.block_table, prefix_blocks=plan.prefix_blocks, prefix_row=plan.prefix_row,
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,
             )
             return
@@ -129,6 +136,11 @@ class TritonSplitKVBackend(TritonBackend):
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
         )
+
+
+def _first_with_keys(seq_lens_cpu) -> int:
+    """The first request with seq_len > 0 (0 when there is none)."""
+    return int((seq_lens_cpu > 0).int().argmax()) if seq_lens_cpu.numel() else 0
 
 
 def _shared_prefix(meta: BatchMeta) -> int:

@@ -539,11 +539,12 @@ def cascade_attention(
     lse: torch.Tensor | None = None,
     num_splits: int = 1,
     prefix_splits: int | None = None,
+    prefix_row: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention for a batch sharing its first ``prefix_blocks`` blocks.
 
     One prefix kernel tiles every query row of the batch (tokens x GROUP heads) against the
-    shared prefix, read through ``block_table[0, :prefix_blocks]`` (the caller guarantees each
+    shared prefix, read through ``block_table[prefix_row, :prefix_blocks]`` (the caller guarantees each
     request with ``seq_len > 0`` holds the same ids there, for the blocks it uses: see
     ``shared_prefix_blocks``), so the prefix K/V is read once per 64-128-row tile instead of
     once per request. A second pass attends each request's queries to its own keys from
@@ -571,6 +572,10 @@ def cascade_attention(
               "declare only blocks that the table holds (see shared_prefix_blocks)")
     _check_count("num_splits", num_splits, minimum=1, none_ok=False)
     _check_count("prefix_splits", prefix_splits, minimum=1, none_ok=True)
+    _check_count("prefix_row", prefix_row, minimum=0, none_ok=False)
+    if prefix_row >= max(num_reqs, 1):
+        _fail("prefix_row", prefix_row, f"a row of block_table (< {num_reqs})",
+              "pass the index of a request that holds the prefix")
     if num_tokens == 0:
         return out
 
@@ -605,19 +610,20 @@ def cascade_attention(
                 triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
             with side():
                 _launch_prefix(
-                    grid, q, block_table, seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
+                    grid, q, block_table[prefix_row], seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
                     prefix_tokens=prefix_tokens, keys_per_split=keys_per_split, num_tokens=num_tokens,
                     num_reqs=num_reqs, num_blocks=num_blocks, max_blocks=max_blocks, group=group, kv=kv)
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
 
 
-def _launch_prefix(grid, q, block_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,
+def _launch_prefix(grid, q, prefix_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,
                    keys_per_split, num_tokens, num_reqs, num_blocks, max_blocks, group, kv) -> None:
-    """cascade_attention's prefix pass: every query row of the batch against the shared blocks."""
+    """cascade_attention's prefix pass: every query row of the batch against the shared blocks,
+    read through ``prefix_table`` (the block-table row of a request that holds them)."""
     _prefix[grid](
         q_ptr=q,
-        block_table_ptr=block_table,
+        block_table_ptr=prefix_table,
         seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc,
         part_out_ptr=po,
@@ -632,7 +638,7 @@ def _launch_prefix(grid, q, block_table, seq_lens, query_start_loc, po, pl, *, s
         num_blocks=num_blocks,
         max_blocks=max_blocks,
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_bt_b=block_table.stride(1),
+        stride_bt_b=prefix_table.stride(0),
         stride_po_s=po.stride(0), stride_po_t=po.stride(1), stride_po_h=po.stride(2), stride_po_d=po.stride(3),
         stride_pl_s=pl.stride(0), stride_pl_t=pl.stride(1), stride_pl_h=pl.stride(2),
         GROUP=group,

@@ -56,6 +56,8 @@ class TritonPlan:
     meta: BatchMeta
     #: Leading logical blocks shared by every request (triton-splitkv's cascade; 0: none).
     prefix_blocks: int = 0
+    #: The block-table row the shared prefix is read through: a request that holds it.
+    prefix_row: int = 0
     #: False for the plan a ``forward`` makes itself from a BatchMeta: it may be reused across
     #: calls whose batch tensors changed in place, so it repeats every launch.
     per_step: bool = True
