@@ -50,7 +50,9 @@ class TritonPlan:
     own tensors for a few microseconds of host time, and what depends only on the batch (a mixed
     batch's tile plan) runs once. A plan serves the step it was made for: after
     ``meta.copy_(step)``, plan again (a plan used after it records anew: correct, without the
-    saving). Inside a CUDA-graph capture nothing is taken from or kept in the plan.
+    saving). Inside a CUDA-graph capture nothing is taken from or kept in the plan. The layers of
+    a plan share its workspaces (split-KV partials and counters), so they run one after another
+    on one stream, as a model's layers do: give concurrent streams plans of their own.
     """
 
     meta: BatchMeta
