@@ -190,6 +190,16 @@ def tag(small=None, large=None, bq_large=None) -> str:
     return " ".join(parts)
 
 
+def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, int]):
+    """triton-splitkv's split decode at a fixed split count and kernel config (any cache format)."""
+    c = case.cache
+    kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
+    return lambda: split_decode_attention(
+        case.q, c.k, c.v, out, seq_lens=case.meta.seq_lens, block_table=case.meta.block_table,
+        max_seq_len=int(case.meta.seq_lens.max()), scale=SCALE, num_splits=splits, kernel_config=kcfg,
+        k_scale=c.k_scale, v_scale=c.v_scale)
+
+
 # --------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------
@@ -255,12 +265,8 @@ def section_split() -> None:
         for s in sorted({max(1, auto // 2), auto * 2, 1} - {auto}):
             variants.append((f"{s} splits", s, (64, 4, 3)))
         for name, splits, kc in variants:
-            kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
-            fn = lambda case=case, out=out, n=n, splits=splits, kcfg=kcfg: split_decode_attention(  # noqa: E731
-                case.q, case.cache.k, case.cache.v, out, seq_lens=case.meta.seq_lens,
-                block_table=case.meta.block_table, max_seq_len=n, scale=SCALE, num_splits=splits,
-                kernel_config=kcfg)
-            report("split", f"{b}x{n} {name} {kc[0]}/w{kc[1]}/st{kc[2]} ({sms} SMs)", case, fn, out)
+            report("split", f"{b}x{n} {name} {kc[0]}/w{kc[1]}/st{kc[2]} ({sms} SMs)", case,
+                   split_call(case, out, splits, kc), out)
         del case
 
 
@@ -268,7 +274,6 @@ def section_split_count() -> None:
     """The split count of split decode at one config (128 keys, 4 warps, 2 stages): around
     ``choose_num_splits`` and at the counts that put a whole number of programs on every SM."""
     sms = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
-    kcfg = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
     for b, n in [(4, 32768), (2, 32768), (16, 8192), (8, 16384), (1, 131072), (1, 4096)]:
         case = make_case([1] * b, [n] * b, check_reqs=[0])
         out = torch.empty_like(case.q)
@@ -276,12 +281,40 @@ def section_split_count() -> None:
         pairs = b * HKV
         counts = {auto, max(1, auto - 1), auto + 1, *(max(1, k * sms // pairs) for k in (1, 2, 3, 4))}
         for splits in sorted(c for c in counts if c <= max(1, n // 256)):
-            fn = lambda case=case, out=out, n=n, splits=splits: split_decode_attention(  # noqa: E731
-                case.q, case.cache.k, case.cache.v, out, seq_lens=case.meta.seq_lens,
-                block_table=case.meta.block_table, max_seq_len=n, scale=SCALE, num_splits=splits,
-                kernel_config=kcfg)
             name = f"{b}x{n} {splits} splits{' (auto)' if splits == auto else ''}: {splits * pairs} programs"
-            report("split-count", f"{name} ({sms} SMs)", case, fn, out)
+            report("split-count", f"{name} ({sms} SMs)", case, split_call(case, out, splits, (128, 4, 2)), out)
+        del case
+
+
+def section_quant_depth() -> None:
+    """8-bit caches read half the bytes per key step: do deeper pipelines, wider steps, more
+    warps or more programs (split counts) buy the bytes in flight that bf16 gets from 2 stages?"""
+    for kv in ("int8", "fp8"):
+        case = make_case([1] * 64, [4096] * 64, kv_dtype=kv)
+        out = torch.empty_like(case.q)
+        for small in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),
+                      (64, 4, 4), (64, 2, 4)]:
+            report("q-depth", f"64x4096 {kv} unified {tag(small)}", case, unified(case, out, cfg(small)), out)
+        for splits in (2, 4):
+            for kc in ((128, 4, 2), (128, 4, 3), (128, 8, 2)):
+                report("q-depth", f"64x4096 {kv} split {splits} {kc[0]}/w{kc[1]}/st{kc[2]}", case,
+                       split_call(case, out, splits, kc), out)
+        del case
+
+
+def section_small_decode() -> None:
+    """Decodes of 1-4 requests x 4,096 keys (latency-bound: a few microseconds of data): split
+    counts x kernel configs, around ``choose_num_splits``."""
+    for b in (1, 2, 4):
+        case = make_case([1] * b, [4096] * b, check_reqs=[0])
+        out = torch.empty_like(case.q)
+        auto = choose_num_splits(b, HKV, 4096, BS, DEV)
+        for splits in sorted({auto, 4, 8, 12, 16, 32}):
+            for kc in ((32, 2, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2)):
+                if 4096 // splits < kc[0]:
+                    continue
+                name = f"{b}x4096 {splits} splits{' (auto)' if splits == auto else ''} {kc[0]}/w{kc[1]}/st{kc[2]}"
+                report("small", name, case, split_call(case, out, splits, kc), out)
         del case
 
 
@@ -352,7 +385,8 @@ def section_cascade() -> None:
 
 SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
             "mixed": section_mixed, "split": section_split, "split-count": section_split_count,
-            "bench-mixed": section_bench_mixed,
+            "bench-mixed": section_bench_mixed, "quant-depth": section_quant_depth,
+            "small-decode": section_small_decode,
             "cascade": section_cascade, "chunk": section_chunk}
 
 
