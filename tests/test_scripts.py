@@ -74,3 +74,13 @@ def test_gpu_profile_cases_run_on_the_cpu():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count(": ran") == len(_load_script("gpu_profile").CASES), proc.stdout
+
+
+def test_prefill_ceiling_variants_match_the_reference_on_the_cpu():
+    # Each load path of the minimal kernel and triton-unified's prefill run once and are checked.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ceiling")]
+    assert len(lines) == 6 and all(" err " in line and "BAD" not in line for line in lines), proc.stdout
