@@ -261,6 +261,39 @@ def test_cli_bench_reference_and_plot(tmp_path, monkeypatch, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_recorded_run_is_printed_again_without_timing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "b.json"
+    argv = ["bench", "--device", "cpu", "--backend", "reference", "--cases", "decode,sweep", "--sweep-batches", "1,2",
+            "--json", str(out)]
+    assert _cli.main(argv) == 0
+    first = capsys.readouterr().out
+    table = [line for line in first.splitlines() if line.startswith(("decode", "sweep-"))]
+    assert len(table) == 3
+    # Nothing may run: a backend call would fail here.
+    monkeypatch.setattr(_bench, "_run_backend", lambda *a, **k: pytest.fail("--from-json timed a backend"))
+    png = tmp_path / "again.png"
+    assert _cli.main(["bench", "--from-json", str(out), "--plot", str(png)]) == 0
+    again = capsys.readouterr().out
+    assert [line for line in again.splitlines() if line.startswith(("decode", "sweep-"))] == table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib" in again
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_json_refuses_a_file_that_is_not_a_run(tmp_path, capsys):
+    bad = tmp_path / "not-a-run.json"
+    bad.write_text('{"rows": []}')
+    assert _cli.main(["bench", "--from-json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "not-a-run.json" in err and "paged bench --json" in err
+    assert _cli.main(["bench", "--from-json", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+
+
 def test_bad_options_exit_2(fake_registry, capsys):
     assert _bench.main(_args("--cases", "nope"), registry=fake_registry) == 2
     assert "unknown case" in capsys.readouterr().err

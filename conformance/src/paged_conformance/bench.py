@@ -44,6 +44,7 @@ from paged_core import (
     Backend,
     BatchMeta,
     BlockAllocator,
+    InputError,
     KVCache,
     PagedError,
     Registry,
@@ -103,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write every result (env + rows) as JSON")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: achieved bandwidth vs the floor across the sweep (matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="time nothing: print the table of a run recorded with --json (and --plot its sweep)")
     p.add_argument("--quick", action="store_true",
                    help="shorter timing and a thinner sweep (implied without a GPU, with tiny sizes)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -1131,6 +1134,28 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
     return result
 
 
+def replay(path: str, plot: str | None = None) -> dict:
+    """The table (and with ``plot`` the sweep's plot) of a run recorded with ``--json``; times nothing."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        env, conf, cases, rows = result["env"], result["config"], result["cases"], result["rows"]
+        fields = {f.name for f in dataclasses.fields(Row)}
+        rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+        conf = {k: v for k, v in conf.items() if k in {f.name for f in dataclasses.fields(Config)}}
+        cfg = Config(**{**conf, "device": torch.device(conf["device"]), "dtype": _DTYPES[conf["dtype"]]})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--from-json {path}: not a run written by paged bench --json ({_short(exc)})") from exc
+    if not result.get("complete", True):
+        print(f"(a run cut short: {path} holds the cases it finished)")
+    _print_table(env, cfg, cases, rows, result.get("not_run", {}))
+    if plot:
+        err = _plot(plot, env, cfg, rows)
+        print(f"plot not written: {err}" if err else f"wrote {plot}")
+        result["plot_error"] = err
+    return result
+
+
 def _pool_bytes(cache: KVCache) -> int:
     n = cache.k.numel() * cache.k.element_size() * 2
     if cache.k_scale is not None:
@@ -1144,7 +1169,10 @@ def main(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
         for option in ("json", "plot"):
             if getattr(args, option, None):
                 check_writable(f"--{option}", getattr(args, option))
-        result = run(args, registry=registry)
+        if getattr(args, "from_json", None):
+            result = replay(args.from_json, args.plot)
+        else:
+            result = run(args, registry=registry)
     except PagedError as exc:
         print(f"paged bench: {exc}", file=sys.stderr)
         return 2
