@@ -334,3 +334,102 @@ def test_kv_bytes_matches_allocation():
         stores = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.quantized else [])
         total = sum(t.numel() * t.element_size() for t in stores)
         assert total == 3 * 16 * kv_bytes_per_token(4, 64, dtype=torch.float16, kv_dtype=kv_dtype)
+
+
+# ------------------------------------------------------------------------------ static scales
+
+
+def test_static_scales_are_views_one_per_kv_head():
+    per_head = torch.tensor([0.5, 0.25])
+    cache = allocate_kv_cache(4, 16, 2, 8, kv_dtype="int8", k_scale=per_head, v_scale=0.125)
+    assert cache.static_scales
+    assert tuple(cache.k_scale.shape) == (4, 16, 2) and cache.k_scale.stride()[:2] == (0, 0)
+    assert cache.k_scale[3, 15].tolist() == [0.5, 0.25] and cache.v_scale[0, 0].tolist() == [0.125, 0.125]
+    # A view of the engine's tensor: a scale updated in place is the cache's scale.
+    per_head.mul_(2)
+    assert cache.k_scale[1, 2].tolist() == [1.0, 0.5]
+    assert not allocate_kv_cache(4, 16, 2, 8, kv_dtype="int8").static_scales
+    assert not allocate_kv_cache(4, 16, 2, 8).static_scales
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_static_write_quantizes_with_the_scale_and_leaves_it(kv_dtype):
+    ks, vs = torch.tensor([0.01, 0.02]), torch.tensor([0.05])
+    ks0, vs0 = ks.clone(), vs.clone()
+    cache = allocate_kv_cache(3, 4, 2, 4, dtype=torch.float32, kv_dtype=kv_dtype, k_scale=ks, v_scale=vs)
+    k = torch.tensor([[[0.5, -0.123, 5.0, 0.0], [1.0, -1.0, 0.017, 20.0]]])  # [1 token, 2 heads, 4]
+    v = torch.tensor([[[0.25, 0.1, -0.5, 100.0], [0.0, 0.07, -0.3, 1.0]]])
+    write_kv(cache, k, v, torch.tensor([6]))  # block 1, slot 2
+    q_max = Q_MAX[kv_dtype]
+    # Hand-written expectations: x / scale, rounded (int8) or cast (fp8), clamped to ±q_max.
+    for codes, x, scale in ((cache.k, k, ks.view(1, 2, 1)), (cache.v, v, vs.view(1, 1, 1))):
+        y = (x / scale).clamp(-q_max, q_max)
+        want = y.round().to(torch.int8) if kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
+        assert torch.equal(codes[1, 2:3].view(torch.uint8), want.view(torch.uint8))
+        assert int(codes.view(torch.uint8).count_nonzero()) == int(want.view(torch.uint8).count_nonzero())
+    assert torch.equal(ks, ks0) and torch.equal(vs, vs0)
+    # 5.0 / 0.01 = 500 and 20 / 0.02 = 1000 saturate: the values read back are the format's edge.
+    kf, _ = cache.dequantized()
+    assert kf[1, 2, 0, 2].item() == pytest.approx(q_max * 0.01) and kf[1, 2, 1, 3].item() == pytest.approx(q_max * 0.02)
+
+
+def test_attention_on_a_static_cache_is_attention_on_its_values():
+    # The reference reads codes * the static scale: the same answer as attention over those
+    # values in a full-precision cache (their float32 products: within float32 rounding).
+    torch.manual_seed(0)
+    meta = BatchMeta.build([3, 1], [3, 9], block_size=4, num_blocks=8)
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8",
+                              k_scale=torch.tensor([0.02, 0.03]), v_scale=0.04)
+    k, v = torch.randn(meta.num_tokens, 2, 8), torch.randn(meta.num_tokens, 2, 8)
+    write_kv(cache, k, v, meta.slot_mapping)
+    kf, vf = cache.dequantized()
+    plain = KVCache(k=kf, v=vf, kv_dtype="auto", dtype=torch.float32)
+    q = torch.randn(meta.num_tokens, 4, 8)
+    from paged_core import reference_attention
+
+    got = reference_attention(q, cache, meta, compute_dtype=torch.float64)
+    want = reference_attention(q, plain, meta, compute_dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert kf.abs().max() > 0  # the write put codes there
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        (dict(kv_dtype="int8", k_scale=0.1), ["k_scale is given but v_scale is not"]),
+        (dict(kv_dtype="auto", k_scale=0.1, v_scale=0.1), ["kv_dtype 'auto'", "'int8' or 'fp8'"]),
+        (dict(kv_dtype="fp8", k_scale=0.0, v_scale=0.1), ["k_scale holds [0.0]", "positive, finite"]),
+        (dict(kv_dtype="fp8", k_scale=0.1, v_scale=float("nan")), ["v_scale holds", "positive, finite"]),
+        (dict(kv_dtype="int8", k_scale=torch.tensor([0.1, 0.2, 0.3]), v_scale=0.1),
+         ["k_scale is float32 [3]", "[num_kv_heads=2]"]),
+        (dict(kv_dtype="int8", k_scale=torch.tensor([0.1], dtype=torch.float64), v_scale=0.1),
+         ["k_scale is float64 [1]", "a float32 tensor"]),
+        (dict(kv_dtype="int8", k_scale="0.1", v_scale=0.1), ["k_scale is '0.1'", "a positive float"]),
+        (dict(kv_dtype="int8", k_scale=True, v_scale=0.1), ["k_scale is True"]),
+    ],
+)
+def test_static_scales_that_cannot_be_used_are_refused(kwargs, needles):
+    with pytest.raises(InputError) as exc:
+        allocate_kv_cache(4, 16, 2, 8, **kwargs)
+    assert all(n in str(exc.value) for n in needles), str(exc.value)
+
+
+def test_a_cache_mixing_static_and_per_slot_scales_is_refused():
+    static = allocate_kv_cache(4, 16, 2, 8, kv_dtype="int8", k_scale=0.1, v_scale=0.1)
+    per_slot = allocate_kv_cache(4, 16, 2, 8, kv_dtype="int8")
+    mixed = KVCache(k=static.k, v=static.v, kv_dtype="int8", k_scale=static.k_scale, v_scale=per_slot.v_scale)
+    with pytest.raises(InputError, match="k_scale is static but cache.v_scale is per slot"):
+        mixed.check()
+    # Per-slot scales in shared memory (an expanded head dimension) would take several slots'
+    # writes on one float.
+    overlapping = per_slot.k_scale[:, :, :1].expand(4, 16, 2)
+    bad = KVCache(k=per_slot.k, v=per_slot.v, kv_dtype="int8", k_scale=overlapping, v_scale=per_slot.v_scale)
+    with pytest.raises(InputError, match=r"strides \(32, 2, 0\)"):
+        bad.check()
+
+
+def test_quantize_with_a_scale_that_does_not_broadcast_is_refused():
+    with pytest.raises(InputError, match="does not broadcast"):
+        quantize_kv(torch.ones(3, 2, 4), "int8", torch.ones(3))
+    with pytest.raises(InputError, match="a float32 tensor"):
+        quantize_kv(torch.ones(3, 2, 4), "int8", 0.5)

@@ -121,14 +121,19 @@ def test_write_and_forward_trace_to_one_graph_without_breaks(name):
     assert ops.count(torch.ops.paged.write.default) == 1 and ops.count(torch.ops.paged.forward.default) == 1, ops
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int8-static", "fp8-static"])
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_compiled_step_equals_eager_and_the_float64_reference(name, kv_dtype):
     backend = get(name)
     meta = batch(*MIXED)
     caches = []
+    kv_dtype, _, static = kv_dtype.partition("-")
     for _ in range(2):
-        cache = backend.allocate(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32, kv_dtype=kv_dtype)
+        # Static scales: one per KV head, fixed (the compiled write must leave them as they are).
+        scales = dict(k_scale=torch.linspace(0.01, 0.03, KV_HEADS), v_scale=torch.linspace(0.02, 0.04, KV_HEADS)
+                      ) if static else {}
+        cache = backend.allocate(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32, kv_dtype=kv_dtype,
+                                 **scales)
         fill(backend, cache)
         caches.append(cache)
     eager_cache, compiled_cache = caches

@@ -132,19 +132,22 @@ def test_contiguous_and_interleaved_ownership():
     assert compact.block_table[0].tolist() == [0, 1, 2] and compact.slot_mapping.tolist() == [2 * 8 + 3]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "fp8-static"])
 def test_a_shared_block_is_stored_once_in_a_compact_pool(kv_dtype: str):
     # Two requests share their first block (parallel sampling): one copy in the pool.
     meta = BatchMeta.from_lists([1, 1], [20, 12], [[5, 6, 7], [5, 2]], block_size=8)
     shard = shard_decode_batch(meta, 0, 1)
     assert shard.block_table.tolist() == [[0, 1, 2], [0, 3, 0]]
-    whole = allocate_kv_cache(8, 8, HKV, D, dtype=torch.float32, kv_dtype=kv_dtype)
+    kv_dtype, _, static = kv_dtype.partition("-")
+    # Static scales (one per KV head) go with the shard unchanged: its codes mean the same values.
+    fixed = dict(k_scale=torch.linspace(0.01, 0.02, HKV), v_scale=0.03) if static else {}
+    whole = allocate_kv_cache(8, 8, HKV, D, dtype=torch.float32, kv_dtype=kv_dtype, **fixed)
     g = torch.Generator().manual_seed(1)
     every_slot = BatchMeta.from_lists([64], [64], [list(range(8))], block_size=8)
     registry.get("reference").write(whole, torch.randn(64, HKV, D, generator=g),
                                     torch.randn(64, HKV, D, generator=g), every_slot)
     pool = shard_kv_cache(whole, meta, 0, 1)
-    assert pool.num_blocks == 4 and pool.kv_dtype == kv_dtype
+    assert pool.num_blocks == 4 and pool.kv_dtype == kv_dtype and pool.static_scales == bool(static)
     order = [5, 6, 7, 2]
     for name in ("k", "v", "k_scale", "v_scale"):
         got, want = getattr(pool, name), getattr(whole, name)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 import torch
-from paged_core import Backend, BatchMeta, KVCache, ReferenceBackend, reference_attention, write_kv
+from paged_core import Backend, BatchMeta, KVCache, ReferenceBackend, quantize_kv, reference_attention, write_kv
 from paged_core.hookspecs import hookimpl
 
 
@@ -132,6 +132,23 @@ class PaddingSlotsWritten(Wrapping):
         write_kv(cache, k, v, meta.slot_mapping.clamp(min=0))
 
 
+class StaticScalesIgnored(Wrapping):
+    """``write`` quantizes each vector with its own max|x| / q_max, also into a cache whose static
+    scales are fixed (so its codes mean other values than the cache's scales say)."""
+
+    name = "static-scales-ignored"
+
+    def write(self, cache, k, v, meta):
+        if not cache.static_scales:
+            return write_kv(cache, k, v, meta.slot_mapping)
+        slots = meta.slot_mapping.long()
+        keep = (slots >= 0).nonzero().squeeze(1)
+        blk, off = slots[keep] // cache.block_size, slots[keep] % cache.block_size
+        for dst, src in ((cache.k, k), (cache.v, v)):
+            codes, _ = quantize_kv(src[keep], cache.kv_dtype)
+            dst.view(torch.uint8)[blk, off] = codes.view(torch.uint8)
+
+
 class NotBatchInvariant(Wrapping):
     """Promises bitwise batch invariance but rounds differently when the batch has >1 request."""
 
@@ -230,7 +247,7 @@ class PaddingRowsUnwritten(Wrapping):
 BROKEN: tuple[type[Backend], ...] = (
     CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
     RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
-    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten,
+    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored,
 )
 
 

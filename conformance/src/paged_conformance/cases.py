@@ -35,6 +35,7 @@ __all__ = [
     "SIZES",
     "CACHE_LAYOUTS",
     "SINKS_LAYOUTS",
+    "KV_SCALES",
     "Batch",
     "Case",
     "TABLE",
@@ -51,6 +52,8 @@ SIZES = ("small", "full")
 CACHE_LAYOUTS = ("nhd", "kv_interleaved", "hnd_view")
 #: Memory layouts of ``sinks`` (see ``Case.sinks_layout``).
 SINKS_LAYOUTS = ("contiguous", "every_other")
+#: Scales of a quantized cache (see ``Case.kv_scales``).
+KV_SCALES = ("per_slot", "per_head", "per_tensor")
 
 _DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -91,6 +94,10 @@ class Case:
     dtype: torch.dtype = torch.float16
     #: The cache storage: "auto" (the model dtype), "int8" or "fp8" codes with float32 scales.
     kv_dtype: str = "auto"
+    #: A quantized cache's scales: "per_slot", set by each write (``max|x| / q_max``); or static
+    #: (``paged_core.static_scale``), fixed when the cache is made: "per_head", one per KV head,
+    #: "per_tensor", one for all (vLLM's and SGLang's fp8 caches).
+    kv_scales: str = "per_slot"
     #: Sliding window (0: off): each query sees its last ``window`` keys, itself included.
     window: int = 0
     #: Softmax scale passed to forward; None: the default ``head_dim ** -0.5``.
@@ -127,6 +134,9 @@ class Case:
         if self.cache_layout not in CACHE_LAYOUTS:
             raise ValueError(f"case {self.id}: cache_layout {self.cache_layout!r}; accepted: "
                              f"{', '.join(CACHE_LAYOUTS)}")
+        if self.kv_scales not in KV_SCALES or (self.kv_scales != "per_slot" and self.kv_dtype == "auto"):
+            raise ValueError(f"case {self.id}: kv_scales {self.kv_scales!r} with kv_dtype {self.kv_dtype!r}; "
+                             f"accepted: {', '.join(KV_SCALES)}, static ones for an int8/fp8 cache only")
         if self.sinks_layout not in SINKS_LAYOUTS:
             raise ValueError(f"case {self.id}: sinks_layout {self.sinks_layout!r}; accepted: "
                              f"{', '.join(SINKS_LAYOUTS)}")
@@ -188,6 +198,8 @@ class Case:
         ]
         if self.kv_dtype != "auto":
             parts.append(f"kv {self.kv_dtype}")
+        if self.kv_scales != "per_slot":
+            parts.append(f"static scales {self.kv_scales.replace('_', ' ')}")
         if self.window:
             parts.append(f"window {self.window}")
         if self.scale is not None:
@@ -297,6 +309,7 @@ class Row:
     block_size_fixed: bool = False
     dtype: torch.dtype = torch.float16
     kv_dtype: str = "auto"
+    kv_scales: str = "per_slot"
     window: bool = False
     scale: float | None = None
     softcap: bool = False
@@ -320,6 +333,7 @@ class Row:
             block_size_fixed=self.block_size_fixed,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
+            kv_scales=self.kv_scales,
             window=WINDOW[size] if self.window else 0,
             scale=self.scale,
             softcap=SOFTCAP if self.softcap else 0.0,
@@ -364,6 +378,13 @@ TABLE: tuple[Row, ...] = (
     Row("kv_fp8", "mixed", "fp8 (E4M3) cache with per-token, per-head scales", kv_dtype="fp8"),
     Row("kv_int8-decode_only", "decode", "int8 cache, decode only", kv_dtype="int8"),
     Row("kv_fp8-decode_only", "decode", "fp8 cache, decode only", kv_dtype="fp8"),
+    Row("kv_int8-static", "mixed", "int8 cache with static scales, one per KV head", kv_dtype="int8",
+        kv_scales="per_head"),
+    Row("kv_fp8-static-decode_only", "decode", "fp8 cache with one static scale per KV head, decode only",
+        kv_dtype="fp8", kv_scales="per_head"),
+    Row("kv_fp8-static-kv_interleaved", "mixed", "vLLM's fp8 cache: one static scale per tensor, K and V "
+        "views of one [num_blocks, 2, ...] pool", group=3, kv_dtype="fp8", kv_scales="per_tensor",
+        cache_layout="kv_interleaved"),
     Row("fp32", "mixed", "float32 inputs", dtype=torch.float32),
     Row("bf16", "mixed", "bfloat16 inputs", dtype=torch.bfloat16),
     Row("bf16-decode_only", "decode", "bfloat16 inputs, decode only", dtype=torch.bfloat16),

@@ -209,7 +209,7 @@ def check_lse_matches_reference(backend: Backend, case: Case, device: torch.devi
 def check_close_to_full_precision(backend: Backend, case: Case, device: torch.device) -> CheckResult:
     """A quantized cache's output stays within a stated bound of full-precision attention."""
     wl = build_workload(case, device)
-    full = build_workload(dataclasses.replace(case, kv_dtype="auto"), device)
+    full = build_workload(dataclasses.replace(case, kv_dtype="auto", kv_scales="per_slot"), device)
     out = _forward(backend, wl, _step(backend, wl))
     err = assert_close_to_reference(
         out, full.ref_out, backend=backend.name, case=case.id,
@@ -264,16 +264,25 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
                 )
         return CheckResult(max_error=0.0)
 
-    # Quantized: the scales as paged_core computes them (max|x| / q_max, float32) and each
-    # dequantized element within one code of paged_core's own quantization of the same row.
+    # Quantized: the scales as paged_core computes them (max|x| / q_max, float32), or the static
+    # scales left as they were, and each dequantized element within one code of paged_core's own
+    # quantization of the same row.
     ref = wl.cache_after
+    if wl.static_scales is not None:
+        for name, fixed, want in (("k_scale", cache.k_scale, wl.static_scales[0]),
+                                  ("v_scale", cache.v_scale, wl.static_scales[1])):
+            if not cache.static_scales or not torch.equal(fixed[0, 0], want.expand(case.num_kv_heads)):
+                raise ConformanceFailure(
+                    f"{tag} write() changed the static cache.{name} (it holds {fixed[0, 0].tolist()}, "
+                    f"was {want.tolist()}); static scales are fixed: writes quantize with them"
+                )
     worst = 0.0
     for name, codes, scale, ref_codes, ref_scale, src in (
         ("k", cache.k, cache.k_scale, ref.k, ref.k_scale, k_src),
         ("v", cache.v, cache.v_scale, ref.v, ref.v_scale, v_src),
     ):
         got_scale, want_scale = rows(scale).double(), rows(ref_scale).double()
-        if not torch.allclose(got_scale, want_scale, rtol=1e-5, atol=0):
+        if wl.static_scales is None and not torch.allclose(got_scale, want_scale, rtol=1e-5, atol=0):
             raise ConformanceFailure(
                 f"{tag} cache.{name}_scale read back differs from max|x| / {Q_MAX[case.kv_dtype]:g} "
                 f"per (token, KV head): max relative error "

@@ -21,12 +21,14 @@ from collections.abc import Sequence
 
 import torch
 from paged_core import (
+    Q_MAX,
     Backend,
     BatchMeta,
     BlockAllocator,
     KVCache,
     allocate_kv_cache,
     reference_attention,
+    static_scale,
     write_kv,
 )
 
@@ -45,11 +47,12 @@ STALE_COLUMNS = 2
 
 
 def storage(cache: KVCache) -> dict[str, torch.Tensor]:
-    """The cache's tensors by name, fp8 as uint8 so they can be copied and compared bytewise."""
+    """The cache's per-slot tensors by name, fp8 as uint8 so they can be copied and compared
+    bytewise (static scales are not per slot: they are fixed with the cache)."""
     out = {"k": cache.k, "v": cache.v}
-    if cache.k_scale is not None:
+    if cache.k_scale is not None and not cache.static_scales:
         out["k_scale"] = cache.k_scale
-    if cache.v_scale is not None:
+    if cache.v_scale is not None and not cache.static_scales:
         out["v_scale"] = cache.v_scale
     return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in out.items()}
 
@@ -77,6 +80,9 @@ class Workload:
     ref_out: torch.Tensor
     #: float64 [num_tokens, num_heads]: the reference log-sum-exp (natural log; -inf for padding).
     ref_lse: torch.Tensor
+    #: The static scales (k, v) of a case with ``kv_scales`` "per_head" or "per_tensor":
+    #: float32 ``[num_kv_heads]`` or ``[1]``; None for per-slot scales.
+    static_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def query_start_loc(self) -> list[int]:
@@ -103,13 +109,18 @@ class Workload:
         """A cache holding ``cache_before``'s contents: allocated by ``backend``, or for a case
         with another ``cache_layout`` a view of a pool laid out that way (an engine's own pool)."""
         c = self.case
+        # Each cache its own copy of the static scales: a backend that wrote into them would
+        # change its own cache only, and the checks compare them with these.
+        ks, vs = (t.clone() for t in self.static_scales) if self.static_scales else (None, None)
         if c.cache_layout != "nhd":
             cache = laid_out_cache(c.cache_layout, self.num_blocks, c.block_size, c.num_kv_heads,
-                                   c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device)
+                                   c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
+                                   k_scale=ks, v_scale=vs)
         else:
+            static = {} if ks is None else {"k_scale": ks, "v_scale": vs}
             cache = backend.allocate(
                 self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
-                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
+                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device, **static,
             )
         src, dst = storage(self.cache_before), storage(cache)
         for name, t in src.items():
@@ -168,8 +179,9 @@ def with_stale_ids(tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Ge
 
 
 def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                   dtype: torch.dtype, kv_dtype: str = "auto", device: torch.device | str = "cpu") -> KVCache:
-    """A cache whose ``k``/``v`` (and scales) are NHD views of storage laid out as ``layout``:
+                   dtype: torch.dtype, kv_dtype: str = "auto", device: torch.device | str = "cpu",
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> KVCache:
+    """A cache whose ``k``/``v`` (and per-slot scales) are NHD views of storage laid out as ``layout``:
 
     - ``"kv_interleaved"``: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` pool,
       ``k = pool[:, 0]`` and ``v = pool[:, 1]`` (FlashInfer's and vLLM's layout);
@@ -177,6 +189,7 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
       permuted to ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     No spill block: as with an engine's own tensors, a backend must write through the strides.
+    With ``k_scale``/``v_scale`` the scales are static (``paged_core.static_scale`` of them).
     """
     store = dtype if kv_dtype == "auto" else {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
     nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_dim
@@ -191,6 +204,8 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
     else:
         raise ValueError(f"cache layout {layout!r}; accepted: kv_interleaved, hnd_view")
     quantized = kv_dtype != "auto"
+    if quantized and k_scale is not None and v_scale is not None:
+        ks, vs = static_scale(k_scale, k, name="k_scale"), static_scale(v_scale, v, name="v_scale")
     return KVCache(k=k, v=v, kv_dtype=kv_dtype, k_scale=ks if quantized else None,
                    v_scale=vs if quantized else None, dtype=dtype)
 
@@ -287,15 +302,17 @@ def _draw(case: Case, device: torch.device) -> Workload:
         buffer = torch.stack([sinks.cpu(), torch.randn(hq, generator=g) - 3.0], dim=1).reshape(-1)
         sinks = buffer.to(device)[::2]
 
+    static = _static_scales(case, device)
+    fixed = {} if static is None else {"k_scale": static[0], "v_scale": static[1]}
     cache_before = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                     kv_dtype=case.kv_dtype, device=device)
+                                     kv_dtype=case.kv_dtype, device=device, **fixed)
     _garbage_(cache_before, g)
     slots = torch.tensor(_context_slots(meta, case), dtype=torch.int64, device=device)
     write_kv(cache_before, torch.cat(k_ctx).to(device=device, dtype=dt),
              torch.cat(v_ctx).to(device=device, dtype=dt), slots)
 
     cache_after = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                    kv_dtype=case.kv_dtype, device=device)
+                                    kv_dtype=case.kv_dtype, device=device, **fixed)
     for name, t in storage(cache_before).items():
         storage(cache_after)[name].copy_(t)
     write_kv(cache_after, k_new, v_new, meta.slot_mapping)
@@ -305,4 +322,16 @@ def _draw(case: Case, device: torch.device) -> Workload:
         compute_dtype=torch.float64, return_lse=True,
     )
     return Workload(case, device, meta, num_blocks, q, k_new, v_new, sinks, cache_before,
-                    cache_after, ref_out, ref_lse)
+                    cache_after, ref_out, ref_lse, static)
+
+
+def _static_scales(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A static-scale case's (k, v) scales: about 5 / q_max, so that unit-normal K/V saturate
+    almost never (|x| > 5: p ~ 6e-7), different per KV head for "per_head"."""
+    if case.kv_scales == "per_slot":
+        return None
+    q_max = Q_MAX[case.kv_dtype]
+    n = case.num_kv_heads if case.kv_scales == "per_head" else 1
+    k = torch.tensor([(5.0 + 0.5 * h) / q_max for h in range(n)], dtype=torch.float32, device=device)
+    v = torch.tensor([(5.5 + 0.25 * h) / q_max for h in range(n)], dtype=torch.float32, device=device)
+    return k, v

@@ -20,6 +20,7 @@ from ._cache import (
     dequantize_kv,
     kv_bytes_per_token,
     quantize_kv,
+    static_scale,
     write_kv,
 )
 from ._convert import FlashAttnArgs, FlashInferPages, to_flash_attn_args, to_flashinfer_pages
@@ -73,6 +74,7 @@ __all__ = [
     "reference_attention",
     "registry",
     "shared_prefix_blocks",
+    "static_scale",
     "to_flash_attn_args",
     "to_flashinfer_pages",
     "validation_enabled",

@@ -195,10 +195,14 @@ class Backend:
         dtype: torch.dtype = torch.bfloat16,
         kv_dtype: str = "auto",
         device: torch.device | str = "cpu",
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> KVCache:
-        """Allocate one layer's cache in the layout this backend reads (NHD for all of ours)."""
+        """Allocate one layer's cache in the layout this backend reads (NHD for all of ours);
+        ``k_scale``/``v_scale`` give a quantized cache static scales (``allocate_kv_cache``)."""
         return allocate_kv_cache(
-            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, kv_dtype=kv_dtype, device=device
+            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, kv_dtype=kv_dtype, device=device,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:

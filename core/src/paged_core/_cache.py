@@ -1,9 +1,14 @@
 """The paged KV cache of one layer, in vLLM's NHD layout, and its int8/fp8 quantization.
 
 ``k, v: [num_blocks, block_size, num_kv_heads, head_dim]``. A quantized cache holds codes
-(``int8`` or ``float8_e4m3fn``) and one float32 scale per (slot, KV head) in
-``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``. Quantization is symmetric per
-(token, head) vector: ``scale = max|x| / q_max`` (127 for int8, 448 for fp8 E4M3).
+(``int8`` or ``float8_e4m3fn``) and float32 scales ``k_scale, v_scale: [num_blocks, block_size,
+num_kv_heads]``, value = code * scale. The scales are either
+
+* **per slot** (the default): one per (slot, KV head), set by every write to ``max|x| / q_max``
+  of the vector written (127 for int8, 448 for fp8 E4M3): symmetric per (token, head); or
+* **static**: one per tensor or per KV head, fixed when the cache is made (:func:`static_scale`:
+  a view whose block and slot strides are 0), which writes quantize with and never change: the
+  format of vLLM's and SGLang's fp8 KV caches (``x / k_scale`` with one calibrated scale).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = [
     "quantize_kv",
     "dequantize_kv",
     "kv_bytes_per_token",
+    "static_scale",
     "Q_MAX",
 ]
 
@@ -94,6 +100,12 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         return self.kv_dtype != "auto"
+
+    @property
+    def static_scales(self) -> bool:
+        """Whether a quantized cache's scales are static (:func:`static_scale`): fixed, one per
+        tensor or KV head, which writes quantize with and leave unchanged."""
+        return self.quantized and isinstance(self.k_scale, torch.Tensor) and _is_static(self.k_scale)
 
     def check(self) -> KVCache:
         """Check the structure of the cache; raise :class:`InputError` saying what is wrong.
@@ -165,6 +177,22 @@ class KVCache:
                     f"[num_blocks, block_size, num_kv_heads] = {list(want)} on {self.k.device} "
                     "(allocate it with allocate_kv_cache(..., kv_dtype=...))"
                 )
+            # Per-slot scales are written by every write: they need one element each (an
+            # expanded view would make the writes of different slots land on one float).
+            if not _is_static(t) and 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1]:
+                raise InputError(
+                    f"cache.{name} has strides {tuple(t.stride())} for shape {list(t.shape)}; accepted: "
+                    "per-slot scales with an element of their own for each (slot, KV head), or static "
+                    "scales whose block and slot strides are 0 (paged_core.static_scale)"
+                )
+        if self.quantized and _is_static(cast(torch.Tensor, self.k_scale)) != _is_static(
+                cast(torch.Tensor, self.v_scale)):
+            kinds = ["static" if _is_static(cast(torch.Tensor, t)) else "per slot"
+                     for t in (self.k_scale, self.v_scale)]
+            raise InputError(
+                f"cache.k_scale is {kinds[0]} but cache.v_scale is {kinds[1]}; accepted: both static "
+                "(paged_core.static_scale) or both per slot"
+            )
         self._spill_ok = self._spill_matches()
         self._layout = (self.kv_dtype, self.dtype, self.k.device, self._spill_ok,
                         *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
@@ -214,25 +242,44 @@ def allocate_kv_cache(
     dtype: torch.dtype = torch.bfloat16,
     kv_dtype: str = "auto",
     device: torch.device | str = "cpu",
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> KVCache:
     """Allocate an empty (zeroed) cache of ``num_blocks`` blocks.
+
+    A quantized cache gets per-slot scales, set by each write; with ``k_scale`` and ``v_scale``
+    (a positive float, or a float32 tensor of one value or one per KV head) it gets those as
+    static scales instead (:func:`static_scale`): writes quantize with them.
 
     >>> cache = allocate_kv_cache(4, 16, 2, 64, kv_dtype="int8")
     >>> tuple(cache.k.shape), cache.k.dtype, tuple(cache.k_scale.shape)
     ((4, 16, 2, 64), torch.int8, (4, 16, 2))
+    >>> fp8 = allocate_kv_cache(4, 16, 2, 64, kv_dtype="fp8", k_scale=0.05, v_scale=0.02)
+    >>> fp8.static_scales, fp8.k_scale[3, 15].tolist()
+    (True, [0.05000000074505806, 0.05000000074505806])
     """
     _check_dtypes(dtype, kv_dtype)
     for name, val in (("num_blocks", num_blocks), ("block_size", block_size),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         _check_size(name, val)
     device = check_device(device)
+    if (k_scale is None) != (v_scale is None):
+        raise InputError("k_scale is given but v_scale is not (or the other way); accepted: both static "
+                         "scales, or neither (per-slot scales set by each write)")
+    if k_scale is not None and kv_dtype == "auto":
+        raise InputError("k_scale/v_scale are given for a kv_dtype 'auto' cache; accepted: static scales "
+                         "for an 'int8' or 'fp8' cache only")
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
     v = torch.zeros(shape, dtype=store_dtype, device=device)
     spill: tuple[torch.Tensor, ...] = (k, v)
     ks = vs = None
-    if kv_dtype != "auto":
+    if k_scale is not None:
+        ks = static_scale(k_scale, k, name="k_scale")
+        vs = static_scale(cast(float | torch.Tensor, v_scale), v, name="v_scale")
+        spill = (k, v, ks, vs)
+    elif kv_dtype != "auto":
         ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
         vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)
         spill = (k, v, ks, vs)
@@ -245,6 +292,48 @@ def allocate_kv_cache(
         dtype=dtype,
         _spill=spill,
     )
+
+
+def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "scale") -> torch.Tensor:
+    """The ``[num_blocks, block_size, num_kv_heads]`` scale view of a static scale for cache
+    tensor ``k`` (``[num_blocks, block_size, num_kv_heads, head_dim]``).
+
+    ``scale``: a positive finite float, or a float32 tensor on ``k``'s device holding one value
+    (shape ``[]`` or ``[1]``: a per-tensor scale, as vLLM's ``layer._k_scale``) or one per KV head
+    (``[num_kv_heads]``). A tensor is viewed, not copied (block and slot strides 0): an engine
+    that updates its scale in place updates the cache's. Its values are read once here, to
+    refuse a scale that is not positive and finite (a sync for a GPU tensor).
+
+    >>> k = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
+    >>> s = static_scale(torch.tensor([0.5, 0.25]), k)
+    >>> tuple(s.shape), s.stride(), s[3, 7].tolist()
+    ((4, 16, 2), (0, 0, 1), [0.5, 0.25])
+    """
+    if not isinstance(k, torch.Tensor) or k.dim() != 4:
+        found = _desc(k) if isinstance(k, torch.Tensor) else f"a {type(k).__name__}"
+        raise InputError(f"k is {found}; accepted: a cache tensor [num_blocks, block_size, num_kv_heads, head_dim]")
+    heads = k.shape[2]
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        base = torch.full((1,), float(scale), dtype=torch.float32, device=k.device)
+    elif isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == k.device \
+            and scale.numel() in (1, heads) and scale.dim() <= 1:
+        base = scale.reshape(-1)
+    else:
+        found = (f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor)
+                 else f"{scale!r}")
+        raise InputError(
+            f"{name} is {found}; accepted: a positive float, or a float32 tensor on {k.device} of "
+            f"shape [] or [1] (one scale) or [num_kv_heads={heads}] (one per KV head)"
+        )
+    values = base.detach().cpu()
+    if not bool(torch.isfinite(values).all() and (values > 0).all()):
+        raise InputError(f"{name} holds {values.tolist()}; accepted: positive, finite scales")
+    return base.view(1, 1, -1).expand(k.shape[0], k.shape[1], heads)
+
+
+def _is_static(t: torch.Tensor) -> bool:
+    """A scale tensor that does not vary over blocks and slots (block and slot strides 0)."""
+    return t.stride(0) == 0 and t.stride(1) == 0
 
 
 def _check_size(name: str, val: object) -> None:
@@ -265,16 +354,22 @@ def _desc(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)} {list(t.shape)}"
 
 
-def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-vector quantization of ``x [..., head_dim]``.
 
     Returns ``(codes [..., head_dim], scales float32 [...])`` with ``x ≈ codes * scales[..., None]``.
-    The round-trip error is at most ``scale / 2`` per element for int8 and a relative 2**-4 of
-    the element (E4M3's 3 mantissa bits) for fp8.
+    Without ``scale`` each vector gets ``max|x| / q_max``: the round-trip error is at most
+    ``scale / 2`` per element for int8 and a relative 2**-4 of the element (E4M3's 3 mantissa
+    bits) for fp8. With ``scale`` (float32, broadcastable to ``x.shape[:-1]``: a static scale)
+    the codes are ``x / scale``, rounded and clamped to the format's range (values beyond
+    ``q_max * scale`` saturate).
 
     >>> codes, scale = quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8")
     >>> codes.tolist(), round(scale.item() * 127, 4)
     ([[64, -127, 32]], 2.0)
+    >>> quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8", torch.tensor(0.01))[0].tolist()
+    [[100, -127, 50]]
     """
     if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX:
         raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to; accepted: int8, fp8")
@@ -282,11 +377,24 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
         found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
     xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
-    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal
-    # (a last-bit difference from the CPU), so the same K/V would get other scales per device.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, Q_MAX[kv_dtype]), torch.ones_like(amax))
+    if scale is None:
+        amax = xf.abs().amax(dim=-1)
+        # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
+        # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its
+        # reciprocal (a last-bit difference from the CPU), so the same K/V would get other
+        # scales per device.
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, Q_MAX[kv_dtype]), torch.ones_like(amax))
+    else:
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.device != x.device:
+            found = f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor) else repr(scale)
+            raise InputError(f"scale is {found}; accepted: a float32 tensor on x's device ({x.device})")
+        try:
+            scale = scale.expand(x.shape[:-1])
+        except RuntimeError as exc:
+            raise InputError(
+                f"scale has shape {list(scale.shape)}, which does not broadcast to x's vectors "
+                f"{list(x.shape[:-1])}; accepted: a shape that does (one scale, or one per KV head)"
+            ) from exc
     y = xf / scale.unsqueeze(-1)
     if kv_dtype == "int8":
         codes = y.round().clamp(-127, 127).to(torch.int8)
@@ -376,7 +484,8 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
 def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new tokens' ``k, v [num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``.
 
-    Slot -1 (a padding row) writes nothing. Quantized caches quantize on write. The write never
+    Slot -1 (a padding row) writes nothing. Quantized caches quantize on write (with static
+    scales: with those, which stay as they are; otherwise each slot gets its own). The write never
     leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1. Every
     input is checked before anything is written.
 
@@ -396,11 +505,18 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     num_slots = cache.num_blocks * bs
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_slots)
-    if cache.quantized:
+    if cache.static_scales:
+        # Quantized with the cache's fixed scales (one per KV head), which stay as they are.
+        k_scale, v_scale = cache._scales()
+        kc, _ = quantize_kv(k, cache.kv_dtype, k_scale[0, 0])
+        vc, _ = quantize_kv(v, cache.kv_dtype, v_scale[0, 0])
+        pairs = [(0, kc), (1, vc)]
+        views: tuple[torch.Tensor, ...] = (cache.k, cache.v)
+    elif cache.quantized:
         kc, ks = quantize_kv(k, cache.kv_dtype)
         vc, vs = quantize_kv(v, cache.kv_dtype)
         pairs = [(0, kc), (1, vc), (2, ks), (3, vs)]
-        views: tuple[torch.Tensor, ...] = (cache.k, cache.v, *cache._scales())
+        views = (cache.k, cache.v, *cache._scales())
     else:
         pairs = [(0, k), (1, v)]
         views = (cache.k, cache.v)

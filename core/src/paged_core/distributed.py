@@ -175,13 +175,17 @@ def shard_kv_cache(
             f"meta reads block {bad[0]} but cache has {cache.num_blocks} blocks; accepted: the "
             "whole cache that meta's block table indexes"
         )
+    # Static scales are shared, not copied: the shard views the whole cache's (one per KV head).
+    static = cache.static_scales
+    fixed = [t[0, 0] for t in cache._scales()] if static else [None, None]
     shard = allocate_kv_cache(max(len(blocks), 1), meta.block_size, cache.num_kv_heads, cache.head_dim,
-                              dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cache.k.device)
+                              dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cache.k.device,
+                              k_scale=fixed[0], v_scale=fixed[1])
     if blocks:
         idx = torch.tensor(blocks, dtype=torch.long, device=cache.k.device)
         pairs = [(shard.k, cache.k), (shard.v, cache.v)]
         for dst_scale, src_scale in ((shard.k_scale, cache.k_scale), (shard.v_scale, cache.v_scale)):
-            if dst_scale is not None and src_scale is not None:  # a quantized cache
+            if dst_scale is not None and src_scale is not None and not static:  # per-slot scales
                 pairs.append((dst_scale, src_scale))
         for dst, src in pairs:
             # Through bytes: PyTorch's CPU indexing lacks float8.

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry  # noqa: E402
+from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry, static_scale  # noqa: E402
 from paged_core import write_kv as torch_write_kv  # noqa: E402
 from paged_triton_unified import TritonBackend  # noqa: E402
 from paged_triton_unified import write as triton_write  # noqa: E402
@@ -76,6 +76,16 @@ def make_cache(layout: str, dtype: torch.dtype, kv_dtype: str, device: str):
         cache = KVCache(k=pool[:, 0], v=pool[:, 1], kv_dtype=kv_dtype, dtype=dtype,
                         k_scale=spool[:, 0] if quant else None, v_scale=spool[:, 1] if quant else None)
         storages = [pool] + ([spool] if quant else [])
+    elif layout == "static":  # allocate_kv_cache with static scales: one per KV head for k, one for v
+        cache = allocate_kv_cache(NB, BS, H, D, dtype=dtype, kv_dtype=kv_dtype, device=device,
+                                  k_scale=torch.tensor([0.02, 0.05, 0.1], device=device), v_scale=0.03)
+        storages = list(cache._spill[:2])  # the scales are fixed: never written, not poisoned
+    elif layout == "static-pool":  # an engine's pool with per-tensor scales (vLLM's fp8 caches)
+        pool = torch.empty(NB, 2, BS, H, D, dtype=store, device=device)
+        ks, vs = torch.tensor([0.04], device=device), torch.tensor([0.07], device=device)
+        cache = KVCache(k=pool[:, 0], v=pool[:, 1], kv_dtype=kv_dtype, dtype=dtype,
+                        k_scale=static_scale(ks, pool[:, 0]), v_scale=static_scale(vs, pool[:, 1]))
+        storages = [pool]
     else:  # HND storage [num_blocks, heads, block_size, dim] seen as NHD
         pool = torch.empty(2, NB, H, BS, D, dtype=store, device=device)
         spool = torch.empty(2, NB, H, BS, device=device)
@@ -99,7 +109,9 @@ def clone_cache(cache: KVCache, storages: list[torch.Tensor]):
         return view
 
     index = {id(s): i for i, s in enumerate(storages)}
-    spill = None if cache._spill is None else tuple(copies[index[id(s)]] for s in cache._spill)
+    # Static scales are not among the storages: the twin shares them.
+    spill = None if cache._spill is None else tuple(copies[index[id(s)]] if id(s) in index else s
+                                                     for s in cache._spill)
     twin = dataclasses.replace(cache, k=moved(cache.k), v=moved(cache.v), k_scale=moved(cache.k_scale),
                                v_scale=moved(cache.v_scale), _spill=spill)
     return twin, copies
@@ -157,6 +169,21 @@ def test_writes_what_paged_core_writes(dtype, kv_dtype, layout, device):
     # A second step with the same shapes (the cached path) and new values and slots.
     k, v = rows(len(SLOTS), dtype, device, seed=2)
     assert_same_write(cache, storages, k, v, torch.tensor(SLOTS[::-1], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["static", "static-pool"])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [d for d in DTYPES if d[1] != "auto"])
+def test_static_scales_write_what_paged_core_writes(dtype, kv_dtype, layout, device):
+    # Codes quantized with the fixed scales (most of these rows saturate at ±q_max * scale),
+    # and the scales left as they were.
+    cache, storages = make_cache(layout, dtype, kv_dtype, device)
+    assert cache.static_scales
+    scales = [t.clone() for t in cache._scales()]
+    for seed, slots in ((1, SLOTS), (2, SLOTS[::-1])):
+        k, v = rows(len(SLOTS), dtype, device, seed=seed)
+        assert_same_write(cache, storages, k, v, torch.tensor(slots, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(cache._scales(), scales, strict=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,7 +6,8 @@ offset ``slot % block_size``) through the cache tensors' strides, so views of an
 are written in place; slot -1 and slots outside ``[0, num_blocks * block_size)`` write nothing
 (masked in the kernel: no spill block, no host sync, whatever the cache). int8/fp8 caches are
 quantized in the kernel per (token, KV head) vector, step for step as
-:func:`paged_core.quantize_kv` computes it:
+:func:`paged_core.quantize_kv` computes it (a cache with static scales skips the first step: its
+scale is read at the slot, and no scale is stored):
 
 * ``amax = max |x|`` in float32; ``scale = amax / q_max`` (``1`` for a zero vector) and
   ``y = x / scale``, both with IEEE round-to-nearest division (``tl.math.div_rn``: Triton's ``/``
@@ -74,17 +75,22 @@ def _write_rows(
     mask_h,  # [BLOCK_H] valid slot, real head
     KV_QUANT: tl.constexpr,
     Q_MAX: tl.constexpr,
+    STATIC_SCALE: tl.constexpr,
 ):
-    """Copy (or quantize and store with their scales) BLOCK_H head vectors of one token."""
+    """Copy (or quantize and store with their scales) BLOCK_H head vectors of one token.
+    STATIC_SCALE: quantize with the cache's fixed scales, read at the slot, and store none."""
     x = tl.load(src_ptr + src_offs, mask=mask, other=0.0)
     if KV_QUANT == 0:
         tl.store(dst_ptr + dst_offs, x, mask=mask)  # a bit copy: no arithmetic on the values
     else:
         xf = x.to(tl.float32)  # [BLOCK_H, HEAD_DIM_PAD]; masked elements 0, never the max
-        amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
-        scale = tl.math.div_rn(amax, Q_MAX)
-        # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
-        scale = tl.where(amax > 0, scale, 1.0)
+        if STATIC_SCALE:
+            scale = tl.load(scale_ptr + scale_offs, mask=mask_h, other=1.0)  # [BLOCK_H]
+        else:
+            amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
+            scale = tl.math.div_rn(amax, Q_MAX)
+            # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
+            scale = tl.where(amax > 0, scale, 1.0)
         y = tl.math.div_rn(xf, scale[:, None])  # [BLOCK_H, HEAD_DIM_PAD]
         if KV_QUANT == 1:
             # |y| <= ~127: adding 1.5 * 2**23 leaves no fraction bits, so the float add rounds to
@@ -94,7 +100,8 @@ def _write_rows(
         else:
             code = _e4m3fn_code(tl.minimum(tl.maximum(y, -448.0), 448.0)).to(tl.uint8)
         tl.store(dst_ptr + dst_offs, code, mask=mask)
-        tl.store(scale_ptr + scale_offs, scale, mask=mask_h)
+        if not STATIC_SCALE:
+            tl.store(scale_ptr + scale_offs, scale, mask=mask_h)
 
 
 # The first three parameters are the ones that change between calls of one plan: the launch
@@ -123,6 +130,7 @@ def write_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
     KV_QUANT: tl.constexpr,  # 0: the model dtype, copied; 1: int8 codes; 2: fp8 e4m3 codes (as uint8)
     Q_MAX: tl.constexpr,  # largest code (127.0, 448.0; unused if not KV_QUANT)
+    STATIC_SCALE: tl.constexpr,  # KV_QUANT with static scales: read, never written
 ):
     """One program writes BLOCK_H KV heads of token ``program_id(0)``, k and v, at its slot."""
     tl.static_assert(BLOCK_H & (BLOCK_H - 1) == 0)
@@ -144,7 +152,7 @@ def write_kv_kernel(
         block * stride_kc_b + offset * stride_kc_s + heads[:, None] * stride_kc_h + dims[None, :],
         block * stride_ks_b + offset * stride_ks_s + heads * stride_ks_h,
         mask, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX,
+        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, STATIC_SCALE=STATIC_SCALE,
     )
     _write_rows(
         v_ptr, v_cache_ptr, v_scale_ptr,
@@ -152,7 +160,7 @@ def write_kv_kernel(
         block * stride_vc_b + offset * stride_vc_s + heads[:, None] * stride_vc_h + dims[None, :],
         block * stride_vs_b + offset * stride_vs_s + heads * stride_vs_h,
         mask, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX,
+        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, STATIC_SCALE=STATIC_SCALE,
     )
 
 
@@ -210,6 +218,7 @@ class _Plan:
             HEAD_DIM_PAD=head_dim_pad,
             KV_QUANT=kv_quant,
             Q_MAX=q_max,
+            STATIC_SCALE=cache.static_scales,
         )
         # Set by the first launch through DirectKernel: the binary, the arguments after the first
         # three (the cache's pointers as ints) and the device it was loaded on.
