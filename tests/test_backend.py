@@ -270,6 +270,31 @@ def test_validation_catches_bad_metadata(monkeypatch):
     assert not out.isnan().any()
 
 
+class ForgetsRowZero(ReferenceBackend):
+    """Computes every row but the first (a kernel whose grid misses a tile)."""
+
+    def _forward(self, q, cache, plan, *, out, lse, **kw) -> None:
+        full = torch.empty_like(out)
+        full_lse = None if lse is None else torch.empty_like(lse)
+        super()._forward(q, cache, plan, out=full, lse=full_lse, **kw)
+        out[1:] = full[1:]
+        if lse is not None:
+            lse[1:] = full_lse[1:]
+
+
+@pytest.mark.parametrize("given_out", [False, True], ids=["allocated", "given"])
+def test_validation_poisons_the_outputs_so_an_unwritten_row_shows(given_out):
+    q, cache, meta = setup()
+    out = torch.zeros_like(q) if given_out else None
+    got, lse = ForgetsRowZero(validate=True).forward(q, cache, meta, out=out, return_lse=True)
+    assert got[0].isnan().all() and lse[0].isnan().all()
+    assert not got[1:].isnan().any() and not lse[1:].isnan().any()
+    # Without validation nothing is filled: the given out keeps its zeros in the forgotten row.
+    if given_out:
+        got = ForgetsRowZero(validate=False).forward(q, cache, meta, out=torch.zeros_like(q))
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
 def test_a_plan_of_another_backend_is_accepted_by_a_backend_that_does_not_plan():
     # forward() accepts "a BatchMeta or a plan with a .meta"; a backend without its own plan used
     # to receive the foreign plan object in _forward and fail with an AttributeError.

@@ -135,7 +135,8 @@ def test_quantized_cache_equals_loop_on_dequantized_values(kv_dtype, heads):
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
     # And the backend returns the model dtype.
-    res = ReferenceBackend(compute_dtype=torch.float64).forward(q, cache, meta)
+    # validate=True: out starts as NaN, so an unwritten (padding) row cannot pass as zeros.
+    res = ReferenceBackend(compute_dtype=torch.float64, validate=True).forward(q, cache, meta)
     assert res.dtype == torch.bfloat16
     torch.testing.assert_close(res.double(), want, rtol=2**-8, atol=1e-6)
 
@@ -144,7 +145,7 @@ def test_quantized_cache_equals_loop_on_dequantized_values(kv_dtype, heads):
 def test_forward_returns_input_dtype(dtype):
     q, cache, meta, tables = setup_batch(8, 2, dtype=dtype, seed=3)
     want, _ = oracle(q, cache, tables)
-    out = ReferenceBackend().forward(q, cache, meta)
+    out = ReferenceBackend(validate=True).forward(q, cache, meta)  # out poisoned first
     assert out.dtype == dtype and out.shape == q.shape
     # The only error left is rounding the float32 result to the model dtype.
     eps = 2**-8 if dtype == torch.bfloat16 else 2**-11

@@ -41,6 +41,12 @@ class Tolerance:
     def scaled(self, factor: float) -> Tolerance:
         return Tolerance(self.atol * factor, self.rtol * factor)
 
+    def for_values_of(self, magnitude: float) -> Tolerance:
+        """The tolerance for data ``magnitude`` times the suite's unit-normal K/V: the absolute
+        part scales with the values (a rounded softmax weight errs by ``u * max|v|``), the
+        relative part does not."""
+        return Tolerance(self.atol * magnitude, self.rtol)
+
     def __str__(self) -> str:
         return f"{self.atol:.1e} + {self.rtol:.1e}*|ref|"
 

@@ -357,6 +357,12 @@ class Backend:
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        if self.validate and not _capturing():
+            # Outputs start as NaN: a row a backend leaves unwritten shows, instead of passing
+            # with whatever the memory held (zeros, an earlier layer's result).
+            out.fill_(float("nan"))
+            if lse is not None:
+                lse.fill_(float("nan"))
         if meta is not batch and type(self)._plan is Backend._plan and type(self).plan is Backend.plan:
             # Another backend's plan: a backend without its own plan expects the BatchMeta.
             meta = batch
