@@ -421,7 +421,11 @@ def test_merge_states_matches_torch_and_handles_empty(dtype):
     lses[1, 0] = float("-inf")  # one part empty
     lses[:, 2, 1] = float("-inf")  # every part empty
     outs[1, 0] = float("nan")  # an empty part's output must be ignored
-    got_out, got_lse = merge_states([o.to(DEVICE) for o in outs], lses.to(DEVICE))
+    # Poisoned outputs: the all-empty row must be written as zeros, not left as it was.
+    nan_out = torch.full(outs.shape[1:], float("nan"), dtype=dtype, device=DEVICE)
+    nan_lse = torch.full(lses.shape[1:], float("nan"), device=DEVICE)
+    got_out, got_lse = merge_states([o.to(DEVICE) for o in outs], lses.to(DEVICE), nan_out, nan_lse)
+    assert got_out is nan_out and got_lse is nan_lse
     ref_out, ref_lse = merge_states_torch(outs, lses)
     assert got_out.dtype == dtype
     assert_close(got_out.cpu(), ref_out.double(), dtype, "merge vs torch")
