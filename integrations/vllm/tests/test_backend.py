@@ -40,9 +40,9 @@ def test_supported_configuration_has_no_reasons(monkeypatch):
 def test_capabilities_become_vllm_reasons(monkeypatch):
     monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
     reasons = PagedAttentionBackend.validate_configuration(
-        head_size=24, **{**VALIDATE, "kv_cache_dtype": "fp8", "use_mla": True})
+        head_size=24, **{**VALIDATE, "kv_cache_dtype": "fp8_e5m2", "use_mla": True})
     assert any(r.startswith("triton-unified: head_dim 24 is not supported (accepted: 32,") for r in reasons), reasons
-    assert any("kv_cache_dtype 'fp8' is not supported" in r for r in reasons), reasons
+    assert any("kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', or 'fp8'" in r for r in reasons), reasons
     assert "MLA (latent attention) is not supported" in reasons
     assert len(reasons) == 3
 
@@ -68,7 +68,9 @@ def test_layer_reasons_cover_what_vllm_and_paged_refuse(use):
     impl = PagedAttentionImpl(4, 32, 32**-0.5, 2, alibi_slopes=[1.0] * 4, sliding_window=8,
                               kv_cache_dtype="fp8", attn_type="encoder_only", chunk_lookback=4)
     reasons = impl.reasons(16, "cpu")
-    for expected in ("kv_cache_dtype 'fp8' is not supported", "attention type 'encoder_only' is not supported",
+    # vLLM's fp8 cache is served as paged's fp8 cache: a backend without fp8 caches says so itself.
+    for expected in ("kv_dtype 'fp8' is not supported (accepted: auto)",
+                     "attention type 'encoder_only' is not supported",
                      "ALiBi slopes are not supported", "the attention argument 'chunk_lookback' is not supported",
                      "head_dim 32 is not supported (accepted: 64)", "dtype float32 is not supported",
                      "sliding window attention is not supported"):

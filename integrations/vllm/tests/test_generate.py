@@ -89,3 +89,46 @@ def test_engine_in_its_own_processes(tiny_models, monkeypatch):
     # The worker process says which paged backend serves its layers.
     assert "paged-vllm: 2 attention layer(s) of this KV cache group run on paged backend 'reference'" in (
         done.stdout + done.stderr)
+
+
+def test_fp8_cache_is_served_in_place_with_vllms_scales(tiny_models, monkeypatch):
+    """kv_cache_dtype="fp8": vLLM's uint8 pool holds e4m3 codes, value = code * the layer's
+    per-tensor ``_k_scale`` / ``_v_scale``; paged serves it as an fp8 cache whose static scales
+    are views of those very tensors, written and read in place.
+
+    The oracle is the reference on the same cache: triton-unified gives its greedy tokens. Not
+    vLLM's own fp8 run: on this tiny random model fp8 rounding alone flips greedy tokens (vLLM's
+    CPU fp8 run differs from its full-precision run in 4 of 5 prompts, 2026-12-01), and vLLM's
+    CPU kernel computes its fp8 attention in other precisions than paged's (it agrees with paged
+    on the codes: both store round-to-nearest e4m3 of x / scale)."""
+    import torch
+    from paged_vllm import _backend
+
+    model = tiny_models["llama"]
+    full = generate(model, "CUSTOM", "reference", monkeypatch=monkeypatch)
+    seen = []
+    view = _backend.PagedAttentionImpl._view
+
+    def recording_view(self, kv_cache, layer):
+        cache = view(self, kv_cache, layer)
+        same_scale = cache.k_scale.data_ptr() == layer._k_scale.data_ptr()
+        seen.append((cache.kv_dtype, cache.static_scales, kv_cache.dtype, same_scale))
+        return cache
+
+    monkeypatch.setattr(_backend.PagedAttentionImpl, "_view", recording_view)
+    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype="fp8")
+            for paged in PAGED_BACKENDS}
+    assert set(seen) == {("fp8", True, torch.uint8, True)}
+    for run in runs.values():
+        assert run.calls["forward"] == run.calls["write"] > 0
+    assert runs["triton-unified"].tokens == runs["reference"].tokens
+    # The codes are fp8 indeed: quantization changes some greedy token of this model.
+    assert runs["reference"].tokens != full.tokens
+
+
+def test_an_e5m2_cache_is_refused_with_what_is_accepted(tiny_models, monkeypatch):
+    from paged_core import UnsupportedSpecError
+
+    with pytest.raises(UnsupportedSpecError) as err:
+        generate(tiny_models["llama"], "CUSTOM", "reference", monkeypatch=monkeypatch, kv_cache_dtype="fp8_e5m2")
+    assert "kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', or 'fp8'" in str(err.value)

@@ -4,7 +4,7 @@ vLLM asks an attention backend for four things, each answered from paged's contr
 
 - **what it supports** (``validate_configuration`` and the ``supports_*``/``get_supported_*``
   class methods): the paged backend's ``capabilities`` and ``reasons(spec)``, plus what vLLM
-  can ask for that paged does not model (MLA, sparse, encoder attention, ALiBi, vLLM's fp8 cache);
+  can ask for that paged does not model (MLA, sparse, encoder attention, ALiBi, e5m2 caches);
 - **a metadata builder**: vLLM's ``CommonAttentionMetadata`` becomes a ``BatchMeta`` (views of
   vLLM's tensors, :mod:`paged_vllm._meta`) and one ``backend.plan(meta, **layer)`` per step,
   shared by every layer of the KV cache group;
@@ -14,6 +14,9 @@ vLLM asks an attention backend for four things, each answered from paged's contr
   block_size, 2 * head_size]`` (K then V along the last dimension), in a physical order resolved
   from the backends' ``supported_kv_cache_layouts``. paged reads and writes any strides with a
   dense head dimension, so every layout serves, and vLLM's default (NHD, paged's own) is kept.
+  vLLM's fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: e4m3 codes in uint8 storage, value
+  = code * the layer's ``_k_scale`` / ``_v_scale``) is a paged fp8 cache with static per-tensor
+  scales (``paged_core.static_scale`` views of the layer's scale tensors).
 
 The paged backend is chosen by name with ``PAGED_VLLM_BACKEND`` (default ``triton-unified``),
 read when vLLM first asks for the backend in a process; every layer shares one instance.
@@ -37,6 +40,7 @@ from paged_core import (
     PagedError,
     UnsupportedSpecError,
     registry,
+    static_scale,
 )
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.logger import init_logger
@@ -119,15 +123,18 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
     return AttentionCGSupport.NEVER
 
 
+#: vLLM's names of its e4m3 cache with per-tensor scales.
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 class PagedAttentionBackend(AttentionBackend):
     """vLLM's ``AttentionBackend`` for the paged backend named by ``$PAGED_VLLM_BACKEND``."""
 
     # The write goes through backend.write inside forward, with the step's BatchMeta.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # vLLM's fp8 cache holds codes with one scale per tensor; paged's quantized caches hold one
-    # scale per slot and KV head, so only the model dtype is served.
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+    # vLLM's fp8 cache: e4m3 codes with one static scale per tensor (paged's static scales).
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", *FP8_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -206,8 +213,8 @@ class PagedAttentionBackend(AttentionBackend):
         # The head counts are not known yet (the builder checks each layer's); one head per KV head
         # asks only about what is known.
         spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_dim=head_size, block_size=block_size,
-                             dtype=dtype, window=1 if has_sliding_window else 0, sinks=has_sink,
-                             device=_device_type())
+                             dtype=dtype, kv_dtype=_paged_kv_dtype(kv_cache_dtype),
+                             window=1 if has_sliding_window else 0, sinks=has_sink, device=_device_type())
         reasons = [f"{backend.name}: {r}" for r in backend.reasons(spec)]
         reasons += _vllm_reasons(kv_cache_dtype=kv_cache_dtype, attn_type=attn_type)
         beyond = [
@@ -227,13 +234,19 @@ class PagedAttentionBackend(AttentionBackend):
         return reasons + [r for on, r in beyond if on]
 
 
+def _paged_kv_dtype(kv_cache_dtype: Any) -> str:
+    """paged's ``kv_dtype`` for vLLM's ``kv_cache_dtype`` (an unsupported one: "auto", with the
+    reason from :func:`_vllm_reasons`)."""
+    return "fp8" if kv_cache_dtype in FP8_CACHE_DTYPES else "auto"
+
+
 def _vllm_reasons(*, kv_cache_dtype: Any, attn_type: str, alibi: bool = False, head_size_v: int | None = None,
                   head_size: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """What a vLLM layer can ask for that no paged backend computes, as sentences."""
     out = []
-    if kv_cache_dtype not in (None, "auto"):
-        out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (vLLM's quantized caches keep one "
-                   "scale per tensor, paged's one per slot and KV head); accepted: kv_cache_dtype='auto'")
+    if kv_cache_dtype not in (None, "auto", *FP8_CACHE_DTYPES):
+        out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', or 'fp8' / "
+                   "'fp8_e4m3' (e4m3 codes with vLLM's per-tensor scales, paged's static scales)")
     if attn_type != AttentionType.DECODER:
         out.append(f"attention type {attn_type!r} is not supported; accepted: {AttentionType.DECODER.value!r}")
     if alibi:
@@ -335,7 +348,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
     def spec(self, block_size: int, device: str) -> AttentionSpec:
         return AttentionSpec(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-            block_size=block_size, dtype=self.dtype,
+            block_size=block_size, dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
             window=self.sliding_window, softcap=self.logits_soft_cap, sinks=self.sinks is not None,
             device=device,
         )
@@ -350,12 +363,12 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
     @property
     def layer_key(self) -> tuple:
         return (self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
-                self.logits_soft_cap, self.scale)
+                self.logits_soft_cap, self.scale, self.kv_cache_dtype)
 
     def layer_description(self) -> dict[str, Any]:
         """The keywords ``backend.plan`` takes for this layer."""
         return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-                    dtype=self.dtype,
+                    dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
                     window=self.sliding_window, softcap=self.logits_soft_cap, scale=self.scale)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -382,7 +395,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         n = attn_metadata.num_actual_tokens
         meta = attn_metadata.meta
         plan = attn_metadata.plans[self.layer_key]
-        cache = self._view(kv_cache)
+        cache = self._view(kv_cache, layer)
         # A layer sharing an earlier layer's cache (kv_sharing_target_layer_name) only reads it.
         if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
             self.backend.write(cache, key[:n], value[:n], meta)
@@ -400,24 +413,49 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             self._sinks32 = self.sinks.detach().float()
         return self._sinks32
 
-    def _view(self, kv_cache: torch.Tensor) -> KVCache:
+    def _view(self, kv_cache: torch.Tensor, layer: Any) -> KVCache:
         cached = self._cache
         if cached is not None and cached[0] is kv_cache:
             return cached[1]
-        view = pool_view(kv_cache, self.head_size)
+        scales = None
+        if _paged_kv_dtype(self.kv_cache_dtype) == "fp8":
+            scales = (_layer_scale(layer, "_k_scale", kv_cache.device),
+                      _layer_scale(layer, "_v_scale", kv_cache.device))
+        view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales)
         self._cache = (kv_cache, view)
         return view
 
 
-def pool_view(kv_cache: torch.Tensor, head_size: int) -> KVCache:
+def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
+    """The layer's per-tensor fp8 scale (float32, one value) on the cache's device: vLLM's own
+    tensor when it lives there, so a scale vLLM calibrates in place is the cache's."""
+    scale = getattr(layer, name, None)
+    if not isinstance(scale, torch.Tensor):
+        raise InputError(f"layer {getattr(layer, 'layer_name', '?')!r} has no {name} tensor; an fp8 cache "
+                         "needs vLLM's per-tensor scales (vLLM 0.32's Attention layer sets them)")
+    if scale.dtype != torch.float32 or scale.device != device:
+        scale = scale.to(device=device, dtype=torch.float32)
+    return scale
+
+
+def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | None = None,
+              scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVCache:
     """vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (logical;
     K in the first ``head_size`` of the last dimension, V in the rest) as a paged ``KVCache``:
     two NHD views, no copy, whatever physical order vLLM resolved.
+
+    With ``scales`` (vLLM's ``layer._k_scale``, ``layer._v_scale``: one float32 value each) the
+    cache holds fp8 codes (vLLM's uint8 storage, seen as ``float8_e4m3fn``) of the model ``dtype``
+    with those as static scales.
 
     >>> pool = torch.zeros(4, 2, 16, 64)                      # HND storage, head_size 32
     >>> cache = pool_view(pool, 32)
     >>> tuple(cache.k.shape), cache.k.stride(), cache.v.data_ptr() - cache.k.data_ptr()
     ((4, 16, 2, 32), (2048, 64, 1024, 1), 128)
+    >>> fp8 = pool_view(torch.zeros(4, 2, 16, 64, dtype=torch.uint8), 32, dtype=torch.bfloat16,
+    ...                 scales=(torch.tensor(0.5), torch.tensor(0.25)))
+    >>> fp8.kv_dtype, fp8.k.dtype, fp8.static_scales, fp8.v_scale[3, 7].tolist()
+    ('fp8', torch.float8_e4m3fn, True, [0.25, 0.25])
     """
     if (kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1):
         raise InputError(
@@ -426,4 +464,13 @@ def pool_view(kv_cache: torch.Tensor, head_size: int) -> KVCache:
             "contiguous (vLLM 0.32's attention cache; other vLLM releases are not supported)"
         )
     nhd = kv_cache.transpose(1, 2)
-    return KVCache(k=nhd[..., :head_size], v=nhd[..., head_size:], kv_dtype="auto", dtype=kv_cache.dtype)
+    if scales is None:
+        return KVCache(k=nhd[..., :head_size], v=nhd[..., head_size:], kv_dtype="auto", dtype=kv_cache.dtype)
+    if kv_cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise InputError(f"vLLM's fp8 KV cache of this layer is {kv_cache.dtype}; accepted: uint8 storage "
+                         "(vLLM's fp8 caches) or float8_e4m3fn")
+    codes = nhd.view(torch.float8_e4m3fn)
+    k, v = codes[..., :head_size], codes[..., head_size:]
+    return KVCache(k=k, v=v, kv_dtype="fp8", dtype=dtype or torch.bfloat16,
+                   k_scale=static_scale(scales[0], k, name="k_scale"),
+                   v_scale=static_scale(scales[1], v, name="v_scale"))
