@@ -131,4 +131,32 @@ def test_an_e5m2_cache_is_refused_with_what_is_accepted(tiny_models, monkeypatch
 
     with pytest.raises(UnsupportedSpecError) as err:
         generate(tiny_models["llama"], "CUSTOM", "reference", monkeypatch=monkeypatch, kv_cache_dtype="fp8_e5m2")
-    assert "kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', or 'fp8'" in str(err.value)
+    assert "kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3'" in str(err.value)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+def test_per_token_head_caches_are_paged_per_slot_caches(tiny_models, kv_cache_dtype, monkeypatch):
+    """vLLM's per-token-head caches keep a float32 scale inline after each (slot, head)'s codes:
+    paged's per-slot scales, read and written as views of vLLM's pool (its bytes), and the same
+    greedy tokens through the reference and triton-unified."""
+    from paged_vllm import _backend
+
+    model = tiny_models["llama"]
+    seen = []
+    view = _backend.PagedAttentionImpl._view
+
+    def recording_view(self, kv_cache, layer):
+        cache = view(self, kv_cache, layer)
+        storage = kv_cache.untyped_storage()
+        inside = storage.data_ptr() <= cache.k_scale.data_ptr() < storage.data_ptr() + storage.nbytes()
+        seen.append((cache.kv_dtype, cache.static_scales, inside, kv_cache.shape[-1]))
+        return cache
+
+    monkeypatch.setattr(_backend.PagedAttentionImpl, "_view", recording_view)
+    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
+            for paged in PAGED_BACKENDS}
+    head = MODEL_DIMS["head_dim"]
+    assert set(seen) == {(kv_cache_dtype[:4].rstrip("_"), False, True, 2 * (head + 4))}
+    for run in runs.values():
+        assert run.calls["forward"] == run.calls["write"] > 0
+    assert runs["triton-unified"].tokens == runs["reference"].tokens

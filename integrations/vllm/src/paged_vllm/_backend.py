@@ -125,6 +125,11 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
 
 #: vLLM's names of its e4m3 cache with per-tensor scales.
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+#: vLLM's caches with one scale per (token, KV head), stored inline after each head's codes:
+#: paged's per-slot scales. vLLM name -> paged kv_dtype.
+PER_TOKEN_HEAD_DTYPES = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
+#: Bytes of one inline scale (float32), after the codes of each (slot, head) and side.
+_SCALE_BYTES = 4
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -133,8 +138,21 @@ class PagedAttentionBackend(AttentionBackend):
     # The write goes through backend.write inside forward, with the step's BatchMeta.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # vLLM's fp8 cache: e4m3 codes with one static scale per tensor (paged's static scales).
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", *FP8_CACHE_DTYPES]
+    # vLLM's fp8 cache: e4m3 codes with one static scale per tensor (paged's static scales);
+    # its per-token-head caches: one scale per (slot, KV head), paged's own format.
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", *FP8_CACHE_DTYPES, *PER_TOKEN_HEAD_DTYPES]
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """Per-token-head caches pack a float32 scale after each head's codes, K side and V side
+        (vLLM's own layout for them: ``[K(hs) | scale | V(hs) | scale]`` per slot and head)."""
+        mode = getattr(spec, "kv_quant_mode", None)
+        if (getattr(spec, "state_content_bytes", None) is not None or mode is None
+                or not getattr(mode, "is_per_token_head", False) or mode.name.startswith("INT4")):
+            return spec
+        elem = torch.empty((), dtype=spec.dtype).element_size()
+        content = (spec.head_size + spec.head_size_v) * elem + 2 * _SCALE_BYTES
+        return dataclasses.replace(spec, state_content_bytes=content)
 
     @staticmethod
     def get_name() -> str:
@@ -237,16 +255,19 @@ class PagedAttentionBackend(AttentionBackend):
 def _paged_kv_dtype(kv_cache_dtype: Any) -> str:
     """paged's ``kv_dtype`` for vLLM's ``kv_cache_dtype`` (an unsupported one: "auto", with the
     reason from :func:`_vllm_reasons`)."""
-    return "fp8" if kv_cache_dtype in FP8_CACHE_DTYPES else "auto"
+    if kv_cache_dtype in FP8_CACHE_DTYPES:
+        return "fp8"
+    return PER_TOKEN_HEAD_DTYPES.get(kv_cache_dtype, "auto")
 
 
 def _vllm_reasons(*, kv_cache_dtype: Any, attn_type: str, alibi: bool = False, head_size_v: int | None = None,
                   head_size: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """What a vLLM layer can ask for that no paged backend computes, as sentences."""
     out = []
-    if kv_cache_dtype not in (None, "auto", *FP8_CACHE_DTYPES):
-        out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', or 'fp8' / "
-                   "'fp8_e4m3' (e4m3 codes with vLLM's per-tensor scales, paged's static scales)")
+    if kv_cache_dtype not in (None, "auto", *FP8_CACHE_DTYPES, *PER_TOKEN_HEAD_DTYPES):
+        out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', 'fp8' / "
+                   "'fp8_e4m3' (e4m3 codes with vLLM's per-tensor scales, paged's static scales), "
+                   "'int8_per_token_head', 'fp8_per_token_head' (paged's per-slot scales)")
     if attn_type != AttentionType.DECODER:
         out.append(f"attention type {attn_type!r} is not supported; accepted: {AttentionType.DECODER.value!r}")
     if alibi:
@@ -418,12 +439,59 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         if cached is not None and cached[0] is kv_cache:
             return cached[1]
         scales = None
-        if _paged_kv_dtype(self.kv_cache_dtype) == "fp8":
+        if self.kv_cache_dtype in FP8_CACHE_DTYPES:
             scales = (_layer_scale(layer, "_k_scale", kv_cache.device),
                       _layer_scale(layer, "_v_scale", kv_cache.device))
-        view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales)
+        if self.kv_cache_dtype in PER_TOKEN_HEAD_DTYPES:
+            view = per_token_head_view(kv_cache, self.head_size, PER_TOKEN_HEAD_DTYPES[self.kv_cache_dtype],
+                                       dtype=self.dtype)
+        else:
+            view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales)
         self._cache = (kv_cache, view)
         return view
+
+
+def per_token_head_view(kv_cache: torch.Tensor, head_size: int, kv_dtype: str, *,
+                        dtype: torch.dtype) -> KVCache:
+    """vLLM's per-token-head cache ``[num_blocks, num_kv_heads, block_size, 2 * (head_size + 4)]``
+    (logical; int8, or uint8 for fp8 codes): per (block, head, slot) ``[K codes | K scale | V codes
+    | V scale]``, each scale one float32 in the 4 bytes after its codes. As a paged ``KVCache``:
+    NHD views of the codes and float32 views of the inline scales, ``[num_blocks, block_size,
+    num_kv_heads]`` with the pool's strides (per-slot scales, which paged's writes set).
+
+    >>> pool = torch.zeros(3, 2, 16, 2 * (32 + 4), dtype=torch.int8)
+    >>> cache = per_token_head_view(pool, 32, "int8", dtype=torch.bfloat16)
+    >>> tuple(cache.k_scale.shape), cache.k_scale.stride(), cache.static_scales
+    ((3, 16, 2), (576, 18, 288), False)
+    """
+    code_dtype = {"int8": torch.int8, "fp8": torch.uint8}[kv_dtype]
+    width = 2 * (head_size + _SCALE_BYTES)
+    if (kv_cache.dim() != 4 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1
+            or kv_cache.dtype != code_dtype):
+        raise InputError(
+            f"vLLM's {kv_dtype} per-token-head KV cache of this layer is {kv_cache.dtype} "
+            f"{list(kv_cache.shape)} with strides {kv_cache.stride()}; accepted: {code_dtype} "
+            f"[num_blocks, num_kv_heads, block_size, 2 * ({head_size} + 4)] with the last dimension contiguous"
+        )
+    strides, offset = kv_cache.stride(), kv_cache.storage_offset()
+    if any(st % _SCALE_BYTES for st in strides[:3]) or (offset + head_size) % _SCALE_BYTES:
+        raise InputError(
+            f"vLLM's per-token-head KV cache has strides {strides} and offset {offset}; accepted: "
+            "multiples of 4 bytes, so that each inline float32 scale is aligned"
+        )
+    nhd = kv_cache.transpose(1, 2)
+    if kv_dtype == "fp8":
+        nhd = nhd.view(torch.float8_e4m3fn)
+    k, v = nhd[..., :head_size], nhd[..., head_size + _SCALE_BYTES: 2 * head_size + _SCALE_BYTES]
+    words = torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(kv_cache.untyped_storage())
+    n_blocks, heads, block_size = kv_cache.shape[:3]
+
+    def scales(at: int) -> torch.Tensor:
+        return torch.as_strided(words, (n_blocks, block_size, heads),
+                                (strides[0] // 4, strides[2] // 4, strides[1] // 4), (offset + at) // 4)
+
+    return KVCache(k=k, v=v, kv_dtype=kv_dtype, dtype=dtype, k_scale=scales(head_size),
+                   v_scale=scales(2 * head_size + _SCALE_BYTES))
 
 
 def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
