@@ -63,6 +63,10 @@ def test_sliding_window_layers(tmp_path, monkeypatch):
     run = generate(model, "CUSTOM", "reference", monkeypatch=monkeypatch)
     assert run.windows == {8}
     assert run.tokens == want.tokens
+    # The window decides these tokens: the same weights without it (same seed) give others, so
+    # the equality above says the window reached paged (a dropped window would not pass it).
+    plain = save_tiny_model("qwen3", tmp_path / "plain")
+    assert generate(plain, "CUSTOM", "reference", monkeypatch=monkeypatch).tokens != run.tokens
 
 
 def test_engine_in_its_own_processes(tiny_models, monkeypatch):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from fa2_helpers import MIXED, make_batch
+from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
 from paged_core import BatchMeta, BlockAllocator, allocate_kv_cache, reference_attention, write_kv
 from paged_flash_attn2 import (
     BridgedAllocator,
@@ -118,13 +119,14 @@ def test_backend_accepts_the_bridged_spec():
 def test_adapter_on_the_bridged_view_matches_reference_on_the_16_token_view(fake_flash_attn):
     q, cache16, meta16 = bridged_batch(MIXED + [(1, 1000)])
     backend = FlashAttn2Backend()
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2])
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    lse = torch.full(q.shape[:2], float("nan"))
     backend._forward(q, bridge_cache(cache16), backend.plan(bridge_meta(meta16)), out=out, lse=lse,
                      scale=0.125, window=0, softcap=0.0, sinks=None)
-    ref, ref_lse = reference_attention(q, cache16, meta16, scale=0.125, return_lse=True)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    ref, ref_lse = reference_attention(q, cache16, meta16, scale=0.125, return_lse=True, compute_dtype=torch.float64)
+    assert_close_to_reference(out, ref, backend="flash-attn2", case="bridge", tolerance=output_tolerance(q.dtype))
+    assert_close_to_reference(lse, ref_lse, backend="flash-attn2", case="bridge", what="lse",
+                              tolerance=lse_tolerance(q.dtype))
 
 
 # ---------------------------------------------------------------------------------- conversion
