@@ -46,9 +46,11 @@ def pad_rows_of(meta: BatchMeta) -> torch.Tensor:
 
 
 def compare(backend, meta_or_plan, meta, cache, q, *, window=0, softcap=0.0, return_lse=True,
-            compute_dtype=torch.float32) -> tuple[bool, str]:
-    """Run the backend and the reference; (ok, a one-line summary with the errors)."""
-    res = backend.forward(q, cache, meta_or_plan, window=window, softcap=softcap, return_lse=return_lse)
+            compute_dtype=torch.float64) -> tuple[bool, str]:
+    """Run the backend (into a NaN-poisoned out: an unwritten row fails) and the reference;
+    (ok, a one-line summary with the errors)."""
+    res = backend.forward(q, cache, meta_or_plan, window=window, softcap=softcap, return_lse=return_lse,
+                          out=torch.full_like(q, float("nan")))
     out, lse = res if return_lse else (res, None)
     ref_out, ref_lse = reference_attention(q, cache, meta, window=window, softcap=softcap,
                                            compute_dtype=compute_dtype, return_lse=True)
@@ -110,6 +112,7 @@ def graph_replay(backend_cls, *, num_reqs=16, num_heads=32, num_kv_heads=8, head
     q_static.copy_(q_b)
     cache.k.copy_(cache_b.k)
     cache.v.copy_(cache_b.v)
+    out_static.fill_(float("nan"))  # replay A's rows must not pass for replay B's
     graph.replay()
     torch.cuda.synchronize()
     replayed = out_static.clone()
@@ -121,9 +124,9 @@ def graph_replay(backend_cls, *, num_reqs=16, num_heads=32, num_kv_heads=8, head
 
 
 def compare_tensor(out, meta, cache, q) -> tuple[bool, str]:
-    ref = reference_attention(q, cache, meta, compute_dtype=torch.float32)
+    ref = reference_attention(q, cache, meta, compute_dtype=torch.float64)
     tol = output_tolerance(q.dtype)
-    diff = (out.float() - ref).abs()
+    diff = (out.double() - ref).abs()
     ok = bool((diff <= tol.atol + tol.rtol * ref.abs()).all())
     pad = pad_rows_of(meta)
     if pad.any():
