@@ -133,6 +133,47 @@ def test_allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype
         assert isinstance(cache, InputError), f"{type(cache).__name__}: {cache}"
 
 
+_SCALES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([None, True, "0.1", 0, -1]),
+    st.builds(lambda n, dt, v: torch.full((n,), v).to(dt),
+              st.sampled_from([0, 1, 2, 3]), st.sampled_from([torch.float32, torch.float64, torch.int32]),
+              st.sampled_from([0.05, 1.0, 0.0, -2.0, float("inf")])),
+    st.builds(lambda v: torch.tensor(v, dtype=torch.float32), st.sampled_from([0.02, 3.0, float("nan")])),
+    st.just(torch.ones(2, 1)),
+)
+
+
+@FUZZ
+@given(k_scale=_SCALES, v_scale=_SCALES, kv_dtype=st.sampled_from(["auto", "int8", "fp8"]),
+       seed=st.integers(0, 2**16))
+def test_static_scales_are_usable_or_refused(k_scale, v_scale, kv_dtype, seed):
+    """Any static scale argument: a cache whose writes and reads mean codes * that scale, or an
+    InputError; never another exception."""
+    status, cache = outcome(allocate_kv_cache, 8, 8, 2, 16, dtype=torch.float32, kv_dtype=kv_dtype,
+                            k_scale=k_scale, v_scale=v_scale)
+    if status == "error":
+        assert isinstance(cache, InputError), f"{type(cache).__name__}: {cache}"
+        return
+    assert cache.static_scales == (k_scale is not None)
+    gen = torch.Generator().manual_seed(seed)
+    meta = BatchMeta.build([3, 1], [3, 20], block_size=8, num_blocks=8, seed=seed)
+    k, v = (torch.randn(meta.num_tokens, 2, 16, generator=gen) for _ in range(2))
+    assert outcome(write_kv, cache, k, v, meta.slot_mapping)[0] == "ok"
+    if cache.static_scales:
+        # Every written code is round(x / scale) (int8) or x / scale in e4m3, clamped.
+        q_max = 127.0 if kv_dtype == "int8" else 448.0
+        ks = cache.k_scale[0, 0]
+        y = (k / ks[None, :, None]).clamp(-q_max, q_max)
+        want = y.round().to(torch.int8) if kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
+        slots = meta.slot_mapping.long()
+        got = cache.k.reshape(-1, 2, 16)[slots]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    q = torch.randn(meta.num_tokens, 4, 16, generator=gen)
+    status, out = outcome(registry.get("reference").forward, q, cache, meta)
+    assert status == "ok" and bool(out.isfinite().all())
+
+
 # ------------------------------------------------------------------------------ write_kv
 @FUZZ
 @given(
