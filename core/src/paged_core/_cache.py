@@ -302,7 +302,8 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
     (shape ``[]`` or ``[1]``: a per-tensor scale, as vLLM's ``layer._k_scale``) or one per KV head
     (``[num_kv_heads]``). A tensor is viewed, not copied (block and slot strides 0): an engine
     that updates its scale in place updates the cache's. Its values are read once here, to
-    refuse a scale that is not positive and finite (a sync for a GPU tensor).
+    refuse a scale that is not positive and finite (a sync for a GPU tensor; skipped while a
+    CUDA graph is being captured, where a sync is not allowed).
 
     >>> k = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
     >>> s = static_scale(torch.tensor([0.5, 0.25]), k)
@@ -325,8 +326,9 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
             f"{name} is {found}; accepted: a positive float, or a float32 tensor on {k.device} of "
             f"shape [] or [1] (one scale) or [num_kv_heads={heads}] (one per KV head)"
         )
-    values = base.detach().cpu()
-    if not bool(torch.isfinite(values).all() and (values > 0).all()):
+    capturing = base.is_cuda and torch.cuda.is_current_stream_capturing()
+    values = None if capturing else base.detach().cpu()
+    if values is not None and not bool(torch.isfinite(values).all() and (values > 0).all()):
         raise InputError(f"{name} holds {values.tolist()}; accepted: positive, finite scales")
     return base.view(1, 1, -1).expand(k.shape[0], k.shape[1], heads)
 
