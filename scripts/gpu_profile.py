@@ -1,8 +1,10 @@
 """Hardware counters of the Triton kernels on chosen batches: one Nsight Compute run per case.
 
 Where ``gpu_tune.py`` says how long a config takes, this says why: DRAM throughput against its
-peak, achieved and theoretical occupancy (and which resource limits it), registers, shared
-memory, and the warp stall reasons that dominate. GPU only (with ``ncu`` on the PATH):
+peak and the bytes read (an 8-bit cache should read ~0.52 x bf16's; its per-key scales are
+gathered 4 bytes out of each 32-byte sector), achieved and theoretical occupancy (and which
+resource limits it), registers, shared memory, and the warp stall reasons that dominate.
+GPU only (with ``ncu`` on the PATH):
     python scripts/gpu_profile.py                      # every case
     python scripts/gpu_profile.py decode-int8 decode-bf16
     python scripts/gpu_profile.py --list
@@ -39,6 +41,7 @@ CASES = {
     "decode-int8": "the same batch, int8 cache",
     "decode-fp8": "the same batch, fp8 cache",
     "decode-int8-w8": "int8 cache at 128 keys / 8 warps / 2 stages",
+    "decode-int8-static": "int8 cache with one static scale per tensor (no per-key scale gather)",
     "split-small": "triton-splitkv decode 4 x 4,096, its split count, 64 keys / 4 warps / 3 stages",
     "split-long": "triton-splitkv decode 4 x 32,768, its split count, 64 keys / 4 warps / 3 stages",
     "prefill": "triton-unified prefill 8 x 2,048 causal, 128-row tiles, 64 keys / 8 warps / 2 stages",
@@ -63,8 +66,9 @@ def build(case: str):
             kernel_config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
 
     if case.startswith("decode-"):
-        kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8"}[case[len("decode-"):]]
-        c = G.make_case([1] * 64, [4096] * 64, kv_dtype=kv)
+        kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8",
+              "int8-static": "int8"}[case[len("decode-"):]]
+        c = G.make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=case.endswith("-static"))
         small = (128, 8, 2) if case.endswith("-w8") else (128, 4, 2)
         return G.unified(c, torch.empty_like(c.q), G.cfg(small))
     if case == "split-small":
@@ -138,6 +142,7 @@ def parse_raw_csv(text: str) -> list[dict]:
             "kernel": rec.get("Kernel Name", "?").split("(")[0],
             "us": t,
             "dram_pct": val("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+            "dram_mb": None if (b := val("dram__bytes_read.sum", scale=_TO_BYTES)) is None else b / 1e6,
             "occupancy_pct": val("sm__warps_active.avg.pct_of_peak_sustained_active"),
             "theoretical_pct": val("sm__maximum_warps_per_active_cycle_pct"),
             "regs": val("launch__registers_per_thread"),
@@ -155,8 +160,8 @@ def _fmt(x, spec) -> str:
 
 
 def table(results: list[tuple[str, list[dict]]]) -> str:
-    head = ("case", "kernel", "µs", "DRAM %", "occ % (theor.)", "regs", "smem KB", "CTAs/SM by regs/smem",
-            "grid", "top stalls (cycles per issue)")
+    head = ("case", "kernel", "µs", "DRAM %", "DRAM MB read", "occ % (theor.)", "regs", "smem KB",
+            "CTAs/SM by regs/smem", "grid", "top stalls (cycles per issue)")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for case, kernels in results:
         if not kernels:
@@ -164,7 +169,7 @@ def table(results: list[tuple[str, list[dict]]]) -> str:
         for k in kernels:
             lim = k["limits"]
             lines.append(" | ".join([
-                case, k["kernel"][:40], _fmt(k["us"], ".1f"), _fmt(k["dram_pct"], ".1f"),
+                case, k["kernel"][:40], _fmt(k["us"], ".1f"), _fmt(k["dram_pct"], ".1f"), _fmt(k["dram_mb"], ".1f"),
                 f"{_fmt(k['occupancy_pct'], '.1f')} ({_fmt(k['theoretical_pct'], '.1f')})", _fmt(k["regs"], ".0f"),
                 _fmt(k["smem_kb"], ".1f"), f"{_fmt(lim['registers'], '.0f')}/{_fmt(lim['shared_mem'], '.0f')}",
                 k["grid"], ", ".join(f"{n} {v:.1f}" for n, v in k["stalls"]) or "-",
@@ -207,6 +212,7 @@ def main(argv: list[str]) -> int:
                "--print-units", "base", "--log-file", str(log)]
         for s in SECTIONS:
             cmd += ["--section", s]
+        cmd += ["--metrics", "dram__bytes_read.sum"]
         cmd += [sys.executable, __file__, "--child", case]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

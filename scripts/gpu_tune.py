@@ -78,7 +78,9 @@ class Case:
     kv_dtype: str
 
 
-def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None) -> Case:
+def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False) -> Case:
+    """A batch on random data; ``static_scales``: an 8-bit cache with one scale per tensor (no
+    per-key scale to gather) instead of one per slot."""
     if SMOKE:  # the first, middle and last request, at most 40 tokens each
         keep = sorted({0, len(qlens) // 2, len(qlens) - 1})
         qlens = [min(qlens[r], 20 + 7 * i) for i, r in enumerate(keep)]
@@ -86,7 +88,8 @@ def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None) -> Case:
         check_reqs = None
     meta = BatchMeta.build(qlens, slens, block_size=BS, device=DEV, seed=seed)
     nb = int(meta.block_table.max()) + 1
-    cache = allocate_kv_cache(nb, BS, HKV, D, dtype=torch.bfloat16, device=DEV, kv_dtype=kv_dtype)
+    fixed = dict(k_scale=0.01, v_scale=0.012) if static_scales else {}
+    cache = allocate_kv_cache(nb, BS, HKV, D, dtype=torch.bfloat16, device=DEV, kv_dtype=kv_dtype, **fixed)
     g = torch.Generator(device=DEV).manual_seed(seed)
     if kv_dtype == "auto":
         cache.k.normal_(generator=g), cache.v.normal_(generator=g)
@@ -97,12 +100,12 @@ def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None) -> Case:
     else:  # fp8 e4m3: normal codes spread over the format's range
         for t in (cache.k, cache.v):
             t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
-    if cache.k_scale is not None:
+    if cache.k_scale is not None and not cache.static_scales:
         for t in (cache.k_scale, cache.v_scale):
             t.copy_(torch.rand(t.shape, generator=g, device=DEV) * 0.02 + 1e-3)
     q = torch.randn(sum(qlens), HQ, D, generator=g, device=DEV).to(torch.bfloat16)
     elem = 2 if kv_dtype == "auto" else 1
-    per_token = 2 * HKV * D * elem + (2 * HKV * 4 if kv_dtype != "auto" else 0)
+    per_token = 2 * HKV * D * elem + (2 * HKV * 4 if kv_dtype != "auto" and not static_scales else 0)
     nbytes = sum(slens) * per_token
     flops = 4 * D * HQ * sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
     if check_reqs is None:
@@ -288,8 +291,15 @@ def section_split_count() -> None:
 
 def section_quant_depth() -> None:
     """8-bit caches read half the bytes per key step: do deeper pipelines, wider steps, more
-    warps or more programs (split counts) buy the bytes in flight that bf16 gets from 2 stages?"""
+    warps or more programs (split counts) buy the bytes in flight that bf16 gets from 2 stages?
+    And is the per-key scale gather the cost (the same batch with one static scale per tensor)?"""
     for kv in ("int8", "fp8"):
+        static = make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=True)
+        out = torch.empty_like(static.q)
+        for small in [(128, 4, 2), (128, 8, 2)]:
+            report("q-depth", f"64x4096 {kv} static scales unified {tag(small)}", static,
+                   unified(static, out, cfg(small)), out)
+        del static
         case = make_case([1] * 64, [4096] * 64, kv_dtype=kv)
         out = torch.empty_like(case.q)
         for small in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),

@@ -45,23 +45,24 @@ def test_gpu_profile_reads_ncus_raw_csv():
     # units, one row per kernel (numbers may carry thousands separators).
     names = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum",
              "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
-             "sm__maximum_warps_per_active_cycle_pct", "launch__registers_per_thread",
+             "sm__maximum_warps_per_active_cycle_pct", "dram__bytes_read.sum", "launch__registers_per_thread",
              "launch__shared_mem_per_block_dynamic", "launch__shared_mem_per_block_static",
              "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"]
-    units = ["", "", "", "", "usecond", "%", "%", "%", "register/thread", "Kbyte", "byte", "block", "block",
+    units = ["", "", "", "", "usecond", "%", "%", "%", "Mbyte", "register/thread", "Kbyte", "byte", "block", "block",
              "", "", "", ""]
     row = ["0", "unified_attention_kernel(float *, int)", "(64, 8, 1)", "(128, 1, 1)", "1,260.35", "46.2", "18.9",
-           "25", "255", "40.96", "1,024", "2", "5", "12.5", "0.7", "3.1", "1.9"]
+           "25", "553.6", "255", "40.96", "1,024", "2", "5", "12.5", "0.7", "3.1", "1.9"]
     text = "\n".join(["==PROF== Connected to process 1", ",".join(f'"{x}"' for x in names),
                       ",".join(f'"{x}"' for x in units), ",".join(f'"{x}"' for x in row)])
     [k] = _load_script("gpu_profile").parse_raw_csv(text)
     assert k["kernel"] == "unified_attention_kernel"
     assert k["us"] == pytest.approx(1260.35)
     assert (k["dram_pct"], k["occupancy_pct"], k["regs"]) == (46.2, 18.9, 255)
+    assert k["dram_mb"] == pytest.approx(553.6)
     assert k["smem_kb"] == pytest.approx(41.0)  # 40,960 dynamic + 1,024 static bytes
     assert k["limits"]["registers"] == 2 and k["limits"]["shared_mem"] == 5
     assert [name for name, _ in k["stalls"]] == ["long_scoreboard", "wait", "math_pipe_throttle"]
