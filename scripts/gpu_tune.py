@@ -78,9 +78,12 @@ class Case:
     kv_dtype: str
 
 
-def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False) -> Case:
+def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False,
+              head_major_scales=False) -> Case:
     """A batch on random data; ``static_scales``: an 8-bit cache with one scale per tensor (no
-    per-key scale to gather) instead of one per slot."""
+    per-key scale to gather) instead of one per slot; ``head_major_scales``: per-slot scales
+    stored ``[num_blocks, num_kv_heads, block_size]`` (a block's keys of one head contiguous),
+    seen through the contract's ``[num_blocks, block_size, num_kv_heads]`` view."""
     if SMOKE:  # the first, middle and last request, at most 40 tokens each
         keep = sorted({0, len(qlens) // 2, len(qlens) - 1})
         qlens = [min(qlens[r], 20 + 7 * i) for i, r in enumerate(keep)]
@@ -100,6 +103,9 @@ def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_sca
     else:  # fp8 e4m3: normal codes spread over the format's range
         for t in (cache.k, cache.v):
             t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
+    if head_major_scales:
+        ks, vs = (torch.empty(nb, HKV, BS, device=DEV).transpose(1, 2) for _ in "kv")
+        cache = KVCache(k=cache.k, v=cache.v, kv_dtype=kv_dtype, k_scale=ks, v_scale=vs, dtype=cache.dtype)
     if cache.k_scale is not None and not cache.static_scales:
         for t in (cache.k_scale, cache.v_scale):
             t.copy_(torch.rand(t.shape, generator=g, device=DEV) * 0.02 + 1e-3)
@@ -292,7 +298,8 @@ def section_split_count() -> None:
 def section_quant_depth() -> None:
     """8-bit caches read half the bytes per key step: do deeper pipelines, wider steps, more
     warps or more programs (split counts) buy the bytes in flight that bf16 gets from 2 stages?
-    And is the per-key scale gather the cost (the same batch with one static scale per tensor)?"""
+    And is the per-key scale gather the cost (the same batch with one static scale per tensor,
+    and with per-slot scales stored head-major, so a program's scales are contiguous)?"""
     for kv in ("int8", "fp8"):
         static = make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=True)
         out = torch.empty_like(static.q)
@@ -300,6 +307,11 @@ def section_quant_depth() -> None:
             report("q-depth", f"64x4096 {kv} static scales unified {tag(small)}", static,
                    unified(static, out, cfg(small)), out)
         del static
+        head_major = make_case([1] * 64, [4096] * 64, kv_dtype=kv, head_major_scales=True)
+        for small in [(128, 4, 2), (128, 8, 2)]:
+            report("q-depth", f"64x4096 {kv} head-major scales unified {tag(small)}", head_major,
+                   unified(head_major, out, cfg(small)), out)
+        del head_major
         case = make_case([1] * 64, [4096] * 64, kv_dtype=kv)
         out = torch.empty_like(case.q)
         for small in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),
