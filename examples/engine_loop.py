@@ -11,6 +11,7 @@ paged-core, ``pip install paged-conformance``), so the loop doubles as an end-to
     python examples/engine_loop.py                          # the reference backend, on the CPU
     python examples/engine_loop.py --backend triton-unified # Triton (interpreter without a GPU)
     python examples/engine_loop.py --backend flashinfer --device cuda --dtype bfloat16
+    python examples/engine_loop.py --kv-dtype fp8 --static-scale 0.02   # vLLM-style fp8 cache
 
 Exits 1 if any step's output is further from the reference than the dtype's tolerance, and
 says where (request, head, position).
@@ -30,6 +31,11 @@ _parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 _parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 _parser.add_argument("--steps", type=int, default=5, help="engine steps to run (default 5)")
 _parser.add_argument("--layers", type=int, default=2)
+_parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                     help="cache storage: the model dtype (default), or int8/fp8 codes with scales")
+_parser.add_argument("--static-scale", type=float, default=None, metavar="S",
+                     help="an int8/fp8 cache with one static scale S for K and V (as vLLM's fp8 caches "
+                          "have), instead of one scale per slot set by each write")
 ARGS = _parser.parse_args()
 if ARGS.device == "cpu" and ARGS.backend.startswith("triton"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
@@ -62,12 +68,19 @@ def main() -> int:
     except PagedError as exc:  # not installed, or cannot run here: say which and what fixes it
         print(f"engine_loop.py: {exc}", file=sys.stderr)
         return 2
-    caches = [backend.allocate(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                               dtype=dtype, device=device) for _ in range(ARGS.layers)]
+    static = {} if ARGS.static_scale is None else dict(k_scale=ARGS.static_scale, v_scale=ARGS.static_scale)
+    try:
+        caches = [backend.allocate(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                                   dtype=dtype, kv_dtype=ARGS.kv_dtype, device=device, **static)
+                  for _ in range(ARGS.layers)]
+    except PagedError as exc:  # a static scale for a full-precision cache, a scale <= 0, ...
+        print(f"engine_loop.py: {exc}", file=sys.stderr)
+        return 2
     allocator = BlockAllocator(NUM_BLOCKS, seed=0)
     requests = [Request(37), Request(5), Request(20)]  # a long prompt prefilled in chunks, two short ones
     gen = torch.Generator().manual_seed(0)
-    tolerance = output_tolerance(dtype)  # elementwise: |out - ref| <= atol + rtol * |ref|
+    # Elementwise |out - ref| <= atol + rtol * |ref|; the reference reads the same (quantized) cache.
+    tolerance = output_tolerance(dtype, ARGS.kv_dtype)
     worst, failures = 0.0, []
     for step in range(ARGS.steps):
         # Schedule: every request gets its next tokens; grow its block list to cover them.
@@ -77,7 +90,8 @@ def main() -> int:
             r.blocks += allocator.allocate(math.ceil(r.seq_len / BLOCK_SIZE) - len(r.blocks))
         meta = BatchMeta.from_lists(query_lens, [r.seq_len for r in requests], [r.blocks for r in requests],
                                     block_size=BLOCK_SIZE, device=device)
-        plan = backend.plan(meta, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)
+        plan = backend.plan(meta, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype,
+                            kv_dtype=ARGS.kv_dtype)
         errors = []
         for layer, cache in enumerate(caches):
             # What the model's projections would produce for this step's tokens.
@@ -100,7 +114,9 @@ def main() -> int:
     for failure in failures:
         print(failure, file=sys.stderr)
     ok = not failures
-    print(f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers, worst abs err {worst:.1e} "
+    cache_kind = "" if ARGS.kv_dtype == "auto" else (
+        f", {ARGS.kv_dtype} cache ({'static scale' if ARGS.static_scale is not None else 'per-slot scales'})")
+    print(f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers{cache_kind}, worst abs err {worst:.1e} "
           f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {tolerance})")
     return 0 if ok else 1
 

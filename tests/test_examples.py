@@ -37,3 +37,12 @@ def test_engine_loop_runs_chunked_prefill_then_decodes(backend):
 def test_engine_loop_names_a_missing_backend():
     run = _run("--backend", "no-such-backend", "--steps", "1")
     assert run.returncode == 2 and "no-such-backend" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_engine_loop_on_an_fp8_cache_with_a_static_scale():
+    run = _run("--kv-dtype", "fp8", "--static-scale", "0.02", "--steps", "3")
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "fp8 cache (static scale)" in run.stdout and "within the float32 tolerance" in run.stdout
+    # A static scale for a full-precision cache is refused with the reason, not a traceback.
+    bad = _run("--static-scale", "0.02", "--steps", "1")
+    assert bad.returncode == 2 and "'int8' or 'fp8' cache only" in bad.stderr and "Traceback" not in bad.stderr
