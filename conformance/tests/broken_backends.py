@@ -149,6 +149,19 @@ class StaticScalesIgnored(Wrapping):
             dst.view(torch.uint8)[blk, off] = codes.view(torch.uint8)
 
 
+class LayerScalesReused(Wrapping):
+    """Replays one plan's first layer with the later layers' tensors swapped in, but not their
+    scales: every layer after the first reads the first layer's k_scale/v_scale."""
+
+    name = "layer-scales-reused"
+
+    def attend(self, q, cache, meta, **kw):
+        first = self.__dict__.setdefault("_first_scales", {}).setdefault(id(meta), (cache.k_scale, cache.v_scale))
+        if cache.quantized:
+            cache = dataclasses.replace(cache, k_scale=first[0], v_scale=first[1])
+        return super().attend(q, cache, meta, **kw)
+
+
 class NotBatchInvariant(Wrapping):
     """Promises bitwise batch invariance but rounds differently when the batch has >1 request."""
 
@@ -247,7 +260,7 @@ class PaddingRowsUnwritten(Wrapping):
 BROKEN: tuple[type[Backend], ...] = (
     CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
     RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
-    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored,
+    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored, LayerScalesReused,
 )
 
 

@@ -311,7 +311,12 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
 LAYER_CASES = frozenset({
     "mixed_prefill_and_decode-g4", "decode_only-long_and_short", "padding_rows", "kv_int8-decode_only",
     "sinks", "qkv_view", "split_3", "cascade-shared_prefix",
+    # Each layer its own static scales (as each vLLM layer has its _k_scale): a plan replaying
+    # the first layer's scale pointer for the second shows.
+    "kv_fp8-static-kv_interleaved",
 })
+#: The second layer's static scales, relative to the first's.
+_LAYER_STATIC_FACTOR = 1.5
 #: Two layers show a layer that reuses the other's tensors: outputs are compared after both ran.
 NUM_LAYERS = 2
 
@@ -339,7 +344,7 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
     layers = []
     for i in range(NUM_LAYERS):
         q, k, v = (wl.q, wl.k_new, wl.v_new) if i == 0 else _layer_inputs(wl, i)
-        cache = wl.fresh_cache(backend)
+        cache = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR ** i)
         backend.write(cache, k, v, plan)
         out = _poisoned(wl)
         backend.forward(q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap,
@@ -353,7 +358,8 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
         if i == 0:
             ref = wl.ref_out
         else:
-            after = wl.fresh_cache(backend)  # cache_before's contents, then the trusted writer
+            # cache_before's contents (the layer's own static scales), then the trusted writer
+            after = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR ** i)
             write_kv(after, k, v, wl.meta.slot_mapping)
             ref = reference_attention(q, after, wl.meta, scale=case.scale, window=case.window,
                                       softcap=case.softcap, sinks=wl.sinks, compute_dtype=torch.float64)

@@ -105,13 +105,14 @@ class Workload:
         qsl = self.query_start_loc
         return slice(qsl[r], qsl[r + 1])
 
-    def fresh_cache(self, backend: Backend) -> KVCache:
+    def fresh_cache(self, backend: Backend, *, static_factor: float = 1.0) -> KVCache:
         """A cache holding ``cache_before``'s contents: allocated by ``backend``, or for a case
-        with another ``cache_layout`` a view of a pool laid out that way (an engine's own pool)."""
+        with another ``cache_layout`` a view of a pool laid out that way (an engine's own pool).
+        ``static_factor`` multiplies a static-scale case's scales (another layer's scales)."""
         c = self.case
         # Each cache its own copy of the static scales: a backend that wrote into them would
         # change its own cache only, and the checks compare them with these.
-        ks, vs = (t.clone() for t in self.static_scales) if self.static_scales else (None, None)
+        ks, vs = ((t * static_factor).clone() for t in self.static_scales) if self.static_scales else (None, None)
         if c.cache_layout != "nhd":
             cache = laid_out_cache(c.cache_layout, self.num_blocks, c.block_size, c.num_kv_heads,
                                    c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
