@@ -306,7 +306,7 @@ def test_a_handle_whose_backend_is_gone_is_an_input_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int8-static"])
 @pytest.mark.parametrize("name", ["triton-unified", "triton-splitkv", "flashinfer", "flash-attn2"])
 def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype):
     """Every CUDA backend, vendor calls included, compiled by inductor with fullgraph=True: a
@@ -315,6 +315,10 @@ def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype
     backend = get(name, device=None)  # the spec is checked by plan(): flash-attn2 needs 256-token blocks
     block = 256 if name == "flash-attn2" else BLOCK  # FlashAttention 2's paged path: block_size % 256 == 0
     head_dim, dtype = 128, torch.bfloat16
+    kv_dtype, _, static = kv_dtype.partition("-")
+    # Static scales: one per KV head, on the GPU (the compiled write must leave them as they are).
+    scales = dict(k_scale=torch.linspace(0.02, 0.04, KV_HEADS, device="cuda"),
+                  v_scale=torch.linspace(0.03, 0.05, KV_HEADS, device="cuda")) if static else {}
     # What the backend does not claim is skipped here, before any step: inside the loop an
     # UnsupportedSpecError is a failure.
     reasons = backend.reasons(AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim,
@@ -322,7 +326,7 @@ def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
     caches = [backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, kv_dtype=kv_dtype,
-                               device="cuda") for _ in range(2)]
+                               device="cuda", **scales) for _ in range(2)]
     for cache in caches:
         fill(backend, cache)  # the same random context in both
     counter = CompileCounterWithBackend("inductor")
