@@ -144,3 +144,24 @@ def test_register_is_idempotent_and_overrides_cpu_attention_by_path():
     assert AttentionBackendEnum.CPU_ATTN.get_class() is CPUAttentionBackend
     with pytest.raises(AttributeError):
         _cpu.Other  # noqa: B018
+
+
+def test_vllms_cache_release_drops_the_view_so_the_pool_can_be_freed(monkeypatch):
+    """vLLM frees a KV pool (teardown, the end of memory profiling) with clear_layer_kv_caches:
+    the impl's cached view must not keep the pool's storage alive past it."""
+    import gc
+    import weakref
+
+    from vllm.v1.worker.utils import clear_layer_kv_caches
+
+    monkeypatch.setenv(_backend.BACKEND_ENV, "reference")
+    impl = PagedAttentionImpl(4, 32, 32**-0.5, 2)
+    pool = torch.zeros(3, 2, 16, 64)
+    layer = SimpleNamespace(impl=impl, kv_cache=pool, layer_name="model.layers.0.self_attn.attn")
+    view = impl._view(pool, layer)
+    assert impl._view(pool, layer) is view  # cached: one view per bound tensor
+    alive = weakref.ref(pool.untyped_storage())
+    del view, pool
+    clear_layer_kv_caches([layer])
+    gc.collect()
+    assert impl._cache is None and alive() is None

@@ -434,6 +434,19 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             self._sinks32 = self.sinks.detach().float()
         return self._sinks32
 
+    # vLLM's clear_layer_kv_caches (its teardown, and the end of its memory profiling) unbinds
+    # the KV cache tensors from the layers and sets ``impl._k_scale_cache = None`` on each impl
+    # that has one, to drop the impl's views of the pool. The cached view here holds the pool's
+    # storage too: it is dropped the same way, so that memory is freed when vLLM frees it.
+    @property
+    def _k_scale_cache(self) -> None:
+        return None
+
+    @_k_scale_cache.setter
+    def _k_scale_cache(self, value: Any) -> None:
+        if value is None:
+            self._cache = None
+
     def _view(self, kv_cache: torch.Tensor, layer: Any) -> KVCache:
         cached = self._cache
         if cached is not None and cached[0] is kv_cache:
