@@ -144,7 +144,7 @@ def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_r
             "--backend",
             "sdpa-flash,sdpa-cudnn",
             "--cases",
-            "decode,mixed,prefill,decode-int8,decode-fp8,cascade,sweep",
+            "decode,mixed,prefill,decode-int8,decode-fp8,decode-fp8-static,cascade,sweep",
             "--sweep-batches",
             "1,2",
             "--json",
@@ -166,6 +166,7 @@ def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_r
         "prefill",
         "decode-int8",
         "decode-fp8",
+        "decode-fp8-static",
         "cascade",
         "sweep-b1-l64",
         "sweep-b2-l64",
@@ -228,6 +229,12 @@ def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_r
     assert casc["prefix_tokens"] == 32 and casc["kv_bytes"] < casc["kv_bytes_logical"]
     # Quantized caches count their scales: int8 and fp8 need the same bytes, fewer than bf16.
     assert by_id["decode-int8"]["kv_bytes"] == by_id["decode-fp8"]["kv_bytes"] < by_id["decode"]["kv_bytes"]
+    # One static scale per tensor: no scale per slot to read (2 x 4 bytes per token and KV head).
+    fp8, static = by_id["decode-fp8"], by_id["decode-fp8-static"]
+    tokens = fp8["total_context"]
+    assert fp8["kv_bytes"] - static["kv_bytes"] == tokens * 2 * 4 * _bench._config(_args()).kv_heads
+    assert static["kv_scales"] == "static" and fp8["kv_scales"] == "per_slot"
+    assert rows[("decode-fp8-static", "reference")]["status"] == "ok"
     assert by_id["prefill"]["flops"] > 0 and by_id["mixed"]["kind"] == "mixed"
 
 

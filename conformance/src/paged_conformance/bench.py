@@ -65,10 +65,13 @@ __all__ = ["add_arguments", "main", "run", "CASE_IDS"]
 #: Case ids in the order they run; ``--cases`` takes any of these ("sweep" = every sweep point).
 CASE_IDS = (
     "decode", "decode-long", "decode-short", "decode-medium", "decode-single",
-    "mixed", "prefill", "decode-int8", "decode-fp8", "cascade", "sweep",
+    "mixed", "prefill", "decode-int8", "decode-fp8", "decode-fp8-static", "cascade", "sweep",
 )
 #: What runs on a machine without a GPU unless ``--cases`` says otherwise (minuscule sizes).
-CPU_CASES = ("decode", "mixed", "prefill", "decode-int8", "decode-fp8", "cascade", "sweep")
+CPU_CASES = ("decode", "mixed", "prefill", "decode-int8", "decode-fp8", "decode-fp8-static", "cascade", "sweep")
+#: The static scale of the ``decode-fp8-static`` case, for K and V: unit-normal K/V reach 448 codes
+#: at 4 sigma (|x| > 4: p ~ 6e-5 saturate), as a calibrated per-tensor scale would put them.
+STATIC_SCALE = 4.0 / 448
 SDPA_BASELINES = ("sdpa-flash", "sdpa-cudnn")
 
 _DTYPES = {
@@ -234,6 +237,9 @@ class Case:
     #: ``query_lens[r]`` new tokens of ``seq_lens[r]`` in all, and the blocks every request shares.
     lengths: Batch
     kv_dtype: str = "auto"
+    #: A quantized cache with one static scale per tensor (``STATIC_SCALE``), vLLM's fp8 format,
+    #: instead of one scale per slot.
+    static_scales: bool = False
     group: str = ""  # "sweep" for sweep points
     batch: int = 0
     description: str = ""
@@ -298,6 +304,11 @@ def _cases(cfg: Config) -> list[Case]:
             b, n = (2, 64) if t else (64, 4096)
             kv = cid.rsplit("-", 1)[1]
             out.append(decode(cid, b, n, f"headline decode, {kv} cache", kv=kv))
+        elif cid == "decode-fp8-static":
+            b, n = (2, 64) if t else (64, 4096)
+            out.append(dataclasses.replace(
+                decode(cid, b, n, "headline decode, fp8 cache with one static scale per tensor (vLLM's)", kv="fp8"),
+                static_scales=True))
         elif cid == "cascade":
             b, prefix, suffix = (4, 32, 8) if t else (64, 4000, 100)
             shared = prefix // cfg.block_size * cfg.block_size
@@ -344,12 +355,14 @@ def _fill_cache(cache: KVCache, gen_seed: int) -> None:
         for a in range(0, nb, step):
             b = min(nb, a + step)
             x = torch.randn((b - a, *dst.shape[1:]), dtype=cache.dtype, device=dst.device)
-            codes, scales = quantize_kv(x, cache.kv_dtype)
+            # Static scales: codes of x / scale (one per KV head), the scales left as they are.
+            codes, scales = quantize_kv(x, cache.kv_dtype, sdst[0, 0] if cache.static_scales else None)
             if dst.dtype == torch.float8_e4m3fn:  # CPU index/copy kernels lack float8: move bytes
                 dst.view(torch.uint8)[a:b].copy_(codes.view(torch.uint8))
             else:
                 dst[a:b].copy_(codes)
-            sdst[a:b].copy_(scales)
+            if not cache.static_scales:
+                sdst[a:b].copy_(scales)
 
 
 def _index_blocks(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -425,16 +438,28 @@ def _build_pool(cfg: Config, case: Case, seed: int):
     bs = cfg.block_size
     pb = case.lengths.shared_prefix_blocks
     need = blocks_needed(case.seq_lens, bs, shared_prefix_blocks=pb)
-    per_block = bs * kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype)
+    per_block = bs * _bytes_per_token(cfg, case)
     num_blocks = max(need + 1, cfg.min_pool_bytes // per_block)
     alloc = BlockAllocator(num_blocks, shuffle=True, seed=seed)
     tables = allocate_tables(case.seq_lens, bs, alloc, shared_prefix_blocks=pb)
     meta = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
                                 device=cfg.device)
     cache = allocate_kv_cache(num_blocks, bs, cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype,
-                              kv_dtype=case.kv_dtype, device=cfg.device)
+                              kv_dtype=case.kv_dtype, device=cfg.device, **_static(case))
     _fill_cache(cache, seed)
     return meta, cache, tables
+
+
+def _static(case: Case) -> dict:
+    """``allocate_kv_cache``'s static-scale keywords for ``case`` (none for per-slot scales)."""
+    return dict(k_scale=STATIC_SCALE, v_scale=STATIC_SCALE) if case.static_scales else {}
+
+
+def _bytes_per_token(cfg: Config, case: Case) -> int:
+    """K/V bytes a token of ``case``'s cache takes (per-slot scales included; static ones are
+    one value for the whole cache)."""
+    per_tok = kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype)
+    return per_tok - (2 * cfg.kv_heads * 4 if case.static_scales else 0)
 
 
 def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables, seed: int) -> CaseData:
@@ -444,7 +469,7 @@ def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables,
     q = torch.randn(n, cfg.heads, cfg.head_dim, dtype=cfg.dtype, device=cfg.device)
     reqs = _pick_checked(qlens)
     rows, ref = _reference_subset(q, cache, meta, tables, reqs)
-    per_tok = kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype)
+    per_tok = _bytes_per_token(cfg, case)
     elem = torch.tensor([], dtype=cfg.dtype).element_size()
     return CaseData(
         meta=meta, cache=cache, tables=tables, q=q, rows=rows, ref=ref, checked_reqs=reqs,
@@ -623,14 +648,14 @@ def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Ba
         # A backend with its own cache layout: allocate through it and copy if the layout matches.
         try:
             own = backend.allocate(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
-                                   dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cfg.device)
+                                   dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cfg.device, **_static(case))
             if own.k.shape != cache.k.shape or own.k.dtype != cache.k.dtype:
                 row.status = (f"skip: {name} allocates its cache as {list(own.k.shape)} {own.k.dtype}; "
                               "paged bench fills NHD caches only")
                 return row
             for a, b in ((own.k, cache.k), (own.v, cache.v), (own.k_scale, cache.k_scale),
                          (own.v_scale, cache.v_scale)):
-                if a is not None:
+                if a is not None and not (own.static_scales and a.dim() == 3):  # static: given above
                     (a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a).copy_(
                         b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
             cache = own
@@ -697,7 +722,7 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         meta16 = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
                                       device=cfg.device)
         cache16 = allocate_kv_cache(need + ratio, bs, old.num_kv_heads, old.head_dim, dtype=old.dtype,
-                                    kv_dtype=old.kv_dtype, device=cfg.device)
+                                    kv_dtype=old.kv_dtype, device=cfg.device, **_static(case))
         # Every request's tokens, moved from the workload's random blocks to their aligned runs.
         src, dst = [], []
         for s, t_old, t_new in zip(case.seq_lens, data.tables, tables, strict=True):
@@ -707,7 +732,7 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         src_i, dst_i = (torch.cat(x).to(cfg.device) for x in (src, dst))
         for a, b in ((cache16.k, old.k), (cache16.v, old.v), (cache16.k_scale, old.k_scale),
                      (cache16.v_scale, old.v_scale)):
-            if a is not None:
+            if a is not None and not (cache16.static_scales and a.dim() == 3):  # static: given above
                 a.view(-1, *a.shape[2:])[dst_i] = b.view(-1, *b.shape[2:])[src_i]
         bridged = dataclasses.replace(data, meta=bridge_meta(meta16), cache=bridge_cache(cache16), tables=[])
         row = _run_backend(dataclasses.replace(cfg, block_size=256), case, bridged, name, backend, tol)
@@ -1076,6 +1101,7 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
             "description": case.description, "num_reqs": len(case.seq_lens),
             "num_tokens": sum(case.query_lens),
             "max_seq_len": max(case.seq_lens), "total_context": sum(case.seq_lens), "kv_dtype": case.kv_dtype,
+            "kv_scales": "static" if case.static_scales else "per_slot",
             "prefix_tokens": case.lengths.shared_prefix_blocks * cfg.block_size, "kv_bytes": data.kv_bytes,
             "kv_bytes_logical": data.kv_bytes_logical, "qo_bytes": data.qo_bytes, "flops": data.flops,
             "checked_requests": data.checked_reqs, "pool_bytes": _pool_bytes(data.cache),
