@@ -361,3 +361,36 @@ def test_every_installed_backend_takes_the_layer_keywords_of_plan():
         assert plan is meta or plan.meta is meta, name
         with pytest.raises(InputError, match=r"unknown keyword\(s\) num_head; accepted: num_heads, num_kv_heads"):
             backend.plan(meta, num_head=4)
+
+
+class PerSlotOnly(ReferenceBackend):
+    """Claims int8/fp8 caches with per-slot scales only: the default of Capabilities.kv_scales."""
+
+    name = "per-slot-only"
+    capabilities = Capabilities(kv_dtypes=frozenset({"auto", "int8", "fp8"}))
+
+
+def test_a_backend_that_does_not_claim_static_scales_refuses_them_everywhere():
+    meta = BatchMeta.build([2, 1], [5, 9], block_size=4, num_blocks=8, seed=0)
+    static = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8", k_scale=0.1, v_scale=0.1)
+    per_head = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8",
+                                 k_scale=torch.tensor([0.1, 0.2]), v_scale=0.1)
+    per_slot = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8")
+    assert (static.kv_scales, per_head.kv_scales, per_slot.kv_scales) == ("per_tensor", "per_head", "per_slot")
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    backend = PerSlotOnly()
+    backend.write(per_slot, k, k, meta)
+    backend.forward(q, per_slot, meta)  # claimed: runs
+    for cache, kind in ((static, "per_tensor"), (per_head, "per_head")):
+        for call in (lambda c=cache: backend.write(c, k, k, meta), lambda c=cache: backend.forward(q, c, meta)):
+            with pytest.raises(UnsupportedSpecError, match=f"int8 caches with kv_scales '{kind}' are not supported "
+                                                           r"\(accepted: per_slot\)"):
+                call()
+    with pytest.raises(UnsupportedSpecError, match="kv_scales 'per_tensor' are not supported"):
+        backend.plan(meta, num_heads=4, num_kv_heads=2, head_dim=8, kv_dtype="int8", kv_scales="per_tensor")
+    with pytest.raises(InputError, match="kv_scales is 'static'; accepted: per_slot, per_head, per_tensor"):
+        backend.plan(meta, kv_scales="static")
+    with pytest.raises(InputError, match="AttentionSpec.kv_scales is 'x'"):
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, kv_scales="x")
+    # The reference claims every kind.
+    ReferenceBackend().forward(q, static, meta)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from paged_conformance import bench as _bench
 from paged_conformance.tolerances import output_tolerance
-from paged_core import KV_DTYPES, Backend, Capabilities, Registry, _cli, hookimpl, reference_attention
+from paged_core import KV_DTYPES, KV_SCALES, Backend, Capabilities, Registry, _cli, hookimpl, reference_attention
 
 
 class _Counting(Backend):
-    capabilities = Capabilities(kv_dtypes=frozenset(KV_DTYPES))
+    capabilities = Capabilities(kv_dtypes=frozenset(KV_DTYPES), kv_scales=frozenset(KV_SCALES))
     calls = 0
 
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:

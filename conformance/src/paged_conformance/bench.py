@@ -633,7 +633,8 @@ def _run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Ba
               tolerance=_tolerance_label(tol))
     spec = AttentionSpec(
         num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=cfg.block_size,
-        dtype=cfg.dtype, kv_dtype=case.kv_dtype, device=cfg.device.type, decode_only=data.meta.decode_only,
+        dtype=cfg.dtype, kv_dtype=case.kv_dtype, kv_scales="per_tensor" if case.static_scales else "per_slot",
+        device=cfg.device.type, decode_only=data.meta.decode_only,
     )
     try:
         reasons = backend.reasons(spec)

@@ -179,6 +179,7 @@ class Case:
             block_size=self.block_size,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,  # type: ignore[arg-type]
+            kv_scales=self.kv_scales,
             window=self.window,
             softcap=self.softcap,
             sinks=self.sinks,

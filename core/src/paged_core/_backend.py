@@ -22,14 +22,14 @@ from . import _ops
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
-from ._spec import KV_DTYPES, AttentionSpec, Capabilities, KVDtype, dtype_name
+from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
 __all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
 
 #: The layer keywords every backend's :meth:`Backend.plan` accepts: the description of the
 #: layers that will run the plan (the same for every layer of a step).
-PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "dtype", "kv_dtype", "window", "softcap",
-                 "scale", "sinks")
+PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "dtype", "kv_dtype", "kv_scales", "window",
+                 "softcap", "scale", "sinks")
 
 
 def validation_enabled(validate: bool | None = None) -> bool:
@@ -218,6 +218,10 @@ class Backend:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
         cache.check()
+        if cache.quantized and cache.kv_scales not in self.capabilities.kv_scales:
+            raise UnsupportedSpecError(self.name, [
+                f"{cache.kv_dtype} caches with kv_scales {cache.kv_scales!r} are not supported "
+                f"(accepted: {', '.join(sorted(self.capabilities.kv_scales))})"])
         batch.check_structure()
         self._check_batch_fits(batch, cache)
         if self.validate and not _capturing():
@@ -237,12 +241,13 @@ class Backend:
 
         The keywords describe the layers that will use the plan (the same for every layer of a
         step): ``num_heads``, ``num_kv_heads``, ``head_dim``, ``dtype``, ``kv_dtype``,
+        ``kv_scales`` (``KV_SCALES``: how a quantized cache's scales vary, ``KVCache.kv_scales``),
         ``window``, ``softcap``, ``scale`` and ``sinks`` (a bool: whether the layers pass
         sinks), plus any option the backend's ``_plan`` declares. They are checked here, before
         any backend code runs: an unknown keyword is an :class:`InputError` listing the accepted
         ones, and with ``num_heads``, ``num_kv_heads`` and ``head_dim`` given, a layer outside
         the capabilities is an :class:`UnsupportedSpecError` with the reasons (``dtype`` and
-        ``kv_dtype``, when given, are part of that check). A backend that plans on the host
+        ``kv_dtype`` and ``kv_scales``, when given, are part of that check). A backend that plans on the host
         (FlashInfer) plans with them at once, which a CUDA-graph replay needs (it runs no
         Python); the others ignore them, so one call serves every backend. The default plan is
         the ``BatchMeta`` itself; planning backends return an object with a ``meta`` attribute.
@@ -285,6 +290,9 @@ class Backend:
             raise InputError(f"dtype is {dtype!r}; accepted: a torch.dtype such as torch.bfloat16")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
+        kv_scales = layer.get("kv_scales", "per_slot")
+        if kv_scales not in KV_SCALES:
+            raise InputError(f"kv_scales is {kv_scales!r}; accepted: {', '.join(KV_SCALES)}")
         sinks = layer.get("sinks", False)
         if not isinstance(sinks, bool):
             raise InputError(f"sinks is {sinks!r}; accepted: True or False (whether the layers pass sinks)")
@@ -300,8 +308,8 @@ class Backend:
             dtype=dtype if dtype is not None else min(caps.dtypes, key=dtype_name, default=torch.bfloat16),
             kv_dtype=kv_dtype if kv_dtype is not None else ("auto" if "auto" in caps.kv_dtypes
                                                             else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
-            window=int(window), softcap=float(softcap), sinks=sinks, device=meta.device.type,
-            decode_only=meta.decode_only,
+            kv_scales=kv_scales, window=int(window), softcap=float(softcap), sinks=sinks,
+            device=meta.device.type, decode_only=meta.decode_only,
         )
         reasons = self.reasons(spec)
         if reasons:
@@ -414,6 +422,7 @@ class Backend:
             block_size=cache.block_size,
             dtype=q.dtype,
             kv_dtype=cache.kv_dtype,
+            kv_scales=cache.kv_scales,
             window=int(window),
             softcap=float(softcap),
             sinks=sinks is not None,

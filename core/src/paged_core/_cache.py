@@ -107,6 +107,17 @@ class KVCache:
         tensor or KV head, which writes quantize with and leave unchanged."""
         return self.quantized and isinstance(self.k_scale, torch.Tensor) and _is_static(self.k_scale)
 
+    @property
+    def kv_scales(self) -> str:
+        """How the scales vary (``paged_core.KV_SCALES``): "per_slot", or for static scales
+        "per_head" or "per_tensor" (one value: every KV head's stride 0 too, or one KV head).
+        "per_slot" for a full-precision cache, which has none."""
+        if not self.static_scales:
+            return "per_slot"
+        k_scale, v_scale = self._scales()
+        one = all(t.stride(2) == 0 or t.shape[2] == 1 for t in (k_scale, v_scale))
+        return "per_tensor" if one else "per_head"
+
     def check(self) -> KVCache:
         """Check the structure of the cache; raise :class:`InputError` saying what is wrong.
 

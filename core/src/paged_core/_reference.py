@@ -17,7 +17,7 @@ from ._backend import Backend
 from ._batch import BatchMeta
 from ._cache import KVCache
 from ._errors import InputError
-from ._spec import KV_DTYPES, Capabilities
+from ._spec import KV_DTYPES, KV_SCALES, Capabilities
 
 __all__ = ["ReferenceBackend", "reference_attention"]
 
@@ -132,6 +132,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     capabilities = Capabilities(
         kv_dtypes=frozenset(KV_DTYPES),
+        kv_scales=frozenset(KV_SCALES),
         sliding_window=True,
         softcap=True,
         sinks=True,

@@ -17,7 +17,7 @@ import torch
 
 from ._errors import InputError
 
-__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KVDtype", "ANY"]
+__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KV_SCALES", "KVDtype", "ANY"]
 
 #: Host ints the metadata stores as int32 (lengths, offsets, block ids) must stay below this.
 INT32_LIMIT = 2**31
@@ -26,6 +26,9 @@ KVDtype = Literal["auto", "int8", "fp8"]
 #: The cache storage formats: the model dtype itself, or symmetric int8 / fp8 (E4M3) codes with
 #: one float32 scale per (slot, KV head).
 KV_DTYPES: tuple[str, ...] = ("auto", "int8", "fp8")
+#: How a quantized cache's scales vary (``KVCache.kv_scales``): one per (slot, KV head), set by
+#: each write; or static (``paged_core.static_scale``), one per KV head or one per tensor.
+KV_SCALES: tuple[str, ...] = ("per_slot", "per_head", "per_tensor")
 
 #: Marker for "no restriction" in a ``Capabilities`` field.
 ANY = None
@@ -95,6 +98,8 @@ class AttentionSpec:
     device: str = "cpu"
     decode_only: bool = False
     return_lse: bool = False
+    #: A quantized cache's scales (one of ``KV_SCALES``); ignored for ``kv_dtype="auto"``.
+    kv_scales: str = "per_slot"
 
     def __post_init__(self) -> None:
         # A zero here used to surface as a ZeroDivisionError from registry.explain()/select().
@@ -102,6 +107,8 @@ class AttentionSpec:
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise InputError(f"AttentionSpec.{name} is {v!r}; accepted: a positive int")
+        if self.kv_scales not in KV_SCALES:
+            raise InputError(f"AttentionSpec.kv_scales is {self.kv_scales!r}; accepted: {', '.join(KV_SCALES)}")
 
     @property
     def group_size(self) -> int:
@@ -119,7 +126,7 @@ class AttentionSpec:
             dtype_name(self.dtype),
         ]
         if self.kv_dtype != "auto":
-            parts.append(f"kv={self.kv_dtype}")
+            parts.append(f"kv={self.kv_dtype}" + ("" if self.kv_scales == "per_slot" else f"/{self.kv_scales}"))
         if self.window:
             parts.append(f"window={self.window}")
         if self.softcap:
@@ -139,6 +146,9 @@ class Capabilities:
     group_sizes: frozenset[int] | None = ANY
     dtypes: frozenset[torch.dtype] = frozenset(_DTYPE_NAMES)
     kv_dtypes: frozenset[str] = frozenset({"auto"})
+    #: The scales of int8/fp8 caches it reads (``KV_SCALES``). Per slot only unless it says so: a
+    #: kernel that indexes scales as one per slot would read a static scale's view wrongly.
+    kv_scales: frozenset[str] = frozenset({"per_slot"})
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     sliding_window: bool = False
     softcap: bool = False
@@ -180,6 +190,11 @@ class Capabilities:
         if spec.kv_dtype not in self.kv_dtypes:
             out.append(
                 f"kv_dtype {spec.kv_dtype!r} is not supported (accepted: {_fmt(self.kv_dtypes)})"
+            )
+        elif spec.kv_dtype != "auto" and spec.kv_scales not in self.kv_scales:
+            out.append(
+                f"{spec.kv_dtype} caches with kv_scales {spec.kv_scales!r} are not supported "
+                f"(accepted: {_fmt(self.kv_scales)})"
             )
         if spec.window and not self.sliding_window:
             out.append("sliding window attention is not supported")
@@ -228,7 +243,8 @@ class Capabilities:
         ]
         return (
             f"head_dim {s(self.head_dims)}; block {s(self.block_sizes)}; group {s(self.group_sizes)}; "
-            f"dtype {s(dtype_name(d) for d in self.dtypes)}; kv {s(self.kv_dtypes)}; "
+            f"dtype {s(dtype_name(d) for d in self.dtypes)}; kv {s(self.kv_dtypes)}"
+            + (f" (scales {s(self.kv_scales)})" if set(self.kv_dtypes) - {"auto"} else "") + "; "
             f"{'mixed' if self.mixed_batches else 'decode-only'}; {s(self.devices)}"
             + (f"; {', '.join(flags)}" if flags else "")
         )

@@ -232,6 +232,7 @@ class PagedAttentionBackend(AttentionBackend):
         # asks only about what is known.
         spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_dim=head_size, block_size=block_size,
                              dtype=dtype, kv_dtype=_paged_kv_dtype(kv_cache_dtype),
+                             kv_scales=_paged_kv_scales(kv_cache_dtype),
                              window=1 if has_sliding_window else 0, sinks=has_sink, device=_device_type())
         reasons = [f"{backend.name}: {r}" for r in backend.reasons(spec)]
         reasons += _vllm_reasons(kv_cache_dtype=kv_cache_dtype, attn_type=attn_type)
@@ -250,6 +251,11 @@ class PagedAttentionBackend(AttentionBackend):
              "adaptive verification (device query lengths below the host's) is not supported"),
         ]
         return reasons + [r for on, r in beyond if on]
+
+
+def _paged_kv_scales(kv_cache_dtype: Any) -> str:
+    """paged's ``kv_scales`` of vLLM's ``kv_cache_dtype``: per tensor for its fp8 caches."""
+    return "per_tensor" if kv_cache_dtype in FP8_CACHE_DTYPES else "per_slot"
 
 
 def _paged_kv_dtype(kv_cache_dtype: Any) -> str:
@@ -370,6 +376,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         return AttentionSpec(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
             block_size=block_size, dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
+            kv_scales=_paged_kv_scales(self.kv_cache_dtype),
             window=self.sliding_window, softcap=self.logits_soft_cap, sinks=self.sinks is not None,
             device=device,
         )
@@ -390,6 +397,7 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         """The keywords ``backend.plan`` takes for this layer."""
         return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
                     dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
+                    kv_scales=_paged_kv_scales(self.kv_cache_dtype),
                     window=self.sliding_window, softcap=self.logits_soft_cap, scale=self.scale)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:

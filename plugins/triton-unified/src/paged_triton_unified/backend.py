@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 import torch
-from paged_core import KV_DTYPES, AttentionSpec, Backend, BatchMeta, Capabilities
+from paged_core import KV_DTYPES, KV_SCALES, AttentionSpec, Backend, BatchMeta, Capabilities
 
 from . import kernels
 from .direct import Recording
@@ -146,6 +146,7 @@ class TritonUnifiedBackend(TritonBackend):
         head_dims=frozenset(SUPPORTED_HEAD_DIMS),
         block_sizes=frozenset(SUPPORTED_BLOCK_SIZES),
         kv_dtypes=frozenset(KV_DTYPES),
+        kv_scales=frozenset(KV_SCALES),
         dtypes=frozenset(SUPPORTED_DTYPES),
         devices=frozenset({"cpu", "cuda"}),
         sliding_window=True,
