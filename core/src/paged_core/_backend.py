@@ -218,9 +218,10 @@ class Backend:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache is {_found(cache)}; accepted: a paged_core.KVCache")
         cache.check()
-        if cache.quantized and cache.kv_scales not in self.capabilities.kv_scales:
+        # _kv_scales: what check() just found ("per_slot" for a full-precision cache too).
+        if cache._kv_scales != "per_slot" and cache._kv_scales not in self.capabilities.kv_scales:
             raise UnsupportedSpecError(self.name, [
-                f"{cache.kv_dtype} caches with kv_scales {cache.kv_scales!r} are not supported "
+                f"{cache.kv_dtype} caches with kv_scales {cache._kv_scales!r} are not supported "
                 f"(accepted: {', '.join(sorted(self.capabilities.kv_scales))})"])
         batch.check_structure()
         self._check_batch_fits(batch, cache)

@@ -76,6 +76,8 @@ class KVCache:
     # prepared arguments) serve every layer. None: never checked.
     _layout: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+    # ``kv_scales`` of the last accepted fields (computed by check(), read on every write).
+    _kv_scales: str = dataclasses.field(default="per_slot", init=False, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -111,7 +113,10 @@ class KVCache:
     def kv_scales(self) -> str:
         """How the scales vary (``paged_core.KV_SCALES``): "per_slot", or for static scales
         "per_head" or "per_tensor" (one value: every KV head's stride 0 too, or one KV head).
-        "per_slot" for a full-precision cache, which has none."""
+        "per_slot" for a full-precision cache, which has none. Checks the cache first."""
+        return self.check()._kv_scales
+
+    def _scale_kind(self) -> str:
         if not self.static_scales:
             return "per_slot"
         k_scale, v_scale = self._scales()
@@ -205,6 +210,7 @@ class KVCache:
                 "(paged_core.static_scale) or both per slot"
             )
         self._spill_ok = self._spill_matches()
+        self._kv_scales = self._scale_kind()
         self._layout = (self.kv_dtype, self.dtype, self.k.device, self._spill_ok,
                         *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
         self._checked = fields
