@@ -108,6 +108,33 @@ def test_reference_passes_every_check(check, cpu):
     assert failing_cases(ReferenceBackend(validate=True), check, cpu) == set()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (the GPU machine)")
+def test_a_backend_whose_graph_replays_a_stale_result_fails_the_graph_check():
+    """The graph check's broken backend: triton-unified, except that inside a capture it records
+    a copy of its last eager result instead of its kernels, so a replay returns the old answer
+    (what a backend that computes on the host and uploads does). Eager calls are right."""
+    from paged_conformance.checks import GRAPH_CASES
+    from paged_core import registry
+
+    class StaleReplay(type(registry.get("triton-unified"))):
+        name = "stale-replay"
+
+        def _forward(self, q, cache, plan, *, out, lse, **kw):
+            if torch.cuda.is_current_stream_capturing():
+                out.copy_(self._last)
+                return
+            super()._forward(q, cache, plan, out=out, lse=lse, **kw)
+            self._last = out.clone()
+
+    cuda = torch.device("cuda")
+    graph_cases = {c.id for c in SMALL if c.id in GRAPH_CASES}
+    assert failing_cases(StaleReplay(validate=True), "cuda_graph_replay", cuda,
+                         only=lambda c: c.id in GRAPH_CASES) == graph_cases
+    assert failing_cases(StaleReplay(validate=True), "matches_reference", cuda,
+                         only=lambda c: c.id in GRAPH_CASES) == set()
+
+
 def test_failure_says_where(cpu):
     case = next(c for c in SMALL if c.id == "mixed_prefill_and_decode-g1")
     with pytest.raises(ConformanceFailure) as err:
