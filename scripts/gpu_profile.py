@@ -141,7 +141,10 @@ def parse_raw_csv(text: str) -> list[dict]:
         kernels.append({
             "kernel": rec.get("Kernel Name", "?").split("(")[0],
             "us": t,
-            "dram_pct": val("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+            # The name differs between Nsight Compute releases.
+            "dram_pct": next((x for x in (val("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                                          val("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"))
+                              if x is not None), None),
             "dram_mb": None if (b := val("dram__bytes_read.sum", scale=_TO_BYTES)) is None else b / 1e6,
             "occupancy_pct": val("sm__warps_active.avg.pct_of_peak_sustained_active"),
             "theoretical_pct": val("sm__maximum_warps_per_active_cycle_pct"),
