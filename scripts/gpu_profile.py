@@ -54,16 +54,11 @@ def build(case: str):
     sys.path.insert(0, str(HERE))
     import gpu_tune as G
     import torch
-    from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention
+    from paged_triton_splitkv.launch import choose_num_splits
 
-    def split_call(b, n):
+    def split_call(b, n):  # gpu_tune's split call at the split count the backend chooses
         c = G.make_case([1] * b, [n] * b, check_reqs=[0])
-        out = torch.empty_like(c.q)
-        splits = choose_num_splits(b, G.HKV, n, G.BS, G.DEV)
-        return lambda: split_decode_attention(
-            c.q, c.cache.k, c.cache.v, out, seq_lens=c.meta.seq_lens, block_table=c.meta.block_table,
-            max_seq_len=n, scale=G.SCALE, num_splits=splits,
-            kernel_config={"BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
+        return G.split_call(c, torch.empty_like(c.q), choose_num_splits(b, G.HKV, n, G.BS, G.DEV), (64, 4, 3))
 
     if case.startswith("decode-"):
         kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8",
