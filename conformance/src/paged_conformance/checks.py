@@ -59,6 +59,7 @@ from .cases import Case
 from .tolerances import (
     QUANTIZED_VS_FULL_PRECISION,
     ConformanceFailure,
+    Tolerance,
     assert_close_to_reference,
     locate,
     lse_tolerance,
@@ -214,10 +215,24 @@ def check_close_to_full_precision(backend: Backend, case: Case, device: torch.de
     err = assert_close_to_reference(
         out, full.ref_out, backend=backend.name, case=case.id,
         what=f"output on the {case.kv_dtype} cache (vs full-precision K/V)",
-        tolerance=QUANTIZED_VS_FULL_PRECISION[case.kv_dtype], rows=~wl.padding_rows,
+        tolerance=_quantization_bound(case, wl, full), rows=~wl.padding_rows,
         query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
+
+
+def _quantization_bound(case: Case, wl: Workload, full: Workload) -> Tolerance:
+    """The stated bound for the case's format. It is stated for per-slot scales; int8 with static
+    scales rounds to a coarser step (one scale covers every token's largest element, a per-slot
+    scale only its own vector's), so its bound grows by how much coarser the largest static step is
+    than the median per-slot step on this data (about 3x for the suite's scales). fp8 rounds
+    relative to each element, so its static scales keep the bound."""
+    bound = QUANTIZED_VS_FULL_PRECISION[case.kv_dtype]
+    if wl.static_scales is None or case.kv_dtype != "int8":
+        return bound
+    per_slot_steps = torch.cat([t.abs().amax(-1).flatten() for t in (full.k_new, full.v_new)]) / Q_MAX["int8"]
+    static_step = max(float(s.max()) for s in wl.static_scales)
+    return bound.scaled(max(1.0, static_step / float(per_slot_steps.float().median())))
 
 
 def check_write_then_read(backend: Backend, case: Case, device: torch.device) -> CheckResult:
