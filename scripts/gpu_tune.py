@@ -31,6 +31,7 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import torch.utils._python_dispatch  # noqa: E402
 import triton  # noqa: E402
 from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
 from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
@@ -45,9 +46,21 @@ DEADLINE_S: float | None = None  # --deadline
 T0 = time.time()
 
 
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raises on a device-to-host read (``.item()``, ``int(tensor)``): inside a CUDA-graph
+    capture that is an error, so on the CPU (--smoke) a timed call must not do one either."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("the timed call reads a tensor's value on the host, which a CUDA-graph capture "
+                               "refuses: compute it before building the call")
+        return func(*args, **(kwargs or {}))
+
+
 def graph_ms(fn) -> float:
     if SMOKE:
-        fn()
+        with _NoHostSync():
+            fn()
         return float("nan")
     fn()
     torch.cuda.synchronize()
@@ -203,9 +216,10 @@ def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, i
     """triton-splitkv's split decode at a fixed split count and kernel config (any cache format)."""
     c = case.cache
     kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
+    max_seq_len = case.meta.max_seq_len  # a host int: the call is captured, where a sync is an error
     return lambda: split_decode_attention(
         case.q, c.k, c.v, out, seq_lens=case.meta.seq_lens, block_table=case.meta.block_table,
-        max_seq_len=int(case.meta.seq_lens.max()), scale=SCALE, num_splits=splits, kernel_config=kcfg,
+        max_seq_len=max_seq_len, scale=SCALE, num_splits=splits, kernel_config=kcfg,
         k_scale=c.k_scale, v_scale=c.v_scale)
 
 

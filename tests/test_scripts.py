@@ -40,9 +40,11 @@ def _load_script(name):
     return module
 
 
-def test_gpu_profile_reads_ncus_raw_csv():
+@pytest.mark.parametrize("time_unit, scale", [("ns", 1e3), ("nsecond", 1e3), ("usecond", 1.0)])
+def test_gpu_profile_reads_ncus_raw_csv(time_unit, scale):
     # The layout of `ncu --csv --page raw`: tool lines, a header of metric names, a row of
-    # units, one row per kernel (numbers may carry thousands separators).
+    # units, one row per kernel (numbers may carry thousands separators). The H200's ncu
+    # (2026-12-01) writes times in "ns"; older releases spell units out.
     names = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum",
              "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
              "sm__maximum_warps_per_active_cycle_pct", "dram__bytes_read.sum", "launch__registers_per_thread",
@@ -52,10 +54,10 @@ def test_gpu_profile_reads_ncus_raw_csv():
              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"]
-    units = ["", "", "", "", "usecond", "%", "%", "%", "Mbyte", "register/thread", "Kbyte", "byte", "block", "block",
+    units = ["", "", "", "", time_unit, "%", "%", "%", "Mbyte", "register/thread", "Kbyte", "byte", "block", "block",
              "", "", "", ""]
-    row = ["0", "unified_attention_kernel(float *, int)", "(64, 8, 1)", "(128, 1, 1)", "1,260.35", "46.2", "18.9",
-           "25", "553.6", "255", "40.96", "1,024", "2", "5", "12.5", "0.7", "3.1", "1.9"]
+    row = ["0", "unified_attention_kernel(float *, int)", "(64, 8, 1)", "(128, 1, 1)", f"{1260.35 * scale:,}",
+           "46.2", "18.9", "25", "553.6", "255", "40.96", "1,024", "2", "5", "12.5", "0.7", "3.1", "1.9"]
     text = "\n".join(["==PROF== Connected to process 1", ",".join(f'"{x}"' for x in names),
                       ",".join(f'"{x}"' for x in units), ",".join(f'"{x}"' for x in row)])
     [k] = _load_script("gpu_profile").parse_raw_csv(text)
@@ -66,6 +68,9 @@ def test_gpu_profile_reads_ncus_raw_csv():
     assert k["smem_kb"] == pytest.approx(41.0)  # 40,960 dynamic + 1,024 static bytes
     assert k["limits"]["registers"] == 2 and k["limits"]["shared_mem"] == 5
     assert [name for name, _ in k["stalls"]] == ["long_scoreboard", "wait", "math_pipe_throttle"]
+    # A unit the parser does not know gives no number, not one off by its factor.
+    [k] = _load_script("gpu_profile").parse_raw_csv(text.replace(f'"{time_unit}"', '"fortnight"'))
+    assert k["us"] is None
 
 
 def test_gpu_profile_cases_run_on_the_cpu():
@@ -85,3 +90,16 @@ def test_prefill_ceiling_variants_match_the_reference_on_the_cpu():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ceiling")]
     assert len(lines) == 6 and all(" err " in line and "BAD" not in line for line in lines), proc.stdout
+
+
+def test_gpu_tune_variants_run_and_match_the_reference_on_the_cpu():
+    # Every section's variants run once (interpreter, tiny shapes) and are checked; a variant whose
+    # call reads a tensor on the host (which its CUDA-graph capture would refuse) fails here.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "gpu_tune.py"), "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if " | " in line]
+    assert len(lines) >= 60, proc.stdout
+    bad = [line for line in lines if "Error" in line or "BAD" in line or "skipped" in line]
+    assert not bad, "\n".join(bad)
