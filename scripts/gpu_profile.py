@@ -102,7 +102,7 @@ def child(case: str) -> None:
 
 _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 # The parent asks for base units (--print-units base); other units are converted all the same.
-_TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+_TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 _TO_BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "KB": 1e3, "KiB": 1024, "MiB": 1024**2}
 
 
@@ -127,7 +127,10 @@ def parse_raw_csv(text: str) -> list[dict]:
 
         def val(name, rec=rec, unit=unit, scale=None):
             x = _number(rec.get(name, ""))
-            return x if x is None or scale is None else x * scale.get(unit.get(name, ""), 1)
+            if x is None or scale is None:
+                return x
+            factor = scale.get(unit.get(name, ""))  # an unknown unit: no number rather than a wrong one
+            return None if factor is None else x * factor
 
         t = val("gpu__time_duration.sum", scale=_TO_US)
         stalls = sorted(((v, m.group(1)) for n in names if (m := _STALL.match(n))
