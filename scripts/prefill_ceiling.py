@@ -1,21 +1,32 @@
 """How fast a plain Triton flash-attention tile runs a causal prefill on this GPU, by how K/V are loaded.
 
-A measuring instrument, not a backend: one minimal forward kernel (one query head x BLOCK_M
-tokens per program, online softmax, a causal diagonal masked in its own loop, nothing else) whose
-K/V loads come from
+A measuring instrument, not a backend: one minimal forward kernel (BLOCK_M rows per program,
+online softmax, a causal diagonal masked in its own loop, nothing else) whose K/V loads come from
 
 * ``paged``: the block table, one pointer per key (the gathers triton-unified runs);
 * ``affine``: the same keys laid out contiguously, addressed by arithmetic (no table);
 * ``tma``: the contiguous copy through a tensor descriptor (TMA copies, no pointer tiles);
-* ``tma-ws``: the same with the key loop warp-specialised (producer and consumer warps).
+* ``tma-ws``: the same with the key loop warp-specialised (producer and consumer warps);
 
-next to triton-unified's prefill path on the same batch. If the minimal paged tile is already
-near triton-unified's rate, the product kernel's extras are not what holds it back and the
-lever is the load path or warp specialisation; the gap between ``paged`` and ``tma-ws`` is what
-a TMA producer would buy. Every variant is checked against the float32 reference
-(``BAD`` flags an error), times are CUDA-graph replays, rates count causal FLOPs:
+and, to find what triton-unified's tile adds to the paged one, the paged tile with one of its
+features at a time:
+
+* ``paged-masked``: triton-unified's per-step checks in every step (the block-id load bounded by
+  the table, ids and sequence length checked per key, masked K and V loads, selected scores, the
+  running max guarded against -inf);
+* ``paged-lean``: only the checks its contract needs in the bulk (ids clamped, scores of bad ids
+  selected out, V masked: a clamped id reads block 0, whose unwritten slots may hold NaN);
+* ``paged-gqa`` / ``paged-gqa-masked``: triton-unified's row layout, BLOCK_M / GROUP tokens x the
+  GROUP query heads of one KV head per tile, each K/V step shared by them (without / with the
+  checks);
+
+next to triton-unified's prefill path on the same batch. Every variant is checked against the
+float32 reference (``BAD`` flags an error), times are CUDA-graph replays, rates count causal
+FLOPs. On the H200 (2026-12-01, Triton 3.6, 8 x 2,048, Qwen3-8B heads) ``paged`` reached 329
+TFLOP/s (64 x 64, 4 warps, 2 stages), ``tma`` 406 (3 stages), triton-unified 233:
     python scripts/prefill_ceiling.py                 # 8 x 2,048 causal, Qwen3-8B heads
     python scripts/prefill_ceiling.py --len 4096 --reqs 4
+    python scripts/prefill_ceiling.py --modes paged,paged-masked,paged-gqa
     TRITON_INTERPRET=1 python scripts/prefill_ceiling.py --smoke   # CPU: tiny shapes, checks only
 """
 
@@ -34,60 +45,107 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from paged_core import BatchMeta, allocate_kv_cache  # noqa: E402
 
-MODES = {"paged": 0, "affine": 1, "tma": 2, "tma-ws": 3}
+# mode -> (K/V load path, masks of the bulk steps, GQA rows). Load paths: 0 paged pointers,
+# 1 contiguous by arithmetic, 2 TMA, 3 TMA + warp specialisation. Masks: 0 none; 1 triton-unified's
+# (block-id load bounded by the table, ids and sequence checked per key, K and V loads masked,
+# scores selected, the running max guarded against -inf); 2 lean (ids checked and clamped, scores
+# selected, V masked, K and the id load unmasked). GQA: a tile's rows are BLOCK_M / GROUP tokens x
+# the GROUP query heads of one KV head (triton-unified's tiles), each K/V step shared by them.
+MODES = {
+    "paged": (0, 0, False),
+    "paged-masked": (0, 1, False),
+    "paged-lean": (0, 2, False),
+    "paged-gqa": (0, 0, True),
+    "paged-gqa-masked": (0, 1, True),
+    "affine": (1, 0, False),
+    "tma": (2, 0, False),
+    "tma-ws": (3, 0, False),
+}
 
 
 @triton.jit
-def _fold(q, kt, v, m_i, l_i, acc, qk_scale, offs_m, offs_n, MASK: tl.constexpr):
+def _fold(q, kt, v, m_i, l_i, acc, qk_scale, q_pos, offs_n, key_ok, CAUSAL: tl.constexpr, MASKS: tl.constexpr):
     s = tl.dot(q, kt) * qk_scale
-    if MASK:
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    if MASKS != 0:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if MASKS != 0:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
+def _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d, num_blocks, max_blocks,
              stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
-             MODE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             UPCAST: tl.constexpr):
+             LOAD: tl.constexpr, MASKS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MODE == 0:
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_bt_b).to(tl.int64)
-        off = blk * stride_k_b + (offs_n % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
+    key_ok = offs_n >= 0
+    if LOAD == 0:
+        lb = offs_n // BLOCK_SIZE
+        if MASKS == 1:
+            blk = tl.load(bt_row + lb * stride_bt_b, mask=lb < max_blocks, other=-1)
+            key_ok = (blk >= 0) & (blk < num_blocks) & (offs_n < seq_len)
+            blk = tl.where(key_ok, blk, 0)
+        elif MASKS == 2:
+            blk = tl.load(bt_row + lb * stride_bt_b)
+            key_ok = (blk >= 0) & (blk < num_blocks)
+            blk = tl.where(key_ok, blk, 0)
+        else:
+            blk = tl.load(bt_row + lb * stride_bt_b)
+        off = blk.to(tl.int64) * stride_k_b + (offs_n % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
     else:
         off = (req * seq_len + offs_n).to(tl.int64) * stride_k_s + kv_head * stride_k_h
-    if MODE >= 2:
+    if LOAD >= 2:
         row = req * seq_len + start_n
         kt = kd.load([row, kv_head * D]).T
         v = vd.load([row, kv_head * D])
+    elif MASKS == 1:
+        kt = tl.load(k_ptr + off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0)
+        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0)
+    elif MASKS == 2:
+        kt = tl.load(k_ptr + off[None, :] + offs_d[:, None])
+        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0)
     else:
         kt = tl.load(k_ptr + off[None, :] + offs_d[:, None])
         v = tl.load(v_ptr + off[:, None] + offs_d[None, :])
     if UPCAST:
         kt, v = kt.to(tl.float32), v.to(tl.float32)
-    return kt, v
+    return kt, v, offs_n, key_ok
 
 
 @triton.jit
-def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, qk_scale,
+def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, num_blocks, max_blocks, qk_scale,
                    stride_q_t, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_bt_r, stride_bt_b,
-                   MODE: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                   LOAD: tl.constexpr, MASKS: tl.constexpr, GQA: tl.constexpr, GROUP: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
     """UPCAST: float32 math under the interpreter (it mishandles raw bf16 arithmetic)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first
-    head = tl.program_id(1)
     req = tl.program_id(2)
-    kv_head = head // GROUP
-    m0 = tile * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    if GQA:  # rows: TOKENS tokens x the GROUP heads of KV head program_id(1)
+        TOKENS: tl.constexpr = BLOCK_M // GROUP
+        kv_head = tl.program_id(1)
+        head = kv_head * GROUP + offs_m % GROUP
+        tok = tile * TOKENS + offs_m // GROUP
+    else:  # rows: BLOCK_M tokens of query head program_id(1)
+        TOKENS: tl.constexpr = BLOCK_M
+        head = tl.program_id(1) + offs_m * 0
+        kv_head = tl.program_id(1) // GROUP
+        tok = tile * TOKENS + offs_m
+    m0 = tile * TOKENS
     offs_d = tl.arange(0, D)
-    rows = (req * seq_len + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :])
+    rows = (req * seq_len + tok).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :])
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -96,21 +154,26 @@ def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, qk_
     bt_row = bt_ptr + req * stride_bt_r
     kd = None
     vd = None
-    if MODE >= 2:
+    if LOAD >= 2:
         width = NUM_KV_HEADS * D
         kd = tl.make_tensor_descriptor(k_ptr, shape=[num_slots, width], strides=[width, 1], block_shape=[BLOCK_N, D])
         vd = tl.make_tensor_descriptor(v_ptr, shape=[num_slots, width], strides=[width, 1], block_shape=[BLOCK_N, D])
-    # Keys [0, m0): visible to every row, no mask. Keys [m0, m0 + BLOCK_M): the diagonal.
-    for start_n in tl.range(0, m0, BLOCK_N, warp_specialize=MODE == 3):
-        kt, v = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
-                         stride_k_b, stride_k_s, stride_k_h, stride_bt_b, MODE, BLOCK_N, D, BLOCK_SIZE, UPCAST)
-        m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, offs_m, start_n + tl.arange(0, BLOCK_N), False)
-    for start_n in range(m0, m0 + BLOCK_M, BLOCK_N):
-        kt, v = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
-                         stride_k_b, stride_k_s, stride_k_h, stride_bt_b, MODE, BLOCK_N, D, BLOCK_SIZE, UPCAST)
-        m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, offs_m, start_n + tl.arange(0, BLOCK_N), True)
+    # Keys [0, diag): visible to every row, no causal mask. Keys [diag, m0 + TOKENS): the diagonal,
+    # from the last whole step below m0 (a step may be wider than the tile's tokens).
+    diag = m0 // BLOCK_N * BLOCK_N
+    for start_n in tl.range(0, diag, BLOCK_N, warp_specialize=LOAD == 3):
+        kt, v, offs_n, key_ok = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
+                                         num_blocks, max_blocks, stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
+                                         LOAD, MASKS, BLOCK_N, D, BLOCK_SIZE, UPCAST)
+        m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, tok, offs_n, key_ok, False, MASKS)
+    for start_n in range(diag, m0 + TOKENS, BLOCK_N):
+        kt, v, offs_n, key_ok = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
+                                         num_blocks, max_blocks, stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
+                                         LOAD, MASKS, BLOCK_N, D, BLOCK_SIZE, UPCAST)
+        m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, tok, offs_n, key_ok, True, MASKS)
     o = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :], o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + rows[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty))
 
 
 def make_case(reqs: int, n: int) -> tuple[G.Case, torch.Tensor, torch.Tensor]:
@@ -133,18 +196,20 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
     meta, c = case.meta, case.cache
     n = int(meta.seq_lens[0])
     reqs = meta.num_reqs
-    flat = mode != "paged"
+    load, masks, gqa = MODES[mode]
+    flat = load != 0
     k, v = (k_flat, v_flat) if flat else (c.k, c.v)
     stride_k_b = G.BS * k.stride(0) if flat else k.stride(0)
     stride_k_s, stride_k_h = (k.stride(0), k.stride(1)) if flat else (k.stride(1), k.stride(2))
-    grid = (n // block_m, G.HQ, reqs)
+    group = G.HQ // G.HKV
+    grid = (n // (block_m // group), G.HKV, reqs) if gqa else (n // block_m, G.HQ, reqs)
     qk_scale = G.SCALE * 1.4426950408889634
     return lambda: ceiling_kernel[grid](
-        case.q, k, v, out, meta.block_table, n, reqs * n, qk_scale,
+        case.q, k, v, out, meta.block_table, n, reqs * n, c.k.shape[0], meta.block_table.shape[1], qk_scale,
         case.q.stride(0), case.q.stride(1), stride_k_b, stride_k_s, stride_k_h,
         meta.block_table.stride(0), meta.block_table.stride(1),
-        MODE=MODES[mode], GROUP=G.HQ // G.HKV, NUM_KV_HEADS=G.HKV, BLOCK_M=block_m, BLOCK_N=block_n, D=G.D,
-        BLOCK_SIZE=G.BS, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
+        LOAD=load, MASKS=masks, GQA=gqa, GROUP=group, NUM_KV_HEADS=G.HKV, BLOCK_M=block_m, BLOCK_N=block_n,
+        D=G.D, BLOCK_SIZE=G.BS, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
 
 
 def main(argv: list[str]) -> int:
@@ -160,7 +225,7 @@ def main(argv: list[str]) -> int:
         ap.error(f"unknown modes {unknown}; accepted: {', '.join(MODES)}")
     if args.smoke:
         args.reqs, args.len = 2, 64
-        configs = [(32, 16, 4, 1)]
+        configs = [(32, 16, 4, 1), (16, 32, 4, 1)]  # the second: steps wider than the tile
     else:
         configs = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2),
                    (64, 128, 4, 2), (64, 64, 4, 3)]
