@@ -9,11 +9,15 @@ does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
     python scripts/kernel_resources.py --kv bf16,int8,fp8 --configs 128/4/2   # quantized caches, bf16 q
 
-Loop columns: the SASS instructions of the kernel's longest loop (one BLOCK_N-key step of the
-attention; triton-unified's key ranges each compile a loop of their own, the longest is shown),
-and in it the shared-memory loads of single bytes (LDS.U8/S8: 8-bit codes gathered one at a
-time, as when they are converted after the layout change into the MMA operand) and the local
-(spill) loads and stores.
+Loop columns: the SASS instructions of each of the kernel's loops (one BLOCK_N-key step of the
+attention each), in address order. triton-unified's key ranges compile a loop each: per tile
+class, the bulk of the context (no causal mask) and then the causal diagonal (masked; the
+window's edge, a third, is compiled only with a window); the fused kernel lists its large
+tiles' loops, then its small tiles'. Then, over all loops, the shared-memory loads of single bytes (LDS.U8/S8: 8-bit
+codes gathered one at a time, as when they are converted after the layout change into the MMA
+operand) and the local (spill) loads and stores. Which loop is the bulk matters: on a long
+context it is nearly every step (offline, sm_90a, Triton 3.9, the 128-row prefill tile at 64
+keys / 8 warps: 675 instructions in the bulk, 813 on the diagonal).
 
 The arguments get the specialisation they get at run time (pointers and strides divisible by
 16, a last-dim stride equal to 1; the kernel's do_not_specialize ints nothing), otherwise
@@ -90,29 +94,28 @@ KV_FLAGS = {
 }
 
 
-def loop_stats(sass: str) -> dict:
-    """The longest loop of a cuobjdump -sass listing (a backward branch and its target): its
-    instruction count, single-byte shared loads and local-memory (spill) accesses."""
+def loop_stats(sass: str, min_len: int = 20) -> dict:
+    """The loops of a cuobjdump -sass listing (a backward branch and its target) of at least
+    ``min_len`` instructions, in address order: their instruction counts, and over all of them
+    the single-byte shared loads and the local-memory (spill) accesses. A loop nested in another
+    is counted in both."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     addrs = [int(a, 16) for a, _ in ins]
-    best: list[str] = []
+    loops: list[list[str]] = []
     for i, (_, text) in enumerate(ins):
         m = re.search(r"\bBRA (?:\S+ )?(0x[0-9a-f]+)", text)
         if m and int(m[1], 16) <= addrs[i] and int(m[1], 16) in addrs:
             body = [t for _, t in ins[addrs.index(int(m[1], 16)):i + 1]]
-            if len(body) > len(best):
-                best = body
-    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best]
-    return {"loop": len(ops), "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in ops),
-            "local": sum(o.startswith(("LDL", "STL")) for o in ops)}
+            if len(body) >= min_len:
+                loops.append(body)
+    ops = [[re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body] for body in loops]
+    flat = [o for body in ops for o in body]
+    return {"loops": [len(body) for body in ops], "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in flat),
+            "local": sum(o.startswith(("LDL", "STL")) for o in flat)}
 
 
-def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
-              kv: str = "bf16") -> dict:
-    fn = kernel if kernel is not None else kernels.unified_attention_kernel
-    fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
-    constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
-    sig, attrs = _signature(fn, constexprs, kv)
+def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile a jitted kernel for sm_90a and read its resources and loops (see the module doc)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -129,6 +132,26 @@ def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, k
     stack = int(re.search(r"STACK:(\d+)", usage)[1])
     return {"regs": regs, "spill": stack, "smem": kernel.metadata.shared,
             "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps), **loop_stats(sass)}
+
+
+def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
+              kv: str = "bf16") -> dict:
+    fn = kernel if kernel is not None else kernels.unified_attention_kernel
+    fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
+    constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
+    sig, attrs = _signature(fn, constexprs, kv)
+    return compile_stats(fn, sig, constexprs, attrs, num_warps, num_stages)
+
+
+def row(r: dict) -> str:
+    """The resource columns of one compiled config."""
+    flag = "  SPILLS" if r["spill"] else ""
+    loops = " ".join(str(n) for n in r["loops"]) or "-"
+    return (f"{r['regs']:5d} {r['spill']:8d} {r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {loops:>15s} "
+            f"{r['lds8']:6d} {r['local']:5d}{flag}")
+
+
+HEADER = f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s}"
 
 
 def main() -> None:
@@ -172,8 +195,7 @@ def main() -> None:
         ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
           f"block {args.block_size}, bf16 q")
-    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages':>20s} {'regs':>5s} {'spill B':>8s} {'smem KB':>8s} "
-          f"{'CTAs/SM':>8s} {'loop':>5s} {'LDS.U8':>6s} {'local':>5s}")
+    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages':>20s} {HEADER}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
         for kv in kvs:
@@ -187,10 +209,7 @@ def main() -> None:
                     print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:80]}")
                     continue
-                flag = "  SPILLS" if r["spill"] else ""
-                print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s} {r['regs']:5d} {r['spill']:8d} "
-                      f"{r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {r['loop']:5d} {r['lds8']:6d} "
-                      f"{r['local']:5d}{flag}")
+                print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s} {row(r)}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ TFLOP/s (64 x 64, 4 warps, 2 stages), ``tma`` 406 (3 stages), triton-unified 233
     python scripts/prefill_ceiling.py --len 4096 --reqs 4
     python scripts/prefill_ceiling.py --modes paged,paged-masked,paged-gqa
     TRITON_INTERPRET=1 python scripts/prefill_ceiling.py --smoke   # CPU: tiny shapes, checks only
+    python scripts/prefill_ceiling.py --resources    # no GPU: each mode compiled for sm_90a offline
+                                                     # (registers, spills, instructions per key step)
 """
 
 from __future__ import annotations
@@ -212,12 +214,42 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
         D=G.D, BLOCK_SIZE=G.BS, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
 
 
+def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]) -> int:
+    """Each mode x config compiled for sm_90a (no GPU): registers, spills and the instructions of
+    each loop, the bulk's first (kernel_resources.py's columns)."""
+    import kernel_resources as R
+
+    fn = ceiling_kernel
+    print(f"sm_90a, triton {triton.__version__}, head_dim {G.D}, group {G.HQ // G.HKV}, block {G.BS}, bf16")
+    print(f"{'mode':18s} {'BLOCK_M x BLOCK_N w st':>22s} {R.HEADER}")
+    for mode in modes:
+        load, masks, gqa = MODES[mode]
+        for bm, bn, w, st in configs:
+            constexprs = dict(LOAD=load, MASKS=masks, GQA=gqa, GROUP=G.HQ // G.HKV, NUM_KV_HEADS=G.HKV, BLOCK_M=bm,
+                              BLOCK_N=bn, D=G.D, BLOCK_SIZE=G.BS, UPCAST=False)
+            sig = {n: "constexpr" if n in constexprs else "*i32" if n == "bt_ptr" else "*bf16" if n.endswith("_ptr")
+                   else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
+            # Pointers and strides divisible by 16, as they are at run time (vectorised loads).
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if sig[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
+            tag = f"{bm} x {bn} w{w} st{st}"
+            try:
+                r = R.compile_stats(fn, sig, constexprs, attrs, w, st)
+            except Exception as exc:  # warp specialisation's pass fails on some shapes: say so, go on
+                print(f"{mode:18s} {tag:>22s}  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:70]}")
+                continue
+            print(f"{mode:18s} {tag:>22s} {R.row(r)}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reqs", type=int, default=8)
     ap.add_argument("--len", type=int, default=2048, help="tokens per request (a multiple of 128)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, checks only")
+    ap.add_argument("--resources", action="store_true",
+                    help="compile each mode for sm_90a offline and print its resources (kernel_resources.py)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
@@ -229,6 +261,8 @@ def main(argv: list[str]) -> int:
     else:
         configs = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2),
                    (64, 128, 4, 2), (64, 64, 4, 3)]
+    if args.resources:
+        return offline_resources(modes, configs)
     if G.DEV == "cuda":  # device-side descriptors take their scratch memory from here
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     case, k_flat, v_flat = make_case(args.reqs, args.len)

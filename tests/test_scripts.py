@@ -6,6 +6,7 @@ machine, at the cost of a run there.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,31 @@ def test_gpu_tune_variants_run_and_match_the_reference_on_the_cpu():
     assert len(lines) >= 60, proc.stdout
     bad = [line for line in lines if "Error" in line or "BAD" in line or "skipped" in line]
     assert not bad, "\n".join(bad)
+
+
+def test_kernel_resources_lists_every_loop_in_address_order():
+    # cuobjdump -sass lines: /*address*/ instruction ; a backward branch closes a loop. In its own
+    # process: the script imports the kernels compiled, never interpreted.
+    body = ["MOV R1, R2", "LDS.U8 R2, [R3]", "HMMA.16816.F32 R4, R8, R12, R4", "STL [R1], R4", "@P0 BRA 0x10",
+            "MOV R5, R6", "LDL R7, [R1]", "FADD R8, R7, R7", "@!P1 BRA 0x50", "EXIT"]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(body))
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as r; "
+            "print(json.dumps([r.loop_stats(sys.argv[2], min_len=2), r.loop_stats(sys.argv[2], min_len=5)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPTS[0].parent), sass], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats, longer = json.loads(proc.stdout)
+    assert stats["loops"] == [4, 4]  # 0x10..0x40 and 0x50..0x80, not only the longest
+    assert (stats["lds8"], stats["local"]) == (1, 2)
+    assert longer["loops"] == []
+
+
+def test_prefill_ceiling_compiles_its_modes_offline():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--resources",
+                           "--modes", "paged-lean"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("paged-lean")]
+    assert len(rows) == 7, proc.stdout
+    assert all(0 < int(r[6]) <= 255 for r in rows), proc.stdout  # registers per thread
