@@ -94,11 +94,12 @@ KV_FLAGS = {
 }
 
 
-def loop_stats(sass: str, min_len: int = 20) -> dict:
+def loop_stats(sass: str, min_len: int = 64) -> dict:
     """The loops of a cuobjdump -sass listing (a backward branch and its target) of at least
     ``min_len`` instructions, in address order: their instruction counts, and over all of them
     the single-byte shared loads and the local-memory (spill) accesses. A loop nested in another
-    is counted in both."""
+    is counted in both. The default length keeps the key steps (hundreds of instructions) and
+    leaves out small loops (a binary search over the tiles, the merge's)."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     addrs = [int(a, 16) for a, _ in ins]
     loops: list[list[str]] = []

@@ -26,29 +26,17 @@ def test_reports_registers_and_shared_memory_per_config():
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {}
     for line in run.stdout.splitlines():
-        m = re.match(r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+(\d+)", line)
+        m = re.match(r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
+                     r"((?:\d+ )*\d+)\s+\d+\s+\d+", line)
         if m:
-            rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]), int(m[6]))
+            rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]), [int(n) for n in m[6].split()])
     assert set(rows) == {"32/4/1", "128/4/2"}, run.stdout
-    for regs, spill, smem_kb, ctas, loop in rows.values():
+    for regs, spill, smem_kb, ctas, loops in rows.values():
         assert 16 <= regs <= 255 and spill >= 0 and smem_kb > 0 and ctas >= 1
-        # One key step: two MMAs of BLOCK_N keys and the softmax, some hundreds of instructions.
-        assert 100 < loop < 5000
+        # Its key ranges' loops (the bulk, the causal diagonal): one key step each, two MMAs of
+        # BLOCK_N keys and the softmax, some hundreds of instructions.
+        assert len(loops) >= 2 and all(100 < n < 5000 for n in loops), loops
     # Four times the keys per step: more instructions per step.
-    assert rows["128/4/2"][4] > rows["32/4/1"][4]
+    assert max(rows["128/4/2"][4]) > max(rows["32/4/1"][4])
     # Four times the keys per step, in two stages, need more shared memory.
     assert rows["128/4/2"][2] > rows["32/4/1"][2]
-
-    # triton-splitkv's split kernel, when it is installed beside this plugin: it loads each
-    # tile's block ids a tile ahead so that the pipeliner buffers the gathered K/V num_stages
-    # deep, i.e. its third stage holds a third 64-key K/V buffer (2 x 16 KB) more than two.
-    split_src = ROOT / "plugins" / "triton-splitkv" / "src"
-    env["PYTHONPATH"] = os.pathsep.join([str(split_src), env["PYTHONPATH"]])
-    out = subprocess.run([sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    split = {m[1]: float(m[2]) for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)",
-                                                     out.stdout)}
-    assert set(split) == {"64/4/2", "64/4/3"}, out.stdout
-    assert split["64/4/3"] >= split["64/4/2"] + 31, split
-
