@@ -219,16 +219,17 @@ def test_strided_sinks_are_every_other_element_of_a_buffer(cpu):
 
 def test_the_quantization_bound_follows_the_static_int8_step():
     # One static scale per KV head must cover every token's largest element, so int8 rounds to a
-    # ~3x coarser step than per-slot scales; fp8 rounds relative to each element either way.
+    # coarser step than per-slot scales (~2x at the small size's head dim 64, ~3x at 128); fp8
+    # rounds relative to each element either way.
     import paged_conformance.checks as checks
 
     for case_id, grows in (("kv_int8-static", True), ("kv_fp8-static-decode_only", False), ("kv_int8", False)):
-        case = get_case(case_id, "full")
+        case = get_case(case_id, "small")
         wl = build_workload(case, torch.device("cpu"))
         full = build_workload(dataclasses.replace(case, kv_dtype="auto", kv_scales="per_slot"), torch.device("cpu"))
         stated = paged_conformance.tolerances.QUANTIZED_VS_FULL_PRECISION[case.kv_dtype]
         bound = checks._quantization_bound(case, wl, full)
-        assert (bound.atol > 2 * stated.atol) if grows else (bound == stated), (case_id, bound)
+        assert (bound.atol > 1.5 * stated.atol) if grows else (bound == stated), (case_id, bound)
     clear_workloads()
 
 
