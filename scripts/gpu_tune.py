@@ -139,7 +139,8 @@ def check(case: Case, out: torch.Tensor) -> tuple[float, bool]:
     qlens, slens = meta.host()
     qsl = meta.query_start_loc.tolist()
     table = meta.block_table.tolist()
-    used = [table[r][: math.ceil(slens[r] / BS)] for r in case.check_reqs]
+    bs = cache.k.shape[1]  # the case's own block size (BS unless the case chose another)
+    used = [table[r][: math.ceil(slens[r] / bs)] for r in case.check_reqs]
     uniq = sorted({b for t in used for b in t})
     remap = {b: i for i, b in enumerate(uniq)}
     idx = torch.tensor(uniq, dtype=torch.long, device=DEV)
@@ -151,7 +152,7 @@ def check(case: Case, out: torch.Tensor) -> tuple[float, bool]:
     )
     reqs = case.check_reqs
     sub_meta = BatchMeta.from_lists([qlens[r] for r in reqs], [slens[r] for r in reqs],
-                                    [[remap[b] for b in t] for t in used], block_size=BS, device=DEV)
+                                    [[remap[b] for b in t] for t in used], block_size=bs, device=DEV)
     rows = torch.tensor([i for r in case.check_reqs for i in range(qsl[r], qsl[r + 1])], device=DEV)
     ref = reference_attention(case.q.index_select(0, rows), sub, sub_meta, scale=SCALE,
                               compute_dtype=torch.float32)

@@ -7,6 +7,9 @@ online softmax, a causal diagonal masked in its own loop, nothing else) whose K/
 * ``affine``: the same keys laid out contiguously, addressed by arithmetic (no table);
 * ``tma``: the contiguous copy through a tensor descriptor (TMA copies, no pointer tiles);
 * ``tma-ws``: the same with the key loop warp-specialised (producer and consumer warps);
+* ``paged-tma``: a paged cache of 64-token blocks through a descriptor over the whole pool, one
+  box per block and key step at the block id's row (what TMA can do for engines with larger
+  blocks: 16-token blocks would need a box per 16 keys);
 
 and, to find what triton-unified's tile adds to the paged one, the paged tile with one of its
 features at a time:
@@ -62,7 +65,11 @@ MODES = {
     "affine": (1, 0, False),
     "tma": (2, 0, False),
     "tma-ws": (3, 0, False),
+    "paged-tma": (4, 0, False),
 }
+# paged-tma reads a cache of larger blocks, one TMA box per block and key step (the block id as
+# the box's row coordinate): each key step must lie in one block (BLOCK_N <= its block size).
+TMA_BLOCK_SIZE = 32 if G.SMOKE else 64
 
 
 @triton.jit
@@ -106,7 +113,12 @@ def _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_
         off = blk.to(tl.int64) * stride_k_b + (offs_n % BLOCK_SIZE) * stride_k_s + kv_head * stride_k_h
     else:
         off = (req * seq_len + offs_n).to(tl.int64) * stride_k_s + kv_head * stride_k_h
-    if LOAD >= 2:
+    if LOAD == 4:
+        blk = tl.load(bt_row + (start_n // BLOCK_SIZE) * stride_bt_b)
+        row = blk * BLOCK_SIZE + start_n % BLOCK_SIZE
+        kt = kd.load([row, kv_head * D]).T
+        v = vd.load([row, kv_head * D])
+    elif LOAD >= 2:
         row = req * seq_len + start_n
         kt = kd.load([row, kv_head * D]).T
         v = vd.load([row, kv_head * D])
@@ -178,16 +190,16 @@ def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, num
              o.to(out_ptr.dtype.element_ty))
 
 
-def make_case(reqs: int, n: int) -> tuple[G.Case, torch.Tensor, torch.Tensor]:
+def make_case(reqs: int, n: int, block_size: int = G.BS) -> tuple[G.Case, torch.Tensor, torch.Tensor]:
     """A causal prefill of ``reqs`` x ``n`` tokens (block table from ``BatchMeta.build``), plus
     the same keys laid out contiguously, request after request (for the affine and TMA loads)."""
-    meta = BatchMeta.build([n] * reqs, [n] * reqs, block_size=G.BS, device=G.DEV, seed=1)
+    meta = BatchMeta.build([n] * reqs, [n] * reqs, block_size=block_size, device=G.DEV, seed=1)
     nb = int(meta.block_table.max()) + 1
-    cache = allocate_kv_cache(nb, G.BS, G.HKV, G.D, dtype=torch.bfloat16, device=G.DEV)
+    cache = allocate_kv_cache(nb, block_size, G.HKV, G.D, dtype=torch.bfloat16, device=G.DEV)
     g = torch.Generator(device=G.DEV).manual_seed(1)
     cache.k.normal_(generator=g), cache.v.normal_(generator=g)
     q = torch.randn(reqs * n, G.HQ, G.D, generator=g, device=G.DEV).to(torch.bfloat16)
-    used = meta.block_table[:, : n // G.BS].reshape(-1).long()
+    used = meta.block_table[:, : n // block_size].reshape(-1).long()
     k_flat, v_flat = (t.index_select(0, used).reshape(reqs * n, G.HKV, G.D).contiguous() for t in (cache.k, cache.v))
     flops = 4 * G.D * G.HQ * reqs * (n * (n + 1) // 2)
     case = G.Case(meta, cache, q, nbytes=0, flops=flops, check_reqs=sorted({0, reqs - 1}), kv_dtype="auto")
@@ -199,19 +211,23 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
     n = int(meta.seq_lens[0])
     reqs = meta.num_reqs
     load, masks, gqa = MODES[mode]
-    flat = load != 0
+    flat = load in (1, 2, 3)  # the contiguous copy; paged modes read the cache itself
+    block_size = c.k.shape[1]
     k, v = (k_flat, v_flat) if flat else (c.k, c.v)
-    stride_k_b = G.BS * k.stride(0) if flat else k.stride(0)
+    stride_k_b = block_size * k.stride(0) if flat else k.stride(0)
     stride_k_s, stride_k_h = (k.stride(0), k.stride(1)) if flat else (k.stride(1), k.stride(2))
+    if load == 4:  # the descriptor views the cache as [num_blocks * block_size, heads * D]
+        assert c.k.is_contiguous() and block_n <= block_size and block_size % block_n == 0
+    num_slots = c.k.shape[0] * block_size if load == 4 else reqs * n
     group = G.HQ // G.HKV
     grid = (n // (block_m // group), G.HKV, reqs) if gqa else (n // block_m, G.HQ, reqs)
     qk_scale = G.SCALE * 1.4426950408889634
     return lambda: ceiling_kernel[grid](
-        case.q, k, v, out, meta.block_table, n, reqs * n, c.k.shape[0], meta.block_table.shape[1], qk_scale,
+        case.q, k, v, out, meta.block_table, n, num_slots, c.k.shape[0], meta.block_table.shape[1], qk_scale,
         case.q.stride(0), case.q.stride(1), stride_k_b, stride_k_s, stride_k_h,
         meta.block_table.stride(0), meta.block_table.stride(1),
         LOAD=load, MASKS=masks, GQA=gqa, GROUP=group, NUM_KV_HEADS=G.HKV, BLOCK_M=block_m, BLOCK_N=block_n,
-        D=G.D, BLOCK_SIZE=G.BS, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
+        D=G.D, BLOCK_SIZE=block_size, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
 
 
 def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]) -> int:
@@ -225,8 +241,11 @@ def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]
     for mode in modes:
         load, masks, gqa = MODES[mode]
         for bm, bn, w, st in configs:
+            block_size = TMA_BLOCK_SIZE if load == 4 else G.BS
+            if bn > block_size and load == 4:
+                continue
             constexprs = dict(LOAD=load, MASKS=masks, GQA=gqa, GROUP=G.HQ // G.HKV, NUM_KV_HEADS=G.HKV, BLOCK_M=bm,
-                              BLOCK_N=bn, D=G.D, BLOCK_SIZE=G.BS, UPCAST=False)
+                              BLOCK_N=bn, D=G.D, BLOCK_SIZE=block_size, UPCAST=False)
             sig = {n: "constexpr" if n in constexprs else "*i32" if n == "bt_ptr" else "*bf16" if n.endswith("_ptr")
                    else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
             # Pointers and strides divisible by 16, as they are at run time (vectorised loads).
@@ -269,9 +288,14 @@ def main(argv: list[str]) -> int:
     out = torch.empty_like(case.q)
     name = f"{args.reqs}x{args.len}"
     for mode in modes:
+        tma_blocks = mode == "paged-tma"
+        mode_case = make_case(args.reqs, args.len, TMA_BLOCK_SIZE)[0] if tma_blocks else case
         for bm, bn, w, st in configs:
-            G.report("ceiling", f"{name} {mode} {bm}x{bn} w{w} st{st}", case,
-                     ceiling(case, k_flat, v_flat, out, mode, bm, bn, w, st), out, tflops=True)
+            if tma_blocks and bn > TMA_BLOCK_SIZE:
+                continue  # a key step would span two blocks: two boxes, not this mode
+            tag = f" ({TMA_BLOCK_SIZE}-token blocks)" if tma_blocks else ""
+            G.report("ceiling", f"{name} {mode} {bm}x{bn} w{w} st{st}{tag}", mode_case,
+                     ceiling(mode_case, k_flat, v_flat, out, mode, bm, bn, w, st), out, tflops=True)
     product = [((64, 8, 2), 32)] if args.smoke else [((64, 8, 2), 32), ((128, 8, 2), 32), ((64, 4, 2), 16)]
     for large, bq in product:
         G.report("ceiling", f"{name} triton-unified {G.tag(None, large, bq)}", case,
