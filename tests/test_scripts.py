@@ -127,6 +127,9 @@ def test_kernel_resources_lists_every_loop_in_address_order():
 
 
 def test_prefill_ceiling_compiles_its_modes_offline():
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton wheel ships no cuobjdump: the offline compile report needs it")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--resources",
                            "--modes", "paged-lean"], env=env, capture_output=True, text=True, timeout=600)
