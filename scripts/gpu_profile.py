@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 # The sections whose metrics the table reads (the raw CSV holds all of theirs).
 SECTIONS = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis"]
 
-# name -> (what it is, builder). Builders import torch and the kernels lazily, so that --help,
-# --list and the parent process (which only runs ncu) stay cheap.
+# name -> what it is; build() makes its call. It imports torch and the kernels lazily, so that
+# --help, --list and the parent process (which only runs ncu) stay cheap.
 CASES = {
     "decode-bf16": "triton-unified decode 64 x 4,096, bf16 cache, 128 keys / 4 warps / 2 stages",
     "decode-int8": "the same batch, int8 cache",
