@@ -126,12 +126,11 @@ def _attend_step(
     q,  # [BLOCK_M, HEAD_DIM_PAD], dot dtype
     start_n,
     q_pos,  # int32 [BLOCK_M]
-    seq_len,
+    key_end,  # the tile's keys are [.., key_end): within the sequence and the table
     window,
     softcap,
     qk_scale,  # scale * log2(e), or scale / softcap when soft-capping (times q's pre-shift)
     num_blocks,
-    max_blocks_per_req,
     block_table_row_ptr,  # int32 [max_blocks_per_req], this request's row
     stride_bt_b,
     k_cache_ptr,
@@ -167,31 +166,33 @@ def _attend_step(
     """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
     # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per key.
-    logical_block = offs_n // BLOCK_SIZE
     if MASKED:
-        # Keys past the table, past the sequence, or in a block id outside the pool are masked and
-        # their pointers clamped to block 0, so bad metadata never reads outside the cache.
-        block = tl.load(block_table_row_ptr + logical_block * stride_bt_b,
-                        mask=logical_block < max_blocks_per_req, other=-1)
-        key_ok = (block >= 0) & (block < num_blocks) & (offs_n < seq_len)  # [BLOCK_N]
+        # The tile's keys end at key_end (<= the table's width x BLOCK_SIZE, <= seq_len): a step's
+        # keys past it are read at key_end - 1 (a key the sequence holds) and masked through the
+        # visibility below. A block id outside the pool is clamped to block 0, so bad metadata never
+        # reads outside the cache, and its keys are masked; V is masked by the id alone, since
+        # block 0's unwritten slots may hold NaN and 0 * NaN would reach the accumulator (K needs
+        # no mask: its scores are selected out).
+        offs_a = tl.minimum(offs_n, key_end - 1)
+        block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
+        key_ok = (block >= 0) & (block < num_blocks)  # [BLOCK_N]
         block = tl.where(key_ok, block, 0)
-        k_mask = key_ok[None, :] & d_mask[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
         v_mask = key_ok[:, None] & d_mask[None, :]
     else:
         # Unmasked: every key lies in the table and the sequence, and its block id was checked
         # before the loop (see _tile_program), so there is nothing to mask but padded lanes of d.
-        block = tl.load(block_table_row_ptr + logical_block * stride_bt_b)
-        k_mask = d_mask[:, None]
+        offs_a = offs_n
+        block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
         v_mask = d_mask[None, :]
     # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
     block = block.to(tl.int64)
-    in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
-    MASK_LOADS: tl.constexpr = MASKED or D_PADDED
+    in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
+    MASK_V: tl.constexpr = MASKED or D_PADDED
 
-    # K^T: [HEAD_DIM_PAD, BLOCK_N]; masked to 0 because uninitialised cache memory may hold NaN.
+    # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
-    if MASK_LOADS:
-        k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=k_mask, other=0)
+    if D_PADDED:
+        k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
     else:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
@@ -204,10 +205,7 @@ def _attend_step(
     RAW: tl.constexpr = FOLD_SCALE and KV_QUANT == 0 and not USE_SOFTCAP
     if KV_QUANT != 0:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
-        if MASKED:
-            k_sc = tl.load(k_scale_ptr + ks_offs, mask=key_ok, other=0.0)  # [BLOCK_N] float32
-        else:
-            k_sc = tl.load(k_scale_ptr + ks_offs)
+        k_sc = tl.load(k_scale_ptr + ks_offs)  # [BLOCK_N] float32; a masked key's score is selected out
         # One multiply per score: the key scale and qk_scale combine per column first.
         s = qk * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
@@ -220,7 +218,8 @@ def _attend_step(
         s = qk * qk_scale  # log2 units: exp2 below is exp of the natural logits
 
     if MASKED:
-        visible = key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        q_lim = tl.minimum(q_pos, key_end - 1)  # [BLOCK_M] the last key each row sees
+        visible = key_ok[None, :] & (offs_n[None, :] <= q_lim[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
@@ -246,7 +245,7 @@ def _attend_step(
 
     # V: [BLOCK_N, HEAD_DIM_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
-    if MASK_LOADS:
+    if MASK_V:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0)
     else:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :])
@@ -409,8 +408,8 @@ def _tile_program(
             hi = key_end
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_step(
-                acc=acc, l_i=l_i, m_i=m_i, q=q, start_n=start_n, q_pos=q_pos, seq_len=seq_len, window=window,
-                softcap=softcap, qk_scale=qk_scale, num_blocks=num_blocks, max_blocks_per_req=max_blocks_per_req,
+                acc=acc, l_i=l_i, m_i=m_i, q=q, start_n=start_n, q_pos=q_pos, key_end=key_end, window=window,
+                softcap=softcap, qk_scale=qk_scale, num_blocks=num_blocks,
                 block_table_row_ptr=bt_row_ptr, stride_bt_b=stride_bt_b,
                 k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
                 kv_head=kv_head,
