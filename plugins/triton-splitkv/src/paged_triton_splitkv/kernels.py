@@ -25,7 +25,7 @@ Conventions shared by every kernel of this file:
 
 import triton
 import triton.language as tl
-from paged_triton_unified import AUTOTUNE, INTERPRET, bad_block_ids, tanh
+from paged_triton_unified import AUTOTUNE, INTERPRET, tanh
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -68,19 +68,15 @@ def _attend_tile(
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key is valid and visible to every row (vis, key_ok unused)
-    D_PADDED: tl.constexpr,  # HEAD_DIM_PAD > HEAD_DIM: d_mask has false lanes
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
     # K is loaded already transposed so the score tile is a plain q @ kt.
-    k_ptrs = k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d
-    if MASKED:
-        kt = tl.load(k_ptrs, mask=key_ok[None, :] & d_mask[:, None], other=0)  # [HEAD_DIM_PAD, BLOCK_N]
-    elif D_PADDED:
-        kt = tl.load(k_ptrs, mask=d_mask[:, None], other=0)
-    else:
-        kt = tl.load(k_ptrs)
+    kt = tl.load(
+        k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
+        mask=key_ok[None, :] & d_mask[:, None],
+        other=0,
+    )  # [HEAD_DIM_PAD, BLOCK_N]
     if FP8:
         kt = kt.to(tl.float8e4nv, bitcast=True)
     # int8 and e4m3 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
@@ -90,47 +86,33 @@ def _attend_tile(
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT:
         ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
-        if MASKED:
-            k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-        else:
-            k_sc = tl.load(k_scale_ptr + ks_off)
+        k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
         s = s * k_sc[None, :]
     s = s * scale
     if USE_SOFTCAP:
         s = softcap * tanh(s / softcap)
-    if MASKED:
-        # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
-        s = tl.where(vis, s * LOG2E, float("-inf"))
-    else:
-        s = s * LOG2E
+    # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
+    s = tl.where(vis, s * LOG2E, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    if MASKED:
-        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
-        # exp2(-inf - (-inf)) = NaN out of p and alpha (both are then exactly 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_safe = m_new  # every score of an unmasked step is finite, so is their max
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+    # exp2(-inf - (-inf)) = NaN out of p and alpha (both are then exactly 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
-    v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d
-    if MASKED:
-        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_mask[None, :], other=0)  # [BLOCK_N, HEAD_DIM_PAD]
-    elif D_PADDED:
-        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0)
-    else:
-        v = tl.load(v_ptrs)
+    v = tl.load(
+        v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
+        mask=key_ok[:, None] & d_mask[None, :],
+        other=0,
+    )  # [BLOCK_N, HEAD_DIM_PAD]
     if FP8:
         v = v.to(tl.float8e4nv, bitcast=True)
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
-        if MASKED:
-            v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-        else:
-            v_sc = tl.load(v_scale_ptr + vs_off)
+        v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
         if V_SCALE_ON_P:
             # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
             # BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into subnormals.
@@ -407,67 +389,32 @@ def split_kv_attention_kernel(
     # only on the request itself: needed for the batch-invariant mode.
     t_begin = split_lo + ((start - split_lo) // BLOCK_N) * BLOCK_N
     bt_row = block_table_ptr + req * stride_bt_r
-    # The bulk: whole tiles inside [start, end) whose keys every row of the tile sees, with every
-    # block id in the pool (checked here, once), run unmasked; the tiles before it (a split's
-    # unaligned start) and after it (an unaligned end, a chunk's causal diagonal) run masked. The
-    # tiles and their order are the same either way, and an unmasked step computes bitwise what a
-    # masked one computes when nothing is masked, so the batch-invariant mode keeps its results.
-    # One bad id and the whole range runs masked (its keys drop out, as documented).
-    full_lo = start
-    vis_end = end  # decode: the single query sits at seq_len - 1 >= end - 1
-    if BLOCK_Q > 1:
-        first_pos = seq_len - q_len + tile_q0
-        vis_end = tl.minimum(end, first_pos + 1)  # keys the tile's first row sees
-        if USE_WINDOW:
-            full_lo = tl.maximum(full_lo, seq_len - q_len + last_q - window + 1)  # its last row's window
-    bulk_begin = t_begin + tl.cdiv(tl.maximum(full_lo - t_begin, 0), BLOCK_N) * BLOCK_N
-    bulk_end = t_begin + (tl.maximum(vis_end - t_begin, 0) // BLOCK_N) * BLOCK_N
-    bad_ids = bad_block_ids(bt_row, stride_bt_b, bulk_begin // BLOCK_SIZE, tl.cdiv(bulk_end, BLOCK_SIZE), num_blocks)
-    if (bulk_begin >= bulk_end) | (bad_ids > 0):
-        bulk_begin = t_begin
-        bulk_end = t_begin
-    # static_range unrolls the three ranges, so each compiles with its own MASKED.
-    for part in tl.static_range(3):
-        if part == 0:
-            lo_p = t_begin
-            hi_p = bulk_begin
-        elif part == 1:
-            lo_p = bulk_begin
-            hi_p = bulk_end
+    blk_next = _tile_block_ids(bt_row, t_begin, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
+    for t0 in range(t_begin, end, BLOCK_N):
+        offs_n = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_in = (offs_n >= start) & (offs_n < end)
+        # This tile's ids were loaded one tile earlier: no load inside the step feeds the K/V
+        # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
+        blk = blk_next  # [BLOCK_N] int32
+        blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
+        key_ok = key_in & (blk >= 0) & (blk < num_blocks)
+        blk = tl.where(key_ok, blk, 0).to(tl.int64)
+        if BLOCK_Q > 1:
+            vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                vis = vis & (offs_n[None, :] > pos[:, None] - window)
         else:
-            lo_p = bulk_end
-            hi_p = end
-        blk_next = _tile_block_ids(bt_row, lo_p, start, hi_p, stride_bt_b, BLOCK_SIZE, BLOCK_N)
-        for t0 in range(lo_p, hi_p, BLOCK_N):
-            offs_n = t0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-            # This tile's ids were loaded one tile earlier: no load inside the step feeds the K/V
-            # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
-            blk = blk_next  # [BLOCK_N] int32
-            blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, hi_p, stride_bt_b, BLOCK_SIZE, BLOCK_N)
-            if part == 1:
-                key_ok = offs_n >= 0  # unused: nothing is masked
-                vis = offs_m[:, None] >= 0
-                blk = blk.to(tl.int64)
-            else:
-                key_ok = (offs_n >= start) & (offs_n < end) & (blk >= 0) & (blk < num_blocks)
-                blk = tl.where(key_ok, blk, 0).to(tl.int64)
-                if BLOCK_Q > 1:
-                    vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-                    if USE_WINDOW:
-                        vis = vis & (offs_n[None, :] > pos[:, None] - window)
-                else:
-                    # Decode: the single query sits at seq_len - 1, so [start, end) is already exact.
-                    vis = key_ok[None, :] & (offs_m[:, None] >= 0)
-            m_i, l_i, acc = _attend_tile(
-                m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
-                stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-                stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-                stride_ks_b, stride_ks_s, stride_ks_h,
-                stride_vs_b, stride_vs_s, stride_vs_h,
-                QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
-                MASKED=part != 1, D_PADDED=HEAD_DIM_PAD != HEAD_DIM,
-            )
+            # Decode: the single query sits at seq_len - 1, so [start, end) is already exact.
+            vis = key_ok[None, :] & (offs_m[:, None] >= 0)
+        m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
+            stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+            stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+            stride_ks_b, stride_ks_s, stride_ks_h,
+            stride_vs_b, stride_vs_s, stride_vs_h,
+            QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
+        )
 
     if DIRECT_OUT:
         _store_final(
@@ -642,7 +589,6 @@ def cascade_prefix_kernel(
             stride_ks_b, stride_ks_s, stride_ks_h,
             stride_vs_b, stride_vs_s, stride_vs_h,
             QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
-            MASKED=True, D_PADDED=HEAD_DIM_PAD != HEAD_DIM,
         )
 
     _store_partial(

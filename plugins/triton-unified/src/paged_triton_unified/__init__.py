@@ -18,7 +18,6 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AUTOTUNE": "kernels",
     "INTERPRET": "kernels",
-    "bad_block_ids": "kernels",
     "tanh": "kernels",
     "LaunchConfig": "launch",
     "default_config": "launch",

@@ -27,22 +27,14 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = [
-    "AUTOTUNE",
-    "INTERPRET",
-    "bad_block_ids",
-    "capture_config",
-    "tanh",
-    "tile_plan_kernel",
-    "unified_attention_kernel",
-]
+__all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
 
 # Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
 # it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
 # only multiply the (already slow) interpreted run time by the number of configs.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Block ids read per iteration of bad_block_ids: 1,024 (16 K tokens of 16-token blocks) keep a
-# long context's check to a few dependent loads.
+# Block ids read per iteration of the check before a tile's unmasked bulk: 1,024 (16 K tokens of
+# 16-token blocks) keep a long context's check to a few dependent loads.
 ID_CHECK_BLOCKS = tl.constexpr(1024)
 # PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
 # tiny shape would cost minutes of compiles and the chosen config never changes the result.
@@ -62,19 +54,6 @@ def tanh(x):
     interpreter (libdevice is not). Saturates cleanly: exp overflow -> inf -> 1, underflow -> 0
     -> -1. Absolute error ~2e-7 over [-20, 20] (tests/test_kernel.py compares it with torch)."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def bad_block_ids(bt_row_ptr, stride_bt_b, first_block, end_block, num_blocks):
-    """How many of the ids in columns ``[first_block, end_block)`` of one block-table row lie
-    outside the pool ``[0, num_blocks)``. A key loop runs a range unmasked only where this is 0:
-    the check costs a few loads once, instead of a compare and a select per key and step."""
-    bad = first_block * 0
-    for b0 in range(first_block, end_block, ID_CHECK_BLOCKS):
-        lb = b0 + tl.arange(0, ID_CHECK_BLOCKS)
-        ids = tl.load(bt_row_ptr + lb * stride_bt_b, mask=lb < end_block, other=0)
-        bad += tl.sum(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
-    return bad
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,8 +378,13 @@ def _tile_program(
     # [full_begin, full_end) lie in the table (full_end <= key_end), and the tile reads them again
     # in its loop, from L1/L2. One id outside the pool and the whole range runs masked (its keys
     # then drop out, as documented), with bitwise the same results on the valid keys.
-    bad_ids = bad_block_ids(bt_row_ptr, stride_bt_b, full_begin // BLOCK_SIZE, tl.cdiv(full_end, BLOCK_SIZE),
-                            num_blocks)
+    first_block = full_begin // BLOCK_SIZE
+    end_block = tl.cdiv(full_end, BLOCK_SIZE)
+    bad_ids = first_block * 0
+    for b0 in range(first_block, end_block, ID_CHECK_BLOCKS):
+        lb = b0 + tl.arange(0, ID_CHECK_BLOCKS)
+        ids = tl.load(bt_row_ptr + lb * stride_bt_b, mask=lb < end_block, other=0)
+        bad_ids += tl.sum(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
     if (full_begin >= full_end) | (bad_ids > 0):
         full_begin = start
         full_end = start
