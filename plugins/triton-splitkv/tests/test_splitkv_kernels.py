@@ -331,6 +331,26 @@ def test_block_ids_loaded_a_tile_ahead(block_size, kw):
     assert_lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_multi_token_tiles_see_their_causal_and_window_edges(window):
+    # Multi-token tiles (the cascade's suffix pass): a tile's first row sees fewer keys than its
+    # last, and with a window its last row sees fewer old keys than its first. Launched directly
+    # (one split, final output), since no public entry point combines multi-token queries and a
+    # window in this kernel.
+    q_lens, seq_lens = [16, 9, 3], [300, 130, 70]
+    q, kc, vc, _, _, qsl, sl, bt = cascade_case(q_lens, seq_lens, 0, hq=4, hkv=2, seed=41)
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    split_launch._launch_split(
+        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), None, None, None, None,
+        seq_lens=sl.to(DEVICE), block_table=bt.to(DEVICE), query_start_loc=qsl.to(DEVICE), scale=HEAD_DIM**-0.5,
+        softcap=0.0, window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=max(q_lens),
+        max_keys=max(seq_lens), final=(out, None, None),
+    )
+    ref, _ = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5,
+                                 window=window)
+    assert_close(out.cpu(), ref, torch.float32, f"multi-token tiles, window {window}")
+
+
 def test_decode_rejects_bad_arguments():
     q, kc, vc, _, _, sl, bt = decode_case([20, 30])
     out = torch.empty_like(q)

@@ -293,6 +293,19 @@ def test_bad_block_ids_are_masked():
     assert torch.isfinite(out).all()
 
 
+def test_a_bad_block_id_deep_in_a_long_context_is_masked():
+    # The unmasked bulk of a tile runs only after its block ids were checked, 1,024 per pass: a
+    # bad id in the second pass must still send the range down the masked path. A decode and a
+    # 16-token chunk over 4,200 tokens of 4-token blocks (1,050 blocks).
+    batch = make_batch([(1, 4200), (16, 4200)], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=4,
+                       dtype=torch.float32)
+    good, _ = assert_close_to_reference(batch, torch.float32, scale=0.125)
+    batch["block_table"] = batch["block_table"].clone()
+    batch["block_table"][:, 1030] = -1  # keys 4,120-4,123 of both requests drop out
+    bad, _ = assert_close_to_reference(batch, torch.float32, scale=0.125)
+    assert not torch.equal(good, bad)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     data=st.data(),

@@ -33,6 +33,9 @@ __all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel"
 # it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
 # only multiply the (already slow) interpreted run time by the number of configs.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Block ids read per iteration of the check before a tile's unmasked bulk: 1,024 (16 K tokens of
+# 16-token blocks) keep a long context's check to a few dependent loads.
+ID_CHECK_BLOCKS = tl.constexpr(1024)
 # PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
 # tiny shape would cost minutes of compiles and the chosen config never changes the result.
 AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
@@ -123,12 +126,11 @@ def _attend_step(
     q,  # [BLOCK_M, HEAD_DIM_PAD], dot dtype
     start_n,
     q_pos,  # int32 [BLOCK_M]
-    seq_len,
+    key_end,  # the tile's keys are [.., key_end): within the sequence and the table
     window,
     softcap,
     qk_scale,  # scale * log2(e), or scale / softcap when soft-capping (times q's pre-shift)
     num_blocks,
-    max_blocks_per_req,
     block_table_row_ptr,  # int32 [max_blocks_per_req], this request's row
     stride_bt_b,
     k_cache_ptr,
@@ -150,7 +152,7 @@ def _attend_step(
     stride_vs_h,
     offs_d,  # [HEAD_DIM_PAD]
     d_mask,  # [HEAD_DIM_PAD]
-    MASKED: tl.constexpr,  # False: every key of the step is visible to every row (no causal work)
+    MASKED: tl.constexpr,  # False: every key of the step is visible to every row and valid (no checks)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
@@ -158,25 +160,41 @@ def _attend_step(
     FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see unified_attention_kernel)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    D_PADDED: tl.constexpr,  # HEAD_DIM_PAD > HEAD_DIM: d_mask has false lanes
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
-    # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per
-    # key. Keys past the table, past the sequence, or in a block id outside the pool are masked
-    # and their pointers clamped to block 0, so bad metadata never reads outside the cache.
-    logical_block = offs_n // BLOCK_SIZE
-    block = tl.load(block_table_row_ptr + logical_block * stride_bt_b, mask=logical_block < max_blocks_per_req,
-                    other=-1)
-    key_ok = (block >= 0) & (block < num_blocks) & (offs_n < seq_len)  # [BLOCK_N]
+    # BLOCK_N may span several cache blocks (or a part of one): gather the physical block per key.
+    if MASKED:
+        # The tile's keys end at key_end (<= the table's width x BLOCK_SIZE, <= seq_len): a step's
+        # keys past it are read at key_end - 1 (a key the sequence holds) and masked through the
+        # visibility below. A block id outside the pool is clamped to block 0, so bad metadata never
+        # reads outside the cache, and its keys are masked; V is masked by the id alone, since
+        # block 0's unwritten slots may hold NaN and 0 * NaN would reach the accumulator (K needs
+        # no mask: its scores are selected out).
+        offs_a = tl.minimum(offs_n, key_end - 1)
+        block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
+        key_ok = (block >= 0) & (block < num_blocks)  # [BLOCK_N]
+        block = tl.where(key_ok, block, 0)
+        v_mask = key_ok[:, None] & d_mask[None, :]
+    else:
+        # Unmasked: every key lies in the table and the sequence, and its block id was checked
+        # before the loop (see _tile_program), so there is nothing to mask but padded lanes of d.
+        offs_a = offs_n
+        block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
+        v_mask = d_mask[None, :]
     # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
-    block = tl.where(key_ok, block, 0).to(tl.int64)
-    in_block = (offs_n % BLOCK_SIZE).to(tl.int64)
-    kv_mask = key_ok[None, :] & d_mask[:, None]  # [HEAD_DIM_PAD, BLOCK_N]
+    block = block.to(tl.int64)
+    in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
+    MASK_V: tl.constexpr = MASKED or D_PADDED
 
-    # K^T: [HEAD_DIM_PAD, BLOCK_N]; masked to 0 because uninitialised cache memory may hold NaN.
+    # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
-    k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=kv_mask, other=0)
+    if D_PADDED:
+        k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
+    else:
+        k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
     k = _codes_to_dot(k, q.dtype, KV_QUANT)
@@ -187,7 +205,7 @@ def _attend_step(
     RAW: tl.constexpr = FOLD_SCALE and KV_QUANT == 0 and not USE_SOFTCAP
     if KV_QUANT != 0:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
-        k_sc = tl.load(k_scale_ptr + ks_offs, mask=key_ok, other=0.0)  # [BLOCK_N] float32
+        k_sc = tl.load(k_scale_ptr + ks_offs)  # [BLOCK_N] float32; a masked key's score is selected out
         # One multiply per score: the key scale and qk_scale combine per column first.
         s = qk * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
@@ -200,12 +218,11 @@ def _attend_step(
         s = qk * qk_scale  # log2 units: exp2 below is exp of the natural logits
 
     if MASKED:
-        visible = key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        q_lim = tl.minimum(q_pos, key_end - 1)  # [BLOCK_M] the last key each row sees
+        visible = key_ok[None, :] & (offs_n[None, :] <= q_lim[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-    else:
-        visible = key_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
 
     if RAW:
         # FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of the scaled scores
@@ -215,7 +232,10 @@ def _attend_step(
         m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps
     # exp2(-inf - (-inf)) = NaN out of alpha and p.
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new  # unmasked, every score is finite and so is the max
     alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
     if RAW:
         p = tl.exp2(s * qk_scale - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
@@ -225,14 +245,18 @@ def _attend_step(
 
     # V: [BLOCK_N, HEAD_DIM_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
-    v = tl.load(
-        v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0
-    )
+    if MASK_V:
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0)
+    else:
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :])
     v = _codes_to_dot(v, q.dtype, KV_QUANT)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
-        v_sc = tl.load(v_scale_ptr + vs_offs, mask=key_ok, other=0.0)  # [BLOCK_N]
+        if MASKED:
+            v_sc = tl.load(v_scale_ptr + vs_offs, mask=key_ok, other=0.0)  # [BLOCK_N]
+        else:
+            v_sc = tl.load(v_scale_ptr + vs_offs)
         if QDOT16:
             # p @ (codes * s) == (p * s) @ codes, but p * s in fp16 can sink into subnormals for
             # small scales. Dividing by the tile's largest scale keeps p * s / s_max in [0, 1]
@@ -349,18 +373,29 @@ def _tile_program(
     start = (lo_key // BLOCK_N) * BLOCK_N
     full_begin = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
     full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, key_end // BLOCK_N * BLOCK_N)
-    if full_begin >= full_end:
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
+    # The bulk runs unmasked, so its block ids are checked here, once per tile: the ids of
+    # [full_begin, full_end) lie in the table (full_end <= key_end), and the tile reads them again
+    # in its loop, from L1/L2. One id outside the pool and the whole range runs masked (its keys
+    # then drop out, as documented), with bitwise the same results on the valid keys.
+    first_block = full_begin // BLOCK_SIZE
+    end_block = tl.cdiv(full_end, BLOCK_SIZE)
+    bad_ids = first_block * 0
+    for b0 in range(first_block, end_block, ID_CHECK_BLOCKS):
+        lb = b0 + tl.arange(0, ID_CHECK_BLOCKS)
+        ids = tl.load(bt_row_ptr + lb * stride_bt_b, mask=lb < end_block, other=0)
+        bad_ids += tl.sum(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
+    if (full_begin >= full_end) | (bad_ids > 0):
         full_begin = start
         full_end = start
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
 
     # Three key ranges, one loop each; static_range unrolls them, so each compiles with its own
     # MASKED: the leading window edge (masked), the bulk of the context (no causal or window mask
-    # to compute), the causal diagonal (masked).
+    # to compute, no id to check), the causal diagonal (masked).
     for part in tl.static_range(3):
         if part == 0:
             lo = start
@@ -373,8 +408,8 @@ def _tile_program(
             hi = key_end
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_step(
-                acc=acc, l_i=l_i, m_i=m_i, q=q, start_n=start_n, q_pos=q_pos, seq_len=seq_len, window=window,
-                softcap=softcap, qk_scale=qk_scale, num_blocks=num_blocks, max_blocks_per_req=max_blocks_per_req,
+                acc=acc, l_i=l_i, m_i=m_i, q=q, start_n=start_n, q_pos=q_pos, key_end=key_end, window=window,
+                softcap=softcap, qk_scale=qk_scale, num_blocks=num_blocks,
                 block_table_row_ptr=bt_row_ptr, stride_bt_b=stride_bt_b,
                 k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
                 kv_head=kv_head,
@@ -385,7 +420,7 @@ def _tile_program(
                 offs_d=offs_d, d_mask=d_mask,
                 MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
                 QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-                DOT_PRECISION=DOT_PRECISION,
+                D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
     # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
