@@ -206,8 +206,10 @@ def attention_cases(kv_dtype: str, full: bool) -> None:
             run_case(f"{tag} q_len>seq_len", attention_case, path, kv_dtype, m, cache, gen=gen, **p)
             # Garbage offsets: decreasing, and past num_tokens. Rows outside [0, N) are never
             # touched; which rows get what is unspecified, so only memory is checked.
+            # A new device tensor: on the CPU, from_lists's host mirror is the same tensor, and
+            # the mirror keeps the honest offsets the host ints were promised against.
             m = make_meta(*mixed, gen, prefix_blocks=prefix)
-            m.query_start_loc.copy_(torch.tensor([0, 9, 4, 30, 7, 12], dtype=torch.int32))
+            m.query_start_loc = torch.tensor([0, 9, 4, 30, 7, 12], dtype=torch.int32, device=DEV)
             run_case(f"{tag} query_start_loc-garbage",
                      attention_case, path, kv_dtype, m, cache, gen=gen, compare=False, **p)
         if path == "cascade":
