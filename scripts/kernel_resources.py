@@ -97,22 +97,27 @@ KV_FLAGS = {
 def loop_stats(sass: str, min_len: int = 64) -> dict:
     """The loops of a cuobjdump -sass listing (a backward branch and its target) of at least
     ``min_len`` instructions, in address order: their instruction counts, and over all of them
-    the single-byte shared loads and the local-memory (spill) accesses. A loop nested in another
+    the single-byte shared loads and the local-memory (spill) accesses; and the instructions
+    before the first of them (a program's prologue: what a short program, a small decode's split,
+    pays besides its few key steps). A loop nested in another
     is counted in both. The default length keeps the key steps (hundreds of instructions) and
     leaves out small loops (a binary search over the tiles, the merge's)."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     addrs = [int(a, 16) for a, _ in ins]
     loops: list[list[str]] = []
+    first = len(ins)  # the index of the first loop's first instruction
     for i, (_, text) in enumerate(ins):
         m = re.search(r"\bBRA (?:\S+ )?(0x[0-9a-f]+)", text)
         if m and int(m[1], 16) <= addrs[i] and int(m[1], 16) in addrs:
-            body = [t for _, t in ins[addrs.index(int(m[1], 16)):i + 1]]
+            start = addrs.index(int(m[1], 16))
+            body = [t for _, t in ins[start:i + 1]]
             if len(body) >= min_len:
                 loops.append(body)
+                first = min(first, start)
     ops = [[re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body] for body in loops]
     flat = [o for body in ops for o in body]
     return {"loops": [len(body) for body in ops], "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in flat),
-            "local": sum(o.startswith(("LDL", "STL")) for o in flat)}
+            "local": sum(o.startswith(("LDL", "STL")) for o in flat), "prologue": first if loops else None}
 
 
 def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int) -> dict:
@@ -148,11 +153,13 @@ def row(r: dict) -> str:
     """The resource columns of one compiled config."""
     flag = "  SPILLS" if r["spill"] else ""
     loops = " ".join(str(n) for n in r["loops"]) or "-"
+    prologue = "-" if r["prologue"] is None else str(r["prologue"])
     return (f"{r['regs']:5d} {r['spill']:8d} {r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {loops:>15s} "
-            f"{r['lds8']:6d} {r['local']:5d}{flag}")
+            f"{r['lds8']:6d} {r['local']:5d} {prologue:>8s}{flag}")
 
 
-HEADER = f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s}"
+HEADER = (f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s} "
+          f"{'prologue':>8s}")
 
 
 def main() -> None:
