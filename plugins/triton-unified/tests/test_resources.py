@@ -40,3 +40,16 @@ def test_reports_registers_and_shared_memory_per_config():
     assert max(rows["128/4/2"][4]) > max(rows["32/4/1"][4])
     # Four times the keys per step, in two stages, need more shared memory.
     assert rows["128/4/2"][2] > rows["32/4/1"][2]
+
+    # triton-splitkv's split kernel, when it is installed beside this plugin: it loads each
+    # tile's block ids a tile ahead so that the pipeliner buffers the gathered K/V num_stages
+    # deep, i.e. its third stage holds a third 64-key K/V buffer (2 x 16 KB) more than two.
+    split_src = ROOT / "plugins" / "triton-splitkv" / "src"
+    env["PYTHONPATH"] = os.pathsep.join([str(split_src), env["PYTHONPATH"]])
+    out = subprocess.run([sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    split = {m[1]: float(m[2]) for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)",
+                                                     out.stdout)}
+    assert set(split) == {"64/4/2", "64/4/3"}, out.stdout
+    assert split["64/4/3"] >= split["64/4/2"] + 31, split
