@@ -391,3 +391,32 @@ def test_interpreter_set_after_import_is_a_reason_not_a_driver_error(monkeypatch
         b.forward(torch.randn(4, 4, 64), cache, meta)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "set TRITON_INTERPRET=1" in backend_module.interpreter_reasons(spec)[0]
+
+
+def test_register_capped_configs_are_timed_only_where_they_were_chosen():
+    # The capped configs (a Config's maxnreg) come from an offline compile at head dim 128: the
+    # 8-bit decode tiles and the 16-bit prefill tiles. Elsewhere they would only spill or repeat
+    # an uncapped config, so the autotuner never times them there; and the one config of
+    # PAGED_AUTOTUNE=0 is never a capped one.
+    from paged_triton_unified import kernels
+
+    def config(block_n, warps, stages, cap=None):
+        return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages, maxnreg=cap)
+
+    decode_8bit = config(*sorted(kernels._DECODE_8BIT_CAPPED)[0])
+    prefill = config(*sorted(kernels._PREFILL_CAPPED)[0])
+    for kv_quant in (1, 2):
+        assert kernels.keep(decode_8bit, 16, 128, kv_quant)
+        assert not kernels.keep(prefill, 16, 128, kv_quant)
+        assert not kernels.keep(prefill, 128, 128, kv_quant)
+        assert not kernels.keep(decode_8bit, 16, 256, kv_quant)
+    assert not kernels.keep(decode_8bit, 16, 128, 0)
+    assert kernels.keep(prefill, 128, 128, 0)
+    assert not kernels.keep(prefill, 128, 64, 0)
+    # A cap the search space does not list is not timed, even on a listed (BLOCK_N, warps, stages).
+    assert not kernels.keep(config(*sorted(kernels._PREFILL_CAPPED)[0][:3], 96), 128, 128, 0)
+    # Uncapped configs keep their rule (the decode space for decode tiles).
+    assert kernels.keep(config(*kernels._DEFAULT_DECODE), 16, 128, 1)
+    default = config(*kernels._DEFAULT_PREFILL)
+    chosen = kernels._default_of([config(*kernels._DEFAULT_PREFILL, 128), default], 128)
+    assert len(chosen) == 1 and chosen[0] is default

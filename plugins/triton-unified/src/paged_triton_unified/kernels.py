@@ -466,6 +466,10 @@ def _attention_configs():
                 configs.append(
                     triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
                 )
+    for block_n, num_warps, num_stages, maxnreg in sorted(_DECODE_8BIT_CAPPED | _PREFILL_CAPPED):
+        configs.append(
+            triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        )
     return configs
 
 
@@ -501,9 +505,24 @@ _PREFILL_CONFIGS = {
 }
 
 
-def keep(config, block_m, head_dim_pad):
-    """Whether ``config`` is worth timing for a tile of ``block_m`` rows and a padded head dim."""
+# Register caps (maxnreg) that fit one more CTA on an SM without spilling in the key loop,
+# (BLOCK_N, num_warps, num_stages, maxnreg), chosen from the offline compile at head dim 128
+# (sm_90a, Triton 3.9, scripts/kernel_resources.py --configs 64/4/3/168,...): the 8-bit decode
+# tile 64/4/3 takes 234 registers (2 CTAs per SM), capped at 168 none spills (3 CTAs); 32/4/3:
+# 161 (3 CTAs), at 128 none spills (4). The 128-row prefill tile 32/8/3 takes 154 registers (one
+# 8-warp CTA per SM), at 128 it spills 24 bytes outside its loops (2 CTAs); 64/8/2: 174, at 128
+# 24 local accesses in its loops. Other head dims, and 8-bit prefill tiles, spill when capped.
+_DECODE_8BIT_CAPPED = {(64, 4, 3, 168), (32, 4, 3, 128)}
+_PREFILL_CAPPED = {(32, 8, 3, 128), (64, 8, 2, 128)}
+
+
+def keep(config, block_m, head_dim_pad, kv_quant=0):
+    """Whether ``config`` is worth timing for a tile of ``block_m`` rows, a padded head dim and a
+    cache format (``kv_quant``: 0 values, 1 int8, 2 fp8 codes)."""
     sig = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    if config.maxnreg is not None:
+        capped = _PREFILL_CAPPED if block_m > 32 and kv_quant == 0 else _DECODE_8BIT_CAPPED if kv_quant else set()
+        return head_dim_pad == 128 and (*sig, config.maxnreg) in capped
     allowed = _DECODE_CONFIGS if block_m <= 32 else _PREFILL_CONFIGS
     if sig not in allowed:
         return False
@@ -524,7 +543,7 @@ def _prune(configs, named_args, **kwargs):
     # with BLOCK_N_SMALL from the launcher.
     block_q = args["BLOCK_Q_LARGE"] if args["FUSED"] else args["BLOCK_Q"]
     block_m = block_q * args["GROUP_PAD"]
-    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
+    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"], args["KV_QUANT"])]
     if args["FUSED"] and args["HEAD_DIM_PAD"] >= 256:
         # Both classes' pipelined K/V buffers share the launch's shared memory.
         kept = [c for c in kept if c.num_stages <= 2]
@@ -535,7 +554,8 @@ def _prune(configs, named_args, **kwargs):
 
 def _default_of(configs, block_m):
     default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or configs[:1]
+    return [c for c in configs
+            if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default and c.maxnreg is None] or configs[:1]
 
 
 def capture_config(named_args):
