@@ -120,13 +120,17 @@ def loop_stats(sass: str, min_len: int = 64) -> dict:
             "local": sum(o.startswith(("LDL", "STL")) for o in flat), "prologue": first if loops else None}
 
 
-def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int) -> dict:
-    """Compile a jitted kernel for sm_90a and read its resources and loops (see the module doc)."""
+def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int,
+                  maxnreg: int | None = None) -> dict:
+    """Compile a jitted kernel for sm_90a and read its resources and loops (see the module doc);
+    ``maxnreg`` caps the registers per thread, as a ``triton.Config``'s does."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+                                target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -141,12 +145,12 @@ def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, 
 
 
 def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
-              kv: str = "bf16") -> dict:
+              kv: str = "bf16", maxnreg: int | None = None) -> dict:
     fn = kernel if kernel is not None else kernels.unified_attention_kernel
     fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
     constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
     sig, attrs = _signature(fn, constexprs, kv)
-    return compile_stats(fn, sig, constexprs, attrs, num_warps, num_stages)
+    return compile_stats(fn, sig, constexprs, attrs, num_warps, num_stages, maxnreg)
 
 
 def row(r: dict) -> str:
@@ -156,6 +160,18 @@ def row(r: dict) -> str:
     prologue = "-" if r["prologue"] is None else str(r["prologue"])
     return (f"{r['regs']:5d} {r['spill']:8d} {r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {loops:>15s} "
             f"{r['lds8']:6d} {r['local']:5d} {prologue:>8s}{flag}")
+
+
+def _config(text: str) -> tuple:
+    """``BLOCK_N/warps/stages[/maxnreg]`` as (BLOCK_N, warps, stages, maxnreg or None)."""
+    parts = [int(x) for x in text.split("/")]
+    if len(parts) not in (3, 4):
+        raise ValueError(text)
+    return (*parts, None)[:4]
+
+
+def _uncapped(configs) -> set:
+    return {(*c, None) for c in configs}
 
 
 HEADER = (f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s} "
@@ -170,10 +186,15 @@ def main() -> None:
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
     ap.add_argument("--tiles", default="decode,fused",
                     help="which of decode,fused (triton-unified) and split (triton-splitkv)")
-    ap.add_argument("--configs", default="", help="BLOCK_N/warps/stages,... (default: the search space)")
+    ap.add_argument("--configs", default="",
+                    help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)")
     ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8 (q is bf16)")
     args = ap.parse_args()
-    only = {tuple(int(x) for x in c.split("/")) for c in args.configs.split(",") if c}
+    try:
+        only = {_config(c) for c in args.configs.split(",") if c}
+    except ValueError as exc:
+        ap.error(f"--configs entry {str(exc)!r}: accepted BLOCK_N/warps/stages or BLOCK_N/warps/stages/maxnreg "
+                 "(integers)")
     group_pad = 1 << max(0, args.group - 1).bit_length()
     head_dim_pad = max(16, 1 << max(0, args.head_dim - 1).bit_length())
     base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
@@ -182,9 +203,11 @@ def main() -> None:
                 FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
                 HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
     tiles = {
-        "decode": ("decode (direct)", {"FUSED": False}, kernels._DECODE_CONFIGS),
+        "decode": ("decode (direct)", {"FUSED": False},
+                   _uncapped(kernels._DECODE_CONFIGS)),
         # A batch with any prefill runs fused: its configs are timed by the large tiles.
-        "fused": (f"fused ({args.block_q_large * group_pad}-row large)", {"FUSED": True}, kernels._PREFILL_CONFIGS),
+        "fused": (f"fused ({args.block_q_large * group_pad}-row large)", {"FUSED": True},
+                  _uncapped(kernels._PREFILL_CONFIGS) | kernels._PREFILL_CAPPED),
     }
     if split_kernels is not None:
         split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
@@ -193,7 +216,8 @@ def main() -> None:
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
                           DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
                           MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK)
-        split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in split_kernels._SPLIT_CONFIGS}
+        split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)
+                         for c in split_kernels._SPLIT_CONFIGS}
         tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
@@ -203,21 +227,22 @@ def main() -> None:
         ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
           f"block {args.block_size}, bf16 q")
-    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages':>20s} {HEADER}")
+    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
         for kv in kvs:
-            for block_n, warps, stages in sorted(only or configs):
+            for block_n, warps, stages, cap in sorted(only or configs, key=lambda c: (*c[:3], c[3] or 0)):
+                label = f"{block_n}/{warps}/{stages}" + (f"/{cap}" if cap else "")
                 try:
                     if kernel:
-                        r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0], kv=kv)
+                        r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0], kv=kv, maxnreg=cap)
                     else:
-                        r = resources({**base, **spec}, block_n, warps, stages, kv=kv)
+                        r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap)
                 except Exception as exc:  # out of shared memory and the like: say so, go on
-                    print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s}  {type(exc).__name__}: "
+                    print(f"{name:24s} {kv:>4s} {label:>26s}  {type(exc).__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:80]}")
                     continue
-                print(f"{name:24s} {kv:>4s} {f'{block_n}/{warps}/{stages}':>20s} {row(r)}")
+                print(f"{name:24s} {kv:>4s} {label:>26s} {row(r)}")
 
 
 if __name__ == "__main__":

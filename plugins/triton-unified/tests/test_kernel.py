@@ -391,3 +391,37 @@ def test_interpreter_set_after_import_is_a_reason_not_a_driver_error(monkeypatch
         b.forward(torch.randn(4, 4, 64), cache, meta)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "set TRITON_INTERPRET=1" in backend_module.interpreter_reasons(spec)[0]
+
+
+def test_register_capped_configs_are_timed_only_where_they_were_chosen(monkeypatch):
+    # The capped configs (a Config's maxnreg) were chosen from an offline compile of the 128-row
+    # prefill tile at head dim 128 and 16-bit K/V. Elsewhere (decode tiles, 8-bit caches, other
+    # head dims) they would spill in their loops or repeat an uncapped config, so the autotuner
+    # never times them there; and the one config of PAGED_AUTOTUNE=0 is never a capped one.
+    from paged_triton_unified import kernels
+
+    def config(block_n, warps, stages, cap=None):
+        return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages, maxnreg=cap)
+
+    assert kernels._PREFILL_CAPPED
+    for capped in kernels._PREFILL_CAPPED:
+        prefill = config(*capped)
+        assert kernels.keep(prefill, 128, 128, 0)
+        assert kernels.keep(prefill, 64, 128, 0)
+        assert not kernels.keep(prefill, 16, 128, 0)  # a decode tile
+        assert not kernels.keep(prefill, 32, 128, 0)
+        assert not kernels.keep(prefill, 128, 64, 0)
+        assert not kernels.keep(prefill, 128, 256, 0)
+        for kv_quant in (1, 2):
+            assert not kernels.keep(prefill, 128, 128, kv_quant)
+        # A cap the list does not hold is not timed, even on a listed (BLOCK_N, warps, stages).
+        assert not kernels.keep(config(*capped[:3], capped[3] - 32), 128, 128, 0)
+    # The capped configs are in the GPU's search space, the one the launcher prunes.
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    space = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in kernels._attention_configs()}
+    assert kernels._PREFILL_CAPPED <= space
+    # Uncapped configs keep their rule (the decode space for decode tiles).
+    assert kernels.keep(config(*kernels._DEFAULT_DECODE), 16, 128, 1)
+    default = config(*kernels._DEFAULT_PREFILL)
+    chosen = kernels._default_of([config(*kernels._DEFAULT_PREFILL, 128), default], 128)
+    assert len(chosen) == 1 and chosen[0] is default

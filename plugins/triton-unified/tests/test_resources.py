@@ -21,16 +21,16 @@ def test_reports_registers_and_shared_memory_per_config():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / "triton-unified" / "src"), env.get("PYTHONPATH", "")])
     script = ROOT / "scripts" / "kernel_resources.py"
-    run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2"],
+    run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2,128/4/2/80"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {}
     for line in run.stdout.splitlines():
-        m = re.match(r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
+        m = re.match(r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+(?:/\d+)?)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
                      r"((?:\d+ )*\d+)\s+\d+\s+\d+", line)
         if m:
             rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]), [int(n) for n in m[6].split()])
-    assert set(rows) == {"32/4/1", "128/4/2"}, run.stdout
+    assert set(rows) == {"32/4/1", "128/4/2", "128/4/2/80"}, run.stdout
     for regs, spill, smem_kb, ctas, loops in rows.values():
         assert 16 <= regs <= 255 and spill >= 0 and smem_kb > 0 and ctas >= 1
         # Its key ranges' loops (the bulk, the causal diagonal): one key step each, two MMAs of
@@ -40,6 +40,8 @@ def test_reports_registers_and_shared_memory_per_config():
     assert max(rows["128/4/2"][4]) > max(rows["32/4/1"][4])
     # Four times the keys per step, in two stages, need more shared memory.
     assert rows["128/4/2"][2] > rows["32/4/1"][2]
+    # A register cap (a Config's maxnreg) reaches the compiler: the same tile in fewer registers.
+    assert rows["128/4/2/80"][0] <= 80 < rows["128/4/2"][0]
 
     # triton-splitkv's split kernel, when it is installed beside this plugin: it loads each
     # tile's block ids a tile ahead so that the pipeliner buffers the gathered K/V num_stages

@@ -304,7 +304,9 @@ class DirectKernel:
             if config is None:
                 config = self.capture_config(kwargs) if self.capture_config else self.tuner.configs[0]
             extra = dict(config.kwargs)
-            options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+            # Every compile option of the config (a register cap included), as the autotuner
+            # passes them: the binary compiled here is the one a tuned eager call would run.
+            options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
         if callable(grid):
             grid = grid({**kwargs, **extra})
         with relaxed_capture_mode():

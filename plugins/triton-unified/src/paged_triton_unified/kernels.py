@@ -466,6 +466,10 @@ def _attention_configs():
                 configs.append(
                     triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
                 )
+    for block_n, num_warps, num_stages, maxnreg in sorted(_PREFILL_CAPPED):
+        configs.append(
+            triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        )
     return configs
 
 
@@ -501,9 +505,25 @@ _PREFILL_CONFIGS = {
 }
 
 
-def keep(config, block_m, head_dim_pad):
-    """Whether ``config`` is worth timing for a tile of ``block_m`` rows and a padded head dim."""
+# Register caps (maxnreg) that fit a second 8-warp CTA of the 128-row prefill tile on an SM,
+# (BLOCK_N, num_warps, num_stages, maxnreg), from the offline compile at head dim 128 (sm_90a,
+# Triton 3.9, scripts/kernel_resources.py --configs 32/8/3/128,...): 32/8/3 takes 154 registers
+# (one CTA per SM), at 128 it spills 24 bytes outside its loops (two CTAs); 64/8/2: 174, at 128
+# 24 local accesses in its loops. NVIDIA H200, Triton 3.6, autotuned, CUDA-graph replays,
+# 2026-12-02: prefill 8 x 2,048 causal 0.9451 -> 0.7759 ms (291 -> 354 TFLOP/s), the mixed batch
+# the same (0.2177 / 0.2179 ms). Only there: at other head dims, and for 8-bit caches, the capped
+# tiles spill in their loops. The same caps on the 8-bit decode tiles (64/4/3 at 168 registers,
+# 3 CTAs per SM; 32/4/3 at 128, 4 CTAs) left int8 and fp8 64 x 4,096 where they were (0.2077 /
+# 0.2081 ms, 0.2260 / 0.2274): that tile's time is not its occupancy.
+_PREFILL_CAPPED = {(32, 8, 3, 128), (64, 8, 2, 128)}
+
+
+def keep(config, block_m, head_dim_pad, kv_quant=0):
+    """Whether ``config`` is worth timing for a tile of ``block_m`` rows, a padded head dim and a
+    cache format (``kv_quant``: 0 values, 1 int8, 2 fp8 codes)."""
     sig = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    if config.maxnreg is not None:
+        return block_m > 32 and kv_quant == 0 and head_dim_pad == 128 and (*sig, config.maxnreg) in _PREFILL_CAPPED
     allowed = _DECODE_CONFIGS if block_m <= 32 else _PREFILL_CONFIGS
     if sig not in allowed:
         return False
@@ -524,7 +544,7 @@ def _prune(configs, named_args, **kwargs):
     # with BLOCK_N_SMALL from the launcher.
     block_q = args["BLOCK_Q_LARGE"] if args["FUSED"] else args["BLOCK_Q"]
     block_m = block_q * args["GROUP_PAD"]
-    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"])]
+    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"], args["KV_QUANT"])]
     if args["FUSED"] and args["HEAD_DIM_PAD"] >= 256:
         # Both classes' pipelined K/V buffers share the launch's shared memory.
         kept = [c for c in kept if c.num_stages <= 2]
@@ -535,7 +555,8 @@ def _prune(configs, named_args, **kwargs):
 
 def _default_of(configs, block_m):
     default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
-    return [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default] or configs[:1]
+    return [c for c in configs
+            if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default and c.maxnreg is None] or configs[:1]
 
 
 def capture_config(named_args):
