@@ -295,18 +295,23 @@ def section_split() -> None:
 
 
 def section_split_count() -> None:
-    """The split count of split decode at one config (128 keys, 4 warps, 2 stages): around
-    ``choose_num_splits`` and at the counts that put a whole number of programs on every SM."""
+    """The split count of split decode: around ``choose_num_splits``, at the counts that put a
+    whole number of programs on every SM, and below its 256 tokens per split and above its cap of
+    32, at the two configs the autotuner picks from most (128 keys / 4 warps / 2 stages, 64 / 4 / 3)."""
     sms = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
-    for b, n in [(4, 32768), (2, 32768), (16, 8192), (8, 16384), (1, 131072), (1, 4096)]:
+    for b, n in [(1, 32768), (1, 131072), (4, 32768), (16, 8192), (2, 4096), (4, 4096), (8, 4096)]:
         case = make_case([1] * b, [n] * b, check_reqs=[0])
         out = torch.empty_like(case.q)
         auto = choose_num_splits(b, HKV, n, BS, DEV)
         pairs = b * HKV
-        counts = {auto, max(1, auto - 1), auto + 1, *(max(1, k * sms // pairs) for k in (1, 2, 3, 4))}
-        for splits in sorted(c for c in counts if c <= max(1, n // 256)):
-            name = f"{b}x{n} {splits} splits{' (auto)' if splits == auto else ''}: {splits * pairs} programs"
-            report("split-count", f"{name} ({sms} SMs)", case, split_call(case, out, splits, (128, 4, 2)), out)
+        counts = {auto, max(1, auto // 2), auto * 3 // 2, auto * 2, *(max(1, k * sms // pairs) for k in (1, 2, 3, 4))}
+        for splits in sorted(c for c in counts if c <= max(1, n // 128)):
+            for kc in ((128, 4, 2), (64, 4, 3)):
+                if n // splits < kc[0] // 2:
+                    continue
+                mark = " (auto)" if splits == auto else ""
+                name = f"{b}x{n} {splits} splits{mark}: {splits * pairs} programs {tag(kc)}"
+                report("split-count", f"{name} ({sms} SMs)", case, split_call(case, out, splits, kc), out)
         del case
 
 

@@ -370,12 +370,16 @@ def test_choose_num_splits_on_cpu_is_one():
     assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
 
 
-def test_choose_num_splits_gives_at_most_three_programs_per_sm(monkeypatch):
+def test_choose_num_splits_gives_two_programs_per_sm_three_on_long_splits_of_many_pairs(monkeypatch):
     monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
-    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 12  # 396 // 32: 384 programs
-    assert choose_num_splits(2, 8, 32768, 16, "cuda:0") == 24  # 396 // 16
-    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # 396 // 8 = 49, capped
-    assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 3
+    assert choose_num_splits(4, 8, 32768, 16, "cuda:0") == 8  # 264 // 32: 256 programs
+    assert choose_num_splits(2, 8, 32768, 16, "cuda:0") == 16  # 264 // 16
+    assert choose_num_splits(4, 8, 4096, 16, "cuda:0") == 8
+    assert choose_num_splits(8, 8, 4096, 16, "cuda:0") == 4  # 64 pairs, but 682 keys a split at three
+    assert choose_num_splits(16, 8, 4096, 16, "cuda:0") == 2
+    assert choose_num_splits(8, 8, 32768, 16, "cuda:0") == 6  # 64 pairs, 5,461 keys a split: 396 // 64
+    assert choose_num_splits(16, 8, 8192, 16, "cuda:0") == 3  # 128 pairs, 2,730 keys a split
+    assert choose_num_splits(1, 8, 131072, 16, "cuda:0") == 32  # 264 // 8 = 33, capped
     assert choose_num_splits(1, 8, 4096, 16, "cuda:0") == 16  # 256 tokens a split at least
     assert choose_num_splits(32, 8, 4096, 16, "cuda:0") == 1  # 256 pairs: one per SM already
     assert choose_num_splits(64, 8, 4096, 16, "cuda:0") == 1  # 512 pairs already fill the GPU

@@ -53,18 +53,24 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-# choose_num_splits: at most three programs per SM (as many as fit on one at the split kernel's
-# ~70 KB of shared memory), and only for batches with fewer (request, KV head) pairs than SMs.
-# Rounded down, never up: a few programs more than a whole number per SM leave those SMs with
-# more work than the rest. NVIDIA H200, Triton 3.6, bf16, 32/8 heads, d 128, CUDA-graph replays,
-# autotuned, the merge fused, 2026-12-01 (docs/benchmarks.md): 4 x 32,768 0.1459 ms at 9 splits
-# (ceil(2 x 132 / 32): 288 programs), 0.1406 at 8, 0.1410 at 12 (384); 2 x 32,768 0.1054 at 17
-# (272 programs), 0.0961 at 16, 0.0826 at 24 (384); 16 x 8,192 best at 3 (384). From 256 pairs
+# choose_num_splits: two programs per SM, three (as many as fit on one at the split kernel's
+# ~70 KB of shared memory) for many (request, KV head) pairs with long splits, and only for
+# batches with fewer pairs than SMs. Rounded down, never up: a few programs more than a whole
+# number per SM leave those SMs with more work than the rest. A short split's fixed cost (its
+# prologue, its partial, the merge) outweighs what a third program per SM hides; a long one's
+# does not. NVIDIA H200, Triton 3.6, bf16, 32/8 heads, d 128, CUDA-graph replays, autotuned, the
+# merge fused, 2026-12-02 (docs/benchmarks.md), two then three programs per SM: 4 x 4,096
+# 0.0373 vs 0.0409-0.0508 ms; 8 x 4,096 0.0548 vs 0.0564-0.0647; 2 x 32,768 0.0888 vs 0.0917;
+# 4 x 32,768 0.1475 vs 0.1494-0.1510; but 8 x 32,768 0.2721 vs 0.2653, 16 x 32,768 0.5184 vs
+# 0.5024, 16 x 8,192 0.1478 vs 0.1452 (16 x 4,096 the same, 0.0859 / 0.0850). From 256 pairs
 # on, the unified kernel was as fast or faster (the crossover sweep in docs/benchmarks.md).
 # 256 tokens (16 blocks of 16) per split keeps the fixed cost of a program (loading q, writing
 # a partial, merging it) small against its K/V traffic; beyond 32 splits the merge's reads start
 # to show (1 x 131,072: 0.1501 ms at 32 splits, 0.1506 at 48, 0.1542 at 64).
-_SPLIT_PROGRAMS_PER_SM = 3
+_SPLIT_PROGRAMS_PER_SM = 2
+_SPLIT_PROGRAMS_PER_SM_LONG = 3
+_LONG_SPLIT_MIN_PAIRS = 64  # and at least _LONG_SPLIT_MIN_TOKENS keys per split at three per SM
+_LONG_SPLIT_MIN_TOKENS = 2048
 # The cascade's prefix pass: about two programs per SM (rounded up).
 _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT = 256
@@ -151,8 +157,9 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits that fills the GPU for a decode batch (host ints only, no sync).
 
-    Gives the GPU at most three programs per SM over ``num_reqs * num_kv_heads * splits``
-    programs (rounded down), keeps at least 256 tokens (and a whole block) per split, caps at 32.
+    Gives the GPU two programs per SM over ``num_reqs * num_kv_heads * splits`` programs
+    (rounded down; three when 64 or more (request, KV head) pairs would still get 2,048 keys per
+    split), keeps at least 256 tokens (and a whole block) per split, caps at 32.
     Returns 1 on a non-CUDA device or when the (request, KV head) pairs already fill the GPU.
 
     >>> choose_num_splits(4, 8, 32768, 16, "cpu")
@@ -167,7 +174,9 @@ def choose_num_splits(
     # pairs, 2 per SM) on, the split kernel below it (docs/benchmarks.md, the crossover sweep).
     if pairs >= sms:
         return 1
-    by_occupancy = _SPLIT_PROGRAMS_PER_SM * sms // pairs
+    by_occupancy = _SPLIT_PROGRAMS_PER_SM_LONG * sms // pairs
+    if pairs < _LONG_SPLIT_MIN_PAIRS or max_seq_len // by_occupancy < _LONG_SPLIT_MIN_TOKENS:
+        by_occupancy = _SPLIT_PROGRAMS_PER_SM * sms // pairs
     by_length = max(1, max_seq_len // max(_MIN_TOKENS_PER_SPLIT, block_size))
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
