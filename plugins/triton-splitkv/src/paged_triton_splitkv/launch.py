@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import NoReturn, cast
 
 import torch
-import triton
 from paged_core import InputError, shared_prefix_blocks
 from paged_triton_unified import INTERPRET, sm_count
 from paged_triton_unified.direct import DirectKernel
@@ -100,8 +99,19 @@ def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> No
               f"pass {'None (automatic) or ' if none_ok else ''}an int of at least {minimum}")
 
 
+# Host arithmetic in plain ints: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# (Triton 3.9: ~5 us a call, unwrapping their arguments), and a cascade forward made eleven of
+# those calls on every step (its launches are not recorded).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
 def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(x))
+    return max(floor, _next_power_of_2(x))
 
 
 def _kv_args(
@@ -205,12 +215,12 @@ def _prefix_split(prefix_tokens: int, prefix_splits: int | None, *, row_tiles: i
         prefix_splits = 1
         sms = sm_count(device)
         if sms is not None:
-            by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * sms, max(1, row_tiles * num_kv_heads))
+            by_occupancy = _cdiv(_PROGRAMS_PER_SM * sms, max(1, row_tiles * num_kv_heads))
             by_length = max(1, prefix_tokens // _MIN_TOKENS_PER_SPLIT)
             prefix_splits = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
     quantum = _PREFIX_KEY_QUANTUM
-    keys_per_split = triton.cdiv(triton.cdiv(prefix_tokens, prefix_splits), quantum) * quantum
-    return keys_per_split, triton.cdiv(prefix_tokens, keys_per_split)
+    keys_per_split = _cdiv(_cdiv(prefix_tokens, prefix_splits), quantum) * quantum
+    return keys_per_split, _cdiv(prefix_tokens, keys_per_split)
 
 
 def split_decode_attention(
@@ -271,7 +281,7 @@ def split_decode_attention(
     _check_count("blocks_per_split", blocks_per_split, minimum=1, none_ok=True)
     if blocks_per_split is not None:
         tokens_per_split = blocks_per_split * block_size
-        needed = max(1, triton.cdiv(max_seq_len, tokens_per_split))
+        needed = max(1, _cdiv(max_seq_len, tokens_per_split))
         if num_splits is None:
             num_splits = needed
         _check_count("num_splits", num_splits, minimum=needed, none_ok=False)
@@ -342,14 +352,14 @@ def _launch_split(
     num_kv_heads = k_cache.shape[2]
     num_reqs = block_table.shape[0]
     group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = _next_power_of_2(group)
     if max_query_len <= 1:
         block_q = 1
     else:
         # Up to 64 rows per tile for multi-token queries: enough to amortize each K/V tile
         # over several queries without spilling the fp32 accumulator at head_dim 256.
-        block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
-    num_q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
+        block_q = min(_next_power_of_2(max_query_len), max(1, 64 // group_pad))
+    num_q_tiles = _cdiv(max(max_query_len, 1), block_q)
     grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
     direct = final is not None and part_out is None
     fused = final is not None and part_out is not None
@@ -386,8 +396,8 @@ def _launch_split(
         num_q_tiles=num_q_tiles,
         # At least 256: the loop lengths below share one tuned choice, and the int never drops
         # under 16, where Triton would specialise (and compile) the kernel on its value.
-        keys_per_program=max(256, triton.next_power_of_2(
-            tokens_per_split if tokens_per_split > 0 else max(1, triton.cdiv(max_keys, num_splits)))),
+        keys_per_program=max(256, _next_power_of_2(
+            tokens_per_split if tokens_per_split > 0 else max(1, _cdiv(max_keys, num_splits)))),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
         **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
@@ -591,7 +601,7 @@ def cascade_attention(
     group = num_q_heads // num_kv_heads
     prefix_tokens = prefix_blocks * block_size
     keys_per_split, prefix_splits = _prefix_split(
-        prefix_tokens, prefix_splits, row_tiles=triton.cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
+        prefix_tokens, prefix_splits, row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
         num_kv_heads=num_kv_heads, device=q.device)
     num_parts = num_splits + prefix_splits
     part_out = torch.empty((num_parts, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
@@ -616,7 +626,7 @@ def cascade_attention(
         if prefix_splits > 0:
             po, pl = part_out[num_splits:], part_lse[num_splits:]
             grid = lambda meta: (  # noqa: E731
-                triton.cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
+                _cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
             with side():
                 _launch_prefix(
                     grid, q, block_table[prefix_row], seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
