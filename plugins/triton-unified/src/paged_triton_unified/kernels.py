@@ -106,80 +106,16 @@ def tile_plan_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-# Code conversions in registers (_codes_to_dot). Left to `.to()`, Triton converts quantized codes
-# after their layout change into the MMA operand: V (token-major; there is no transposed 8-bit
-# ldmatrix) is then read from shared memory one byte at a time. Converted by inline asm in the
-# layout they are loaded in, the codes reach shared memory as a 16-bit tile that ldmatrix reads
-# transposed. is_pure=False keeps the asm there: a pure one is moved behind the layout change
-# like `.to()`.
-#
-# Packing, as Triton lowers tl.inline_asm_elementwise with pack=4: the four elements e0..e3 of
-# one call are four consecutive elements of the thread's part of the tile; 8-bit inputs arrive
-# as one 32-bit register $2 holding e_k in bits [8k, 8k + 8); 16-bit outputs leave in two
-# registers, $0 = (e1 << 16) | e0 and $1 = (e3 << 16) | e2. PRMT below selects bytes by a
-# selector whose nibble i names the source byte of result byte i (0-3: first operand, 4-7:
-# second operand), so selector 0x4140 with a second operand of 0x43434343 builds the two
-# halves 0x43:e0 and 0x43:e1 from the first operand's bytes 0 and 1.
-#
-# int8 -> bf16 (exact for all 256 codes): a half 0x43:b is the bf16 128 + b[6:0] when masked with
-# 0x437f (exponent 2**7, b's low seven bits as the mantissa), and 128 or 256 when masked with
-# 0x4380 (b's sign bit becomes the exponent's lowest bit). Their difference, (b & 127) - 128 * b[7],
-# is the signed code, an integer of at most 8 significant bits: exact in bf16.
-_S8_TO_BF16 = tl.constexpr("""{
-.reg .b32 t0, t1, m0, m1, s0, s1, c43, neg1;
-mov.b32 c43, 0x43434343;
-mov.b32 neg1, 0xbf80bf80;
-prmt.b32 t0, $2, c43, 0x4140;
-prmt.b32 t1, $2, c43, 0x4342;
-and.b32 m0, t0, 0x437f437f;
-and.b32 s0, t0, 0x43804380;
-and.b32 m1, t1, 0x437f437f;
-and.b32 s1, t1, 0x43804380;
-fma.rn.bf16x2 $0, s0, neg1, m0;
-fma.rn.bf16x2 $1, s1, neg1, m1;
-}""")
-# int8 -> fp16 (exact): b ^ 0x80 is b + 128 as an unsigned byte u; the half 0x64:u is the fp16
-# 1024 + u (exponent 2**10, spacing 1); minus 1152 (0x6480) it is b.
-_S8_TO_F16 = tl.constexpr("""{
-.reg .b32 u, t0, t1, c64, bias;
-mov.b32 c64, 0x64646464;
-mov.b32 bias, 0x64806480;
-xor.b32 u, $2, 0x80808080;
-prmt.b32 t0, u, c64, 0x4140;
-prmt.b32 t1, u, c64, 0x4342;
-sub.f16x2 $0, t0, bias;
-sub.f16x2 $1, t1, bias;
-}""")
-# fp8 e4m3 -> fp16 (exact; the two NaN codes stay NaN): the native conversion of two codes per
-# instruction (sm_89+, what `.to()` emits too): the low byte of a 16-bit pair becomes the low half.
-_E4M3_TO_F16 = tl.constexpr("""{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
-# Compiled kernels read only constexpr globals; the interpreter cannot run inline asm.
-_ASM = tl.constexpr(not INTERPRET)
-
-
 @triton.jit
-def _codes_to_dot(x, dot_dtype: tl.constexpr, KV_QUANT: tl.constexpr):
-    """A loaded K/V tile (values; int8 codes, KV_QUANT 1; fp8 e4m3 codes as uint8, KV_QUANT 2)
-    in the dot dtype; codes convert exactly. On the GPU, int8 to fp16/bf16 and e4m3 to fp16
-    convert in registers (the asm above); the interpreter and float32 dots use ``.to()``. e4m3 ->
-    bf16 has no native instruction on sm_89+ (it goes through f16/f32): why QDOT16 runs fp8 tiles
-    in fp16."""
-    if _ASM and KV_QUANT == 1 and dot_dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(_S8_TO_BF16, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4)
-    elif _ASM and KV_QUANT == 1 and dot_dtype == tl.float16:
-        return tl.inline_asm_elementwise(_S8_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    elif _ASM and KV_QUANT == 2 and dot_dtype == tl.float16:
-        return tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        if KV_QUANT == 2:
-            # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
-            x = x.to(tl.float8e4nv, bitcast=True)
-        return x.to(dot_dtype)
+def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr):
+    """A loaded K/V tile (values, int8 codes, or fp8 codes as uint8) in the dot dtype."""
+    if KV_QUANT == 2:
+        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
+        x = x.to(tl.float8e4nv, bitcast=True)
+    # Quantized codes convert exactly to fp16/bf16. e4m3 -> fp16 is a native cvt on sm_89+
+    # (cvt.rn.f16x2.e4m3x2: two codes per instruction); e4m3 -> bf16 is not, it goes through
+    # f16/f32, which is why QDOT16 runs fp8 tiles in fp16.
+    return x.to(dot_dtype)
 
 
 @triton.jit
