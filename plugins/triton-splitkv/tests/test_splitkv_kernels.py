@@ -543,6 +543,49 @@ def test_cascade_reads_the_prefix_through_a_request_that_holds_it():
         assert_close(got.cpu(), ref, torch.float32, f"plan {kw or 'found'}")
 
 
+def test_the_cascade_path_is_recorded_once_per_step(monkeypatch):
+    """A plan's later layers repeat the cascade's launches with their own tensors instead of
+    running the launcher again (472 us of host per layer on the H200 before, 2026-12-02). The
+    launcher is faked: under the interpreter nothing launches directly, so nothing records."""
+    from paged_core import BatchMeta
+    from paged_triton_splitkv import backend as split_backend
+    from paged_triton_unified import direct
+
+    class Binary:
+        function, packed_metadata = "fn", "md"
+
+        def __init__(self):
+            self.calls = []
+
+        def run(self, gx, gy, gz, stream, function, metadata, launch_md, enter, exit_, *args):
+            self.calls.append(args)
+
+    binary, launcher_calls = Binary(), []
+
+    def fake_cascade(q, k_cache, v_cache, out, **kw):
+        launcher_calls.append(kw["prefix_blocks"])
+        recording = direct._recording.active  # None when the backend records nothing
+        if recording is not None:
+            recording.add(binary, (4, 2), [q, k_cache, v_cache, out, kw["block_table"]], 0)
+
+    monkeypatch.setattr(split_backend, "cascade_attention", fake_cascade)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    backend = split_backend.TritonSplitKVBackend(min_prefix_tokens=16)
+    meta = BatchMeta.build([1, 1, 1], [100, 90, 120], block_size=16, device=DEVICE)
+    plan = backend.plan(meta, shared_prefix_blocks=4)
+    layers = []
+    for _ in range(2):
+        cache = backend.allocate(meta.block_table.shape[0] * meta.block_table.shape[1] + 1, 16, num_kv_heads=1,
+                                 head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
+        layers.append((torch.randn(3, 2, HEAD_DIM, device=DEVICE), cache))
+    outs = [backend.forward(q, cache, plan) for q, cache in layers]
+    assert launcher_calls == [4], f"the launcher ran {len(launcher_calls)} times for two layers of one plan"
+    (args,) = binary.calls  # the second layer's replay, with its own tensors
+    q2, cache2 = layers[1]
+    assert list(args) == [q2.data_ptr(), cache2.k.data_ptr(), cache2.v.data_ptr(), outs[1].data_ptr(),
+                          meta.block_table.data_ptr()]
+
+
 def _cache_of(kc, vc):
     from paged_core import KVCache
 

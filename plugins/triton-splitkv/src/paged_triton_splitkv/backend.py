@@ -99,20 +99,22 @@ class TritonSplitKVBackend(TritonBackend):
         if type(plan) is not TritonPlan:  # a BatchMeta, or another backend's plan of one
             plan = self._triton_plan(plan)
         meta = plan.meta
+        kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
         if plan.prefix_blocks and not window:
-            kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
-            # Two streams and torch ops: not something a recording can repeat.
-            cascade_attention(
+            # Recorded like every other path: the recording keeps the partials the first layer
+            # allocated, and the other layers replay the suffix pass, the prefix pass and the merge
+            # in order on the current stream (the first layer, and a CUDA-graph capture, run the
+            # two passes on two streams).
+            call = lambda: cascade_attention(  # noqa: E731
                 q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                 block_table=meta.block_table, prefix_blocks=plan.prefix_blocks, prefix_row=plan.prefix_row,
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,
             )
-            return
-        # The path and split count depend only on the batch and the cache's layout: decided once
-        # per recording, and the step's other layers repeat what was launched.
-        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks,
-                     lambda: self._run(q, cache, meta, out=out, scale=scale, window=window, kv=dict(
-                         k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)))
+        else:
+            # The path and split count depend only on the batch and the cache's layout: decided
+            # once per recording, and the step's other layers repeat what was launched.
+            call = lambda: self._run(q, cache, meta, out=out, scale=scale, window=window, kv=kv)  # noqa: E731
+        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, call)
 
     def _run(self, q, cache, meta, *, out, scale, window, kv) -> None:
         if meta.decode_only and meta.num_tokens == meta.num_reqs and self.split_kv is not False:
