@@ -724,3 +724,16 @@ def test_the_autotune_key_holds_a_power_of_two_loop_length_of_at_least_256(seq_l
     assert keys >= 256 and keys & (keys - 1) == 0
     if max(seq_lens) == 9000:
         assert keys == 2048  # ceil(9000 / 7) = 1286 -> the next power of two
+
+
+def test_every_autotuner_times_configs_as_graph_replays():
+    """A small decode's split kernel runs faster than Triton's launch path: timed eagerly, every
+    config measured the host (paged_triton_unified.tuning)."""
+    from paged_triton_splitkv import kernels
+    from paged_triton_unified import replay_bench
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, Autotuner)}
+    assert {"split_kv_attention_kernel", "cascade_prefix_kernel"} <= set(tuners)
+    for name, tuner in tuners.items():
+        assert tuner._do_bench is replay_bench, f"{name} times its configs through Triton's launch path"

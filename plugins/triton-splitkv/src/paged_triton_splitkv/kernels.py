@@ -25,7 +25,7 @@ Conventions shared by every kernel of this file:
 
 import triton
 import triton.language as tl
-from paged_triton_unified import AUTOTUNE, INTERPRET, tanh
+from paged_triton_unified import AUTOTUNE, INTERPRET, replay_bench, tanh
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -245,6 +245,9 @@ else:
     configs=_SPLIT_CONFIGS,
     key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program"],
     cache_results=True,
+    # Timed as CUDA-graph replays (paged_triton_unified.tuning): a small decode's split kernel
+    # takes less time than Triton's own launch path, which would otherwise be what is timed.
+    do_bench=replay_bench,
 )
 @triton.jit
 def split_kv_attention_kernel(
@@ -478,7 +481,8 @@ else:
         _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
-@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True)
+@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True,
+                 do_bench=replay_bench)
 @triton.jit
 def cascade_prefix_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype

@@ -23,6 +23,7 @@ _PUBLIC = {
     "default_config": "launch",
     "sm_count": "launch",
     "unified_attention": "launch",
+    "replay_bench": "tuning",
     "TritonBackend": "backend",
     "TritonPlan": "backend",
     "TritonUnifiedBackend": "backend",
