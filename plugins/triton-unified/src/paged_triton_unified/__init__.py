@@ -21,6 +21,7 @@ _PUBLIC = {
     "tanh": "kernels",
     "LaunchConfig": "launch",
     "default_config": "launch",
+    "occupancy_class": "launch",
     "sm_count": "launch",
     "unified_attention": "launch",
     "replay_bench": "tuning",
