@@ -767,3 +767,36 @@ def test_the_autotune_key_holds_a_power_of_two_loop_length_of_at_least_256(seq_l
     assert keys >= 256 and keys & (keys - 1) == 0
     if max(seq_lens) == 9000:
         assert keys == 2048  # ceil(9000 / 7) = 1286 -> the next power of two
+
+
+
+def test_the_autotune_key_holds_the_occupancy_class_except_with_fixed_splits(monkeypatch):
+    """1 x 4,096 and 2 x 4,096 walk the same keys per program on 128 and 256 programs: each gets
+    its own tuned choice. With fixed splits (batch-invariant mode) the class is 0 for any batch,
+    so a request runs the same config alone and in a batch."""
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: seen.append((kw["keys_per_program"], kw["occupancy"]))
+
+    monkeypatch.setattr(split_launch, "_split", Recorder())
+    monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
+    for batch, kw in [(1, {"num_splits": 16}), (2, {"num_splits": 16}), (1, {"blocks_per_split": 16}),
+                      (8, {"blocks_per_split": 16})]:
+        q, kc, vc, _, _, sl, bt = decode_case([4096] * batch, hq=32, hkv=8)
+        split_decode_attention(q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt, max_seq_len=4096,
+                               scale=0.125, **kw)
+    assert seen == [(256, 1), (256, 2), (256, 0), (256, 0)], seen
+
+def test_every_autotuner_times_configs_as_graph_replays():
+    """A small decode's split kernel runs faster than Triton's launch path: timed eagerly, every
+    config measured the host (paged_triton_unified.tuning)."""
+    from paged_triton_splitkv import kernels
+    from paged_triton_unified import replay_bench
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, Autotuner)}
+    assert {"split_kv_attention_kernel", "cascade_prefix_kernel"} <= set(tuners)
+    for name, tuner in tuners.items():
+        assert tuner._do_bench is replay_bench, f"{name} times its configs through Triton's launch path"

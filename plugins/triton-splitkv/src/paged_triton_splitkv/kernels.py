@@ -25,7 +25,7 @@ Conventions shared by every kernel of this file:
 
 import triton
 import triton.language as tl
-from paged_triton_unified import AUTOTUNE, INTERPRET, tanh
+from paged_triton_unified import AUTOTUNE, INTERPRET, replay_bench, tanh
 
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -235,18 +235,25 @@ else:
 
 # The key holds the keys one program walks (keys_per_program, a power of two): the best config
 # follows the loop's length (NVIDIA H200, Triton 3.6, 2026-12-01: a choice tuned on 1 x 512 ran
-# 4 x 32,768 58 % slower than the best config). It leaves out every other batch-dependent value
-# (num_reqs, num_splits): batch-invariant mode needs the same config for a request alone and in
-# any batch, and there a split's length is fixed (blocks_per_split). DIRECT_OUT (one split) is
-# in it, but the launcher never uses it in that mode.
+# 4 x 32,768 58 % slower than the best config), and how many programs each SM gets (occupancy,
+# 1, 2, 4 or 8+, as triton-unified's key): 1 x 4,096 and 2 x 4,096 both walk 256 keys a program,
+# on 128 and 256 programs, and the first to tune chose for both (NVIDIA H200, 2026-12-03: 2 x
+# 4,096 0.0296 -> 0.0329 ms with 1 x 4,096's choice). It leaves out every other batch-dependent
+# value (num_reqs, num_splits): batch-invariant mode needs the same config for a request alone
+# and in any batch, so there a split's length is fixed (blocks_per_split) and occupancy is 0.
+# DIRECT_OUT (one split) is in it, but the launcher never uses it in that mode.
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
 # Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
 @triton.autotune(
     configs=_SPLIT_CONFIGS,
-    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program"],
+    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program",
+         "occupancy"],
     cache_results=True,
+    # Timed as CUDA-graph replays (paged_triton_unified.tuning): a small decode's split kernel
+    # takes less time than Triton's own launch path, which would otherwise be what is timed.
+    do_bench=replay_bench,
 )
-@triton.jit
+@triton.jit(do_not_specialize=["occupancy"])  # a key value only: no binary per class
 def split_kv_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], q dtype / int8 / uint8 (fp8 bytes)
@@ -272,6 +279,7 @@ def split_kv_attention_kernel(
     tokens_per_split,  # int (FIXED_SPLITS only): key tokens per split, batch independent
     num_q_tiles,  # int, query tiles per request (grid axis 0 = num_reqs * num_q_tiles)
     keys_per_program,  # int, a power of two near the keys one program walks: the autotune key only
+    occupancy,  # int, programs per SM class (1, 2, 4, 8; 0 with fixed splits): the autotune key only
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_v_b, stride_v_s, stride_v_h, stride_v_d,
@@ -478,7 +486,8 @@ else:
         _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
-@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True)
+@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True,
+                 do_bench=replay_bench)
 @triton.jit
 def cascade_prefix_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype

@@ -23,7 +23,7 @@ from typing import NoReturn, cast
 
 import torch
 from paged_core import InputError, shared_prefix_blocks
-from paged_triton_unified import INTERPRET, sm_count
+from paged_triton_unified import INTERPRET, occupancy_class, sm_count
 from paged_triton_unified.direct import DirectKernel
 
 from .kernels import (
@@ -398,6 +398,9 @@ def _launch_split(
         # under 16, where Triton would specialise (and compile) the kernel on its value.
         keys_per_program=max(256, _next_power_of_2(
             tokens_per_split if tokens_per_split > 0 else max(1, _cdiv(max_keys, num_splits)))),
+        # Fixed splits (batch-invariant mode) keep one class: a request's config must not follow
+        # the batch it is in.
+        occupancy=0 if tokens_per_split > 0 else occupancy_class(grid[0] * grid[1] * grid[2], sm_count(q.device)),
         stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
         **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),

@@ -27,6 +27,8 @@ import os
 import triton
 import triton.language as tl
 
+from .tuning import replay_bench
+
 __all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
 
 # Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
@@ -588,6 +590,8 @@ def capture_config(named_args):
     # Tuned choices persist next to the compiled kernels (TRITON_CACHE_DIR): a later process
     # does not time a shape class again, and a first call inside a CUDA-graph capture uses them.
     cache_results=True,
+    # Configs are timed as CUDA-graph replays: Triton's launch path is slower than a decode tile.
+    do_bench=replay_bench,
 )
 # Batch-dependent ints would otherwise be specialised (== 1, divisible by 16) and recompile the
 # kernel for each combination as batches change; none of them feeds address alignment.
