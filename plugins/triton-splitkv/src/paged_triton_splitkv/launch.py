@@ -101,7 +101,7 @@ def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> No
 
 # Host arithmetic in plain ints: triton.cdiv and triton.next_power_of_2 are constexpr functions
 # (Triton 3.9: ~5 us a call, unwrapping their arguments), and a cascade forward made eleven of
-# those calls on every step (its launches are not recorded).
+# those calls on every layer while its launches were not recorded (they are now: one per step).
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

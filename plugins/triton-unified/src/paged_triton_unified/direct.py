@@ -351,8 +351,10 @@ class Recording:
     ``rec.ok`` is False when the call cannot be repeated this way: a launch not made directly
     (interpreter, hooks, a compile inside a capture), an argument that is a view *into* one of
     ``layer``'s tensors other than the tensor itself, or two layer tensors at one address.
-    Work other than DirectKernel launches (torch ops, other streams) is not recorded: record
-    only code that launches nothing else. ``replay`` needs tensors of the recorded dtypes,
+    Work other than DirectKernel launches (torch ops such as a copy or a fill) is not recorded:
+    record only code that launches nothing else (allocating is fine). Launches made on another
+    stream are recorded too and replayed, in the order they were made, on the current stream
+    (triton-splitkv's cascade forks its prefix pass that way). ``replay`` needs tensors of the recorded dtypes,
     shapes, strides and 16-byte alignment: key recordings on them.
     """
 
