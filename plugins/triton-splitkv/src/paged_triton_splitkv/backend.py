@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from paged_core import BatchMeta, InputError
 from paged_triton_unified import TritonBackend, TritonPlan, TritonUnifiedBackend, unified_attention
@@ -105,7 +106,7 @@ class TritonSplitKVBackend(TritonBackend):
             # allocated, and the other layers replay the suffix pass, the prefix pass and the merge
             # in order on the current stream (the first layer, and a CUDA-graph capture, run the
             # two passes on two streams).
-            call = lambda: cascade_attention(  # noqa: E731
+            call: Callable[[], object] = lambda: cascade_attention(  # noqa: E731
                 q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                 block_table=meta.block_table, prefix_blocks=plan.prefix_blocks, prefix_row=plan.prefix_row,
                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,

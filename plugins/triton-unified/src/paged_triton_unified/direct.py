@@ -246,7 +246,7 @@ class DirectKernel:
         """(the autotuner's key, its pruned configs, the tuned config or None) for ``kwargs``:
         tuned in this process, or earlier by any process that shares the cache directory
         (``cache_results``: Triton keeps its timings next to the compiled kernels)."""
-        tuner = self.tuner
+        tuner: Any = self.tuner  # an Autotuner: only autotuned kernels are asked
         # As Autotuner.run builds it: the key arguments' values, then every tensor's dtype in
         # the order of the call's arguments.
         args = {k: v for k, v in kwargs.items() if k in tuner.arg_names}
