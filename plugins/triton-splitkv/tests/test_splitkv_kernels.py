@@ -769,7 +769,6 @@ def test_the_autotune_key_holds_a_power_of_two_loop_length_of_at_least_256(seq_l
         assert keys == 2048  # ceil(9000 / 7) = 1286 -> the next power of two
 
 
-
 def test_the_autotune_key_holds_the_occupancy_class_except_with_fixed_splits(monkeypatch):
     """1 x 4,096 and 2 x 4,096 walk the same keys per program on 128 and 256 programs: each gets
     its own tuned choice. With fixed splits (batch-invariant mode) the class is 0 for any batch,
@@ -788,6 +787,7 @@ def test_the_autotune_key_holds_the_occupancy_class_except_with_fixed_splits(mon
         split_decode_attention(q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt, max_seq_len=4096,
                                scale=0.125, **kw)
     assert seen == [(256, 1), (256, 2), (256, 0), (256, 0)], seen
+
 
 def test_every_autotuner_times_configs_as_graph_replays():
     """A small decode's split kernel runs faster than Triton's launch path: timed eagerly, every
