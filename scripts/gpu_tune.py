@@ -376,6 +376,68 @@ def section_bench_mixed() -> None:
     del case
 
 
+def section_mixed_parts() -> None:
+    """The bench's mixed batch and its two halves, each alone and one after the other: its 2
+    prefill chunks (through the unified kernel, 64- and 128-row tiles) and its 30 decodes
+    (through the unified kernel, and split along their keys by triton-splitkv). Says whether the
+    fused launch loses to its own parts run back to back, and which part is the time."""
+    g = torch.Generator().manual_seed(0)
+    dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]
+    whole = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
+    out = torch.empty_like(whole.q)
+    report("parts", "whole batch, fused launch, autotuned", whole, unified(whole, out, None), out)
+    del whole
+    pre = make_case([512, 512], [1024 + 512, 3072 + 512], check_reqs=[0, 1])
+    pre_out = torch.empty_like(pre.q)
+    dcase = make_case([1] * 30, dec, check_reqs=[0, 29])
+    d_out = torch.empty_like(dcase.q)
+    pre_calls = {bq: unified(pre, pre_out, LaunchConfig(block_q_small=4, block_q_large=bq)) for bq in (16, 32)}
+    for bq, fn in pre_calls.items():
+        report("parts", f"2 chunks alone, {bq * 4}-row tiles, autotuned", pre, fn, pre_out, tflops=True)
+    d_unified = unified(dcase, d_out, None)
+    d_split = lambda: split_decode_attention(  # noqa: E731
+        dcase.q, dcase.cache.k, dcase.cache.v, d_out, seq_lens=dcase.meta.seq_lens,
+        block_table=dcase.meta.block_table, max_seq_len=max(dec), scale=SCALE)
+    report("parts", "30 decodes alone, unified kernel", dcase, d_unified, d_out)
+    report("parts", "30 decodes alone, split-KV (auto splits)", dcase, d_split, d_out)
+    if SMOKE:
+        return
+    side = torch.cuda.Stream()
+
+    def concurrent(p, d):
+        def fn():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                d()
+            p()
+            cur.wait_stream(side)
+        return fn
+
+    for bq, p in pre_calls.items():
+        for dname, d in (("unified", d_unified), ("split-KV", d_split)):
+            ms = graph_ms(lambda p=p, d=d: (p(), d()))
+            print(f"parts    | {bq * 4}-row chunks, then decodes ({dname}), one stream{'':9s} | {ms:7.4f} ms",
+                  flush=True)
+            ms = graph_ms(concurrent(p, d))
+            print(f"parts    | {bq * 4}-row chunks beside decodes ({dname}), two streams{'':6s} | {ms:7.4f} ms",
+                  flush=True)
+    del pre, dcase
+
+
+def section_launch() -> None:
+    """What any kernel costs in these timings: one graph replay of one tiny kernel (the floor
+    under every latency-bound decode, ours and FlashInfer's alike)."""
+    x = torch.zeros(1, device=DEV)
+    if SMOKE:
+        return
+    print(f"launch   | one graph replay of one 1-element kernel{'':17s} | {graph_ms(lambda: x.add_(1)):7.4f} ms",
+          flush=True)
+    y = torch.zeros(1, device=DEV)
+    print(f"launch   | one graph replay of two dependent 1-element kernels{'':6s} | "
+          f"{graph_ms(lambda: (x.add_(1), y.add_(x))):7.4f} ms", flush=True)
+
+
 def section_chunk() -> None:
     """Chunked prefill after a long context next to decodes: 512 new tokens after 15,872 cached
     ones + 32 decodes at 4,096 (137 GFLOP: compute-bound, 0.6 ms at 230 TFLOP/s). NVIDIA H200,
@@ -428,7 +490,8 @@ def section_cascade() -> None:
 SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
             "mixed": section_mixed, "split": section_split, "split-count": section_split_count,
             "bench-mixed": section_bench_mixed, "quant-depth": section_quant_depth,
-            "small-decode": section_small_decode,
+            "small-decode": section_small_decode, "mixed-parts": section_mixed_parts,
+            "launch": section_launch,
             "cascade": section_cascade, "chunk": section_chunk}
 
 
