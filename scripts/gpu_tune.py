@@ -395,11 +395,14 @@ def section_mixed_parts() -> None:
     for bq, fn in pre_calls.items():
         report("parts", f"2 chunks alone, {bq * 4}-row tiles, autotuned", pre, fn, pre_out, tflops=True)
     d_unified = unified(dcase, d_out, None)
-    d_split = lambda: split_decode_attention(  # noqa: E731
-        dcase.q, dcase.cache.k, dcase.cache.v, d_out, seq_lens=dcase.meta.seq_lens,
-        block_table=dcase.meta.block_table, max_seq_len=max(dec), scale=SCALE)
     report("parts", "30 decodes alone, unified kernel", dcase, d_unified, d_out)
-    report("parts", "30 decodes alone, split-KV (auto splits)", dcase, d_split, d_out)
+    d_splits = {}
+    for n in (None, 2, 3, 4):
+        d_splits[n] = lambda n=n: split_decode_attention(
+            dcase.q, dcase.cache.k, dcase.cache.v, d_out, seq_lens=dcase.meta.seq_lens,
+            block_table=dcase.meta.block_table, max_seq_len=max(dec), scale=SCALE, num_splits=n)
+        report("parts", f"30 decodes alone, split-KV ({n or 'auto'} splits)", dcase, d_splits[n], d_out)
+    d_split = d_splits[2]
     if SMOKE:
         return
     side = torch.cuda.Stream()
@@ -415,7 +418,7 @@ def section_mixed_parts() -> None:
         return fn
 
     for bq, p in pre_calls.items():
-        for dname, d in (("unified", d_unified), ("split-KV", d_split)):
+        for dname, d in (("unified", d_unified), ("2 splits", d_split)):
             ms = graph_ms(lambda p=p, d=d: (p(), d()))
             print(f"parts    | {bq * 4}-row chunks, then decodes ({dname}), one stream{'':9s} | {ms:7.4f} ms",
                   flush=True)
