@@ -386,15 +386,7 @@ def section_mixed_parts() -> None:
     whole = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
     out = torch.empty_like(whole.q)
     report("parts", "whole batch, fused launch, autotuned", whole, unified(whole, out, None), out)
-    from paged_triton_splitkv.launch import mixed_attention
-
-    m, c = whole.meta, whole.cache
-    for n in (None, 1, 2, 3):
-        fn = lambda n=n: mixed_attention(  # noqa: E731
-            whole.q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
-            block_table=m.block_table, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, scale=SCALE,
-            num_splits=n)
-        report("parts", f"whole batch, mixed_attention, {n or 'auto'} splits", whole, fn, out)
+    del whole
     pre = make_case([512, 512], [1024 + 512, 3072 + 512], check_reqs=[0, 1])
     pre_out = torch.empty_like(pre.q)
     dcase = make_case([1] * 30, dec, check_reqs=[0, 29])
@@ -433,6 +425,7 @@ def section_mixed_parts() -> None:
             ms = graph_ms(concurrent(p, d))
             print(f"parts    | {bq * 4}-row chunks beside decodes ({dname}), two streams{'':6s} | {ms:7.4f} ms",
                   flush=True)
+    del pre, dcase
 
 
 def section_launch() -> None:

@@ -27,7 +27,6 @@ from paged_triton_splitkv.launch import (  # noqa: E402
     cascade_attention,
     choose_num_splits,
     merge_states,
-    mixed_attention,
     shared_prefix_blocks,
     split_decode_attention,
 )
@@ -350,56 +349,6 @@ def test_multi_token_tiles_see_their_causal_and_window_edges(window):
     ref, _ = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5,
                                  window=window)
     assert_close(out.cpu(), ref, torch.float32, f"multi-token tiles, window {window}")
-
-
-# Group 4 (4 query heads, 1 KV head): small tiles hold 4 tokens. A prefill chunk, decodes, a
-# 3-token and a 4-token verification block (small), a 5-token one (large), a padding request.
-MIXED_Q_LENS = [20, 1, 3, 1, 4, 5, 0]
-MIXED_SEQ_LENS = [90, 70, 130, 255, 47, 66, 0]
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("kw", [{}, {"window": 40, "softcap": 20.0, "sinks": True}],
-                         ids=["plain", "window-softcap-sinks"])
-def test_mixed_batch_large_tiles_then_the_small_requests_split(num_splits, kw):
-    q, kc, vc, _, _, qsl, sl, bt = cascade_case(MIXED_Q_LENS, MIXED_SEQ_LENS, 0, hq=4, hkv=1, seed=43)
-    kw = dict(kw)
-    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5)) if kw.pop("sinks", False) else None
-    out = torch.full(q.shape, float("nan"), device=DEVICE)
-    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
-    mixed_attention(
-        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, query_start_loc=qsl.to(DEVICE), seq_lens=sl.to(DEVICE),
-        block_table=bt.to(DEVICE), max_query_len=max(MIXED_Q_LENS), max_seq_len=max(MIXED_SEQ_LENS),
-        scale=HEAD_DIM**-0.5, num_splits=num_splits, lse=lse,
-        sinks=None if sinks is None else sinks.to(DEVICE), **kw,
-    )
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5, sinks=sinks, **kw)
-    assert_close(out.cpu(), ref, torch.float32, f"mixed, {num_splits} splits")
-    assert_lse_close(lse.cpu(), ref_lse)
-
-
-def test_the_backend_runs_mixed_batches_in_two_launches(monkeypatch):
-    # A mixed batch through the backend: the unified kernel's large tiles, then the split kernel
-    # for the small requests (counted), and the result is the reference's.
-    from paged_core import BatchMeta, registry
-
-    launched = []
-    real = split_launch._launch_split
-    monkeypatch.setattr(split_launch, "_launch_split",
-                        lambda *a, **k: (launched.append(k.get("small_only")), real(*a, **k))[1])
-    backend = registry.get("triton-splitkv", num_splits=2)
-    q, kc, vc, _, _, qsl, sl, bt = cascade_case(MIXED_Q_LENS, MIXED_SEQ_LENS, 0, hq=4, hkv=1, seed=47)
-    blocks = [[int(b) for b in row[: math.ceil(s / 16)]] for row, s in zip(bt, MIXED_SEQ_LENS, strict=True)]
-    meta = BatchMeta.from_lists(MIXED_Q_LENS, MIXED_SEQ_LENS, blocks, block_size=16, device=DEVICE)
-    cache = backend.allocate(kc.shape[0], 16, 1, HEAD_DIM, dtype=torch.float32, device=DEVICE)
-    cache.k.copy_(kc), cache.v.copy_(vc)
-    out = backend.forward(q.to(DEVICE), cache, backend.plan(meta), out=torch.full(q.shape, float("nan"),
-                                                                                  device=DEVICE))
-    assert launched == [True], f"split launches (small_only flags): {launched}"
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=meta.block_table.cpu(),
-                                 scale=HEAD_DIM**-0.5)
-    assert_close(out.cpu(), ref, torch.float32, "backend, mixed")
 
 
 def test_decode_rejects_bad_arguments():

@@ -208,29 +208,6 @@ def test_mixed_batch(num_q_heads, num_kv_heads, head_dim, block_size, dtype):
     assert_close_to_reference(batch, dtype, scale=head_dim**-0.5)
 
 
-def test_skip_small_writes_only_the_large_requests_rows():
-    # Group 4: small tiles hold 4 tokens. The 4-token and 1-token requests are small (left
-    # unwritten, still NaN); the 5-token one is large, as are the prefills.
-    requests = [(24, 60), (1, 70), (4, 40), (5, 45), (16, 16), (1, 130)]
-    batch = make_batch(requests, num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
-    out, lse = run(batch, skip_small=True, scale=0.125)
-    ref_out, ref_lse = reference(batch, scale=0.125)
-    qsl = batch["query_start_loc"].tolist()
-    for r, (q_len, _) in enumerate(requests):
-        rows = slice(qsl[r], qsl[r + 1])
-        if q_len <= 4:
-            assert out[rows].isnan().all() and lse[rows].isnan().all(), f"request {r} (small) was written"
-        else:
-            conformance_close(out[rows].double().cpu(), ref_out[rows], backend="triton-unified", case="skip_small",
-                              tolerance=output_tolerance(torch.float32, "auto"))
-            conformance_close(lse[rows].double().cpu(), ref_lse[rows], backend="triton-unified", case="skip_small",
-                              what="lse", tolerance=lse_tolerance(torch.float32, "auto"))
-    decodes = make_batch([(1, 30), (3, 20)], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-                         dtype=torch.float32)
-    out, _ = run(decodes, skip_small=True, scale=0.125)
-    assert out.isnan().all(), "a batch of small requests only must launch nothing"
-
-
 def test_decode_only_small_blocks():
     batch = make_batch([(1, 33), (1, 1), (1, 90)], num_q_heads=3, num_kv_heads=1, head_dim=64,
                        block_size=8, dtype=torch.float32)  # fmt: skip

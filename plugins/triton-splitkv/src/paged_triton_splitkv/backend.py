@@ -8,13 +8,7 @@ from collections.abc import Callable
 from paged_core import BatchMeta, InputError
 from paged_triton_unified import TritonBackend, TritonPlan, TritonUnifiedBackend, unified_attention
 
-from .launch import (
-    cascade_attention,
-    choose_num_splits,
-    mixed_attention,
-    shared_prefix_blocks,
-    split_decode_attention,
-)
+from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
 
 __all__ = ["TritonSplitKVBackend", "SplitKVPlan"]
 
@@ -140,13 +134,6 @@ class TritonSplitKVBackend(TritonBackend):
                     blocks_per_split=self.blocks_per_split, **kv,
                 )
                 return
-        if not meta.decode_only and self.split_kv is not False and self.blocks_per_split is None:
-            mixed_attention(
-                q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                scale=scale, window=window, num_splits=self.num_splits, **kv,
-            )
-            return
         unified_attention(
             q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

@@ -298,7 +298,6 @@ def split_kv_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HAS_QSL: tl.constexpr,
-    SMALL_ONLY: tl.constexpr,  # HAS_QSL: requests with more than BLOCK_Q queries are left alone
     FIXED_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
@@ -348,11 +347,6 @@ def split_kv_attention_kernel(
     tile_q0 = q_tile * BLOCK_Q
     if tile_q0 >= q_len:
         return
-    if SMALL_ONLY:
-        # A mixed batch: its longer requests are the unified kernel's (every split of such a
-        # request returns here, so its merge count is never touched).
-        if q_len > BLOCK_Q:
-            return
 
     offs_m = tl.arange(0, BLOCK_M)
     tok_in_tile = offs_m // GROUP_PAD

@@ -23,7 +23,7 @@ from typing import NoReturn, cast
 
 import torch
 from paged_core import InputError, shared_prefix_blocks
-from paged_triton_unified import INTERPRET, default_config, occupancy_class, sm_count, unified_attention
+from paged_triton_unified import INTERPRET, occupancy_class, sm_count
 from paged_triton_unified.direct import DirectKernel
 
 from .kernels import (
@@ -45,7 +45,6 @@ __all__ = [
     "cascade_attention",
     "choose_num_splits",
     "merge_states",
-    "mixed_attention",
     "shared_prefix_blocks",
     "split_decode_attention",
 ]
@@ -320,64 +319,6 @@ def split_decode_attention(
     return out
 
 
-def mixed_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    num_splits: int | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Paged attention for a batch in any mix of prefill and decode, in two launches: requests
-    longer than one small tile (prefills, chunks) through triton-unified's large tiles, then the
-    others (decodes, verification blocks of up to ``block_q_small`` tokens) split along their
-    keys, ``num_splits`` parts merged by the last one to finish (``None``:
-    :func:`choose_num_splits` over the batch's requests).
-
-    Arguments and result as ``paged_triton_unified.unified_attention`` (its default config).
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_reqs = seq_lens.shape[0]
-    num_kv_heads = k_cache.shape[2]
-    _check_count("num_splits", num_splits, minimum=1, none_ok=True)
-    if num_tokens == 0 or num_reqs == 0:
-        return out
-    kv = dict(k_scale=k_scale, v_scale=v_scale)
-    block_q_small = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                   head_dim=head_dim).block_q_small
-    unified_attention(
-        q, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, window=window, softcap=softcap,
-        sinks=sinks, lse=lse, **kv, check=False, skip_small=True,
-    )
-    if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, num_kv_heads, max_seq_len, k_cache.shape[1], q.device)
-    small = dict(seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
-                 softcap=softcap, window=window, key_start=0, num_splits=num_splits, tokens_per_split=0,
-                 max_query_len=min(max_query_len, block_q_small), max_keys=max_seq_len, small_only=True)
-    if num_splits == 1:
-        _launch_split(q, k_cache, v_cache, k_scale, v_scale, None, None, **small, final=(out, lse, sinks))
-        return out
-    part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
-    counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
-    _launch_split(q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse, **small, final=(out, lse, sinks),
-                  counters=counters)
-    return out
-
-
 def _launch_split(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -401,14 +342,12 @@ def _launch_split(
     final: tuple | None = None,
     counters: torch.Tensor | None = None,
     kernel_config: dict | None = None,
-    small_only: bool = False,
 ) -> None:
     """Launch the split kernel; arguments already checked. Without ``final``, writes part_out /
     part_lse; with ``final=(out, lse or None, sinks or None)``, the final out / lse: directly
     (one split, part_out None) or merged by the last split of each (request, KV head), counted
     in ``counters`` (int32 ``[num_reqs, num_kv_heads]``, zero). ``max_keys``: the most keys a
-    request has in this pass (it sets the autotune key's loop length). ``small_only``: one query
-    tile per request (of ``max_query_len``'s size), and requests with more queries left alone."""
+    request has in this pass (it sets the autotune key's loop length)."""
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     num_reqs = block_table.shape[0]
@@ -420,7 +359,7 @@ def _launch_split(
         # Up to 64 rows per tile for multi-token queries: enough to amortize each K/V tile
         # over several queries without spilling the fp32 accumulator at head_dim 256.
         block_q = min(_next_power_of_2(max_query_len), max(1, 64 // group_pad))
-    num_q_tiles = 1 if small_only else _cdiv(max(max_query_len, 1), block_q)
+    num_q_tiles = _cdiv(max(max_query_len, 1), block_q)
     grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
     direct = final is not None and part_out is None
     fused = final is not None and part_out is not None
@@ -475,7 +414,6 @@ def _launch_split(
         BLOCK_Q=block_q,
         BLOCK_M=max(16, block_q * group_pad),
         HAS_QSL=query_start_loc is not None,
-        SMALL_ONLY=small_only,
         FIXED_SPLITS=tokens_per_split > 0,
         USE_SOFTCAP=softcap > 0.0,
         USE_WINDOW=window > 0,

@@ -216,7 +216,6 @@ def unified_attention(
     lse: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
     check: bool = True,
-    skip_small: bool = False,
 ) -> torch.Tensor:
     """Paged attention for a flattened batch of requests in any mix of prefill and decode.
 
@@ -249,9 +248,6 @@ def unified_attention(
         config: tiling/kernel config; default :func:`default_config` (autotuned on the GPU).
         check: False skips this function's own checks (below), for a caller that passes the
             default config and arguments ``paged_core.Backend.forward`` has checked.
-        skip_small: True runs only the large tiles: the rows of requests with at most
-            ``config.block_q_small`` new tokens (decodes, short verification blocks) are left
-            unwritten, for another kernel to fill (triton-splitkv splits them along their keys).
 
     Returns:
         ``out``.
@@ -314,8 +310,6 @@ def unified_attention(
     # Requests longer than one small tile get large tiles, so a long prefill reaches tensor-core
     # rates without 128-row tiles for the decodes next to it; both classes share one launch.
     fused = max_query_len > bq_small
-    if skip_small and not fused:
-        return out  # every request is a small one
     if fused:
         tile_end_small = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
         tile_end_large = torch.empty(num_reqs, dtype=torch.int32, device=q.device)
@@ -332,9 +326,7 @@ def unified_attention(
         # requests <= num_tokens // B + (number of requests). Programs past the last real tile
         # exit at once.
         num_large_tiles = num_tokens // bq_large + min(num_reqs, num_tokens // (bq_small + 1))
-        # The large tiles are the grid's first programs (see the kernel): without the small
-        # ones, the grid ends there.
-        grid: tuple[int, ...] = (num_kv_heads * (num_large_tiles + (0 if skip_small else num_reqs)),)
+        grid: tuple[int, ...] = (num_kv_heads * (num_large_tiles + num_reqs),)
     else:
         # Every request fits one small tile: tile r is request r, no plan needed.
         tile_end_small = tile_end_large = seq_lens  # never read
