@@ -386,6 +386,9 @@ def section_mixed_parts() -> None:
     whole = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
     out = torch.empty_like(whole.q)
     report("parts", "whole batch, fused launch, autotuned", whole, unified(whole, out, None), out)
+    for bq in (16, 32):
+        report("parts", f"whole batch, fused launch, {bq * 4}-row tiles, autotuned", whole,
+               unified(whole, out, LaunchConfig(block_q_small=4, block_q_large=bq)), out)
     del whole
     pre = make_case([512, 512], [1024 + 512, 3072 + 512], check_reqs=[0, 1])
     pre_out = torch.empty_like(pre.q)
@@ -425,7 +428,6 @@ def section_mixed_parts() -> None:
             ms = graph_ms(concurrent(p, d))
             print(f"parts    | {bq * 4}-row chunks beside decodes ({dname}), two streams{'':6s} | {ms:7.4f} ms",
                   flush=True)
-    del pre, dcase
 
 
 def section_launch() -> None:
