@@ -61,9 +61,12 @@ _tile_plan = DirectKernel(tile_plan_kernel)
 # 128 keys 0.167 ms, 64 keys 0.186 ms (scripts/gpu_tune.py, 2026-11-29).
 FUSED_BLOCK_N_SMALL = 128
 # Large tiles shrink from 128 to 64 rows when 128-row tiles would give fewer programs than this
-# many per SM: the same mixed batch ran in 0.167 ms with 64-row tiles and 0.20-0.23 ms with
-# 128-row ones (256 programs on 132 SMs), while prefill 8 x 2,048 (4,096 programs) keeps 128.
-MIN_LARGE_PROGRAMS_PER_SM = 4
+# many per SM. Two register-capped 128-row tiles fit on an SM, so a wave is two per SM; under 1.5,
+# more than a quarter of its slots would stay empty, and 64-row tiles (twice the programs) fill
+# them. NVIDIA H200, Triton 3.6, 2026-12-03: the 2 chunks of paged bench's mixed batch alone
+# (256 programs of 128 rows on 132 SMs) ran 0.1318 ms with 128-row tiles and 0.1537 with 64
+# (the threshold was 4 per SM, from 2026-11-29, before the 128-row tile's register cap).
+MIN_LARGE_PROGRAMS_PER_SM = 1.5
 
 
 @functools.cache
@@ -89,6 +92,8 @@ def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int,
     large tiles could not give every SM ``MIN_LARGE_PROGRAMS_PER_SM`` programs.
 
     >>> large_tile_tokens(num_tokens=1054, num_kv_heads=8, block_q_large=32, group_pad=4, num_sms=132)
+    32
+    >>> large_tile_tokens(num_tokens=544, num_kv_heads=8, block_q_large=32, group_pad=4, num_sms=132)
     16
     >>> large_tile_tokens(num_tokens=16384, num_kv_heads=8, block_q_large=32, group_pad=4, num_sms=132)
     32
