@@ -63,9 +63,11 @@ FUSED_BLOCK_N_SMALL = 128
 # Large tiles shrink from 128 to 64 rows when 128-row tiles would give fewer programs than this
 # many per SM. Two register-capped 128-row tiles fit on an SM, so a wave is two per SM; under 1.5,
 # more than a quarter of its slots would stay empty, and 64-row tiles (twice the programs) fill
-# them. NVIDIA H200, Triton 3.6, 2026-12-03: the 2 chunks of paged bench's mixed batch alone
-# (256 programs of 128 rows on 132 SMs) ran 0.1318 ms with 128-row tiles and 0.1537 with 64
-# (the threshold was 4 per SM, from 2026-11-29, before the 128-row tile's register cap).
+# them. NVIDIA H200, Triton 3.6, 2026-12-03, CUDA-graph replays: paged bench's mixed batch (2
+# chunks of 512 + 30 decodes; 256 programs of 128 rows on 132 SMs) 0.1856 ms with 128-row tiles,
+# 0.2180 with 64 (its chunks alone 0.1302 vs 0.1534); one chunk of 512 after 15,872 cached
+# tokens + 32 decodes (136 programs) 0.5922 ms with 64-row tiles, 1.0839 with 128. The
+# threshold was 4 per SM (2026-11-29), before the 128-row tile's register cap.
 MIN_LARGE_PROGRAMS_PER_SM = 1.5
 
 
