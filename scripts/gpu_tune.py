@@ -92,7 +92,7 @@ class Case:
 
 
 def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False,
-              head_major_scales=False, v_slots_last=False) -> Case:
+              head_major_scales=False) -> Case:
     """A batch on random data; ``static_scales``: an 8-bit cache with one scale per tensor (no
     per-key scale to gather) instead of one per slot; ``head_major_scales``: per-slot scales
     stored ``[num_blocks, num_kv_heads, block_size]`` (a block's keys of one head contiguous),
@@ -116,11 +116,6 @@ def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_sca
     else:  # fp8 e4m3: normal codes spread over the format's range
         for t in (cache.k, cache.v):
             t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
-    if v_slots_last:  # V stored [num_blocks, num_kv_heads, head_dim, block_size], seen as NHD
-        v = torch.empty(nb, HKV, D, BS, dtype=cache.v.dtype, device=DEV).permute(0, 3, 1, 2)
-        v.copy_(cache.v)
-        cache = KVCache(k=cache.k, v=v, kv_dtype=kv_dtype, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                        dtype=cache.dtype)
     if head_major_scales:
         ks, vs = (torch.empty(nb, HKV, BS, device=DEV).transpose(1, 2) for _ in "kv")
         cache = KVCache(k=cache.k, v=cache.v, kv_dtype=kv_dtype, k_scale=ks, v_scale=vs, dtype=cache.dtype)
@@ -349,37 +344,6 @@ def section_quant_depth() -> None:
         del case
 
 
-def section_v_layout() -> None:
-    """V stored with its slots contiguous ([num_blocks, num_kv_heads, head_dim, block_size]): the
-    MMA's B operand of P @ V then lies K-major in shared memory, as 8-bit operands need, so codes
-    are converted in registers after ldmatrix instead of read back byte by byte."""
-    shapes = [("64x4096", [1] * 64, [4096] * 64), ("4x32768", [1] * 4, [32768] * 4),
-              ("256x1024", [1] * 256, [1024] * 256)]
-    for kv in ("int8", "fp8", "auto"):
-        for name, qlens, slens in shapes:
-            for slots_last in (False, True):
-                case = make_case(qlens, slens, kv_dtype=kv, v_slots_last=slots_last)
-                out = torch.empty_like(case.q)
-                lay = "V slots-last" if slots_last else "V NHD"
-                for small in [(128, 4, 2), (64, 4, 2), (128, 4, 3), (128, 8, 2)]:
-                    if name != "64x4096" and small != (128, 4, 2):
-                        continue
-                    report("v-layout", f"{name} {kv} {lay} {tag(small)}", case, unified(case, out, cfg(small)), out)
-                if name == "64x4096":
-                    report("v-layout", f"{name} {kv} {lay} autotuned", case, unified(case, out, None), out)
-                    for kc in ((128, 4, 2), (64, 4, 3)):
-                        report("v-layout", f"{name} {kv} {lay} split 2 {kc[0]}/w{kc[1]}/st{kc[2]}", case,
-                               split_call(case, out, 2, kc), out)
-                del case
-    for slots_last in (False, True):
-        case = make_case([512, 512] + [1] * 30, [1024, 2048] + [4096] * 30, kv_dtype="int8",
-                         v_slots_last=slots_last, check_reqs=[0, 1, 2, 31])
-        out = torch.empty_like(case.q)
-        lay = "V slots-last" if slots_last else "V NHD"
-        report("v-layout", f"mixed int8 {lay} autotuned", case, unified(case, out, None), out)
-        del case
-
-
 def section_small_decode() -> None:
     """Decodes of 1-4 requests x 4,096 keys (latency-bound: a few microseconds of data): split
     counts x kernel configs, around ``choose_num_splits``."""
@@ -532,7 +496,7 @@ SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section
             "mixed": section_mixed, "split": section_split, "split-count": section_split_count,
             "bench-mixed": section_bench_mixed, "quant-depth": section_quant_depth,
             "small-decode": section_small_decode, "mixed-parts": section_mixed_parts,
-            "launch": section_launch, "v-layout": section_v_layout,
+            "launch": section_launch,
             "cascade": section_cascade, "chunk": section_chunk}
 
 

@@ -54,7 +54,7 @@ REGISTERS_PER_SM = 65536
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def _signature(fn, constexprs: dict, kv: str = "bf16", v_layout: str = "nhd") -> tuple[dict, dict]:
+def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
     names = fn.arg_names
     missing = [names[i] for i in fn.constexprs if names[i] not in constexprs]
     if missing:
@@ -63,10 +63,7 @@ def _signature(fn, constexprs: dict, kv: str = "bf16", v_layout: str = "nhd") ->
     sig, attrs = {}, {}
     cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8"}[kv]  # fp8 codes travel as uint8
     for i, name in enumerate(names):
-        if v_layout == "slot-major" and name in ("stride_v_s", "stride_v_d"):
-            if name == "stride_v_s":  # V's slots contiguous: that stride is 1, specialised
-                constexprs[name] = 1
-        elif name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
+        if name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
             constexprs[name] = 1
         if name in constexprs:
             sig[name] = "constexpr"
@@ -92,7 +89,7 @@ def _signature(fn, constexprs: dict, kv: str = "bf16", v_layout: str = "nhd") ->
 # The kernels' constexprs for each cache format, with bf16 q: what the launchers pass.
 KV_FLAGS = {
     "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False, "V_SCALE_ON_P": False},
-    "int8": {"KV_QUANT": 1, "QDOT16": os.environ.get("Q16") == "1", "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
+    "int8": {"KV_QUANT": 1, "QDOT16": False, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
     "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": True, "V_SCALE_ON_P": True},
 }
 
@@ -148,12 +145,11 @@ def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, 
 
 
 def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
-              kv: str = "bf16", maxnreg: int | None = None, v_layout: str = "nhd") -> dict:
+              kv: str = "bf16", maxnreg: int | None = None) -> dict:
     fn = kernel if kernel is not None else kernels.unified_attention_kernel
     fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
-    flags = {**KV_FLAGS[kv], "V_SLOT_MAJOR": v_layout == "slot-major"}
-    constexprs = {k: v for k, v in {**constexprs, **flags, "BLOCK_N": block_n}.items() if k in fn.arg_names}
-    sig, attrs = _signature(fn, constexprs, kv, v_layout)
+    constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
+    sig, attrs = _signature(fn, constexprs, kv)
     return compile_stats(fn, sig, constexprs, attrs, num_warps, num_stages, maxnreg)
 
 
@@ -193,8 +189,6 @@ def main() -> None:
     ap.add_argument("--configs", default="",
                     help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)")
     ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8 (q is bf16)")
-    ap.add_argument("--v-layout", default="nhd", choices=("nhd", "slot-major"),
-                    help="V's layout per block: nhd (head_dim contiguous) or slot-major (slots contiguous)")
     args = ap.parse_args()
     try:
         only = {_config(c) for c in args.configs.split(",") if c}
@@ -241,11 +235,9 @@ def main() -> None:
                 label = f"{block_n}/{warps}/{stages}" + (f"/{cap}" if cap else "")
                 try:
                     if kernel:
-                        r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0], kv=kv, maxnreg=cap,
-                                      v_layout=args.v_layout)
+                        r = resources(dict(spec), block_n, warps, stages, kernel=kernel[0], kv=kv, maxnreg=cap)
                     else:
-                        r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap,
-                                      v_layout=args.v_layout)
+                        r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap)
                 except Exception as exc:  # out of shared memory and the like: say so, go on
                     print(f"{name:24s} {kv:>4s} {label:>26s}  {type(exc).__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:80]}")

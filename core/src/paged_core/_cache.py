@@ -164,7 +164,7 @@ class KVCache:
                 )
             if min(t.shape) < 1:
                 raise InputError(f"cache.{name} is {_desc(t)}; accepted: every dimension >= 1")
-            if t.stride(-1) != 1 and not (name == "v" and t.stride(1) == 1):
+            if t.stride(-1) != 1:
                 raise InputError(
                     f"cache.{name}'s last dimension has stride {t.stride(-1)}; accepted: stride 1 "
                     "(head_dim contiguous; any strides for the other dimensions)"

@@ -146,7 +146,6 @@ def _attend_step(
     stride_v_b,
     stride_v_s,
     stride_v_h,
-    stride_v_d,
     stride_ks_b,
     stride_ks_s,
     stride_ks_h,
@@ -164,7 +163,6 @@ def _attend_step(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PADDED: tl.constexpr,  # HEAD_DIM_PAD > HEAD_DIM: d_mask has false lanes
-    V_SLOT_MAJOR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
@@ -249,12 +247,10 @@ def _attend_step(
 
     # V: [BLOCK_N, HEAD_DIM_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
-    if V_SLOT_MAJOR and not MASKED:
-        v_offs = tl.max_contiguous(tl.multiple_of(v_offs, BLOCK_SIZE), BLOCK_SIZE)
     if MASK_V:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :] * stride_v_d, mask=v_mask, other=0)
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0)
     else:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :] * stride_v_d)
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :])
     v = _codes_to_dot(v, q.dtype, KV_QUANT)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
@@ -290,7 +286,7 @@ def _tile_program(
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr, tile_end_ptr,
     num_tokens, num_reqs, num_blocks, max_blocks_per_req, scale, softcap, window,
     stride_q_t, stride_q_h,
-    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
     stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -298,7 +294,7 @@ def _tile_program(
     FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
     KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, V_SLOT_MAJOR: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_Q query tokens of one request x the GROUP query heads of one KV head.
 
@@ -420,13 +416,13 @@ def _tile_program(
                 k_cache_ptr=k_cache_ptr, v_cache_ptr=v_cache_ptr, k_scale_ptr=k_scale_ptr, v_scale_ptr=v_scale_ptr,
                 kv_head=kv_head,
                 stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
-                stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h, stride_v_d=stride_v_d,
+                stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
                 stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
                 stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
                 offs_d=offs_d, d_mask=d_mask,
                 MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
                 QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-                D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DOT_PRECISION=DOT_PRECISION, V_SLOT_MAJOR=V_SLOT_MAJOR,
+                D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
     # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
@@ -589,7 +585,7 @@ def capture_config(named_args):
     # differ in rounding between batches of different classes: triton-unified does not claim
     # batch invariance; triton-splitkv's batch_invariant mode does.)
     key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT", "QDOT16",
-         "FOLD_SCALE", "V_SLOT_MAJOR", "occupancy"],
+         "FOLD_SCALE", "occupancy"],
     prune_configs_by={"early_config_prune": _prune},
     # Tuned choices persist next to the compiled kernels (TRITON_CACHE_DIR): a later process
     # does not time a shape class again, and a first call inside a CUDA-graph capture uses them.
@@ -634,7 +630,6 @@ def unified_attention_kernel(
     stride_v_b,
     stride_v_s,
     stride_v_h,
-    stride_v_d,
     stride_ks_b,
     stride_ks_s,
     stride_ks_h,
@@ -665,7 +660,6 @@ def unified_attention_kernel(
     HAS_LSE: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in float32 (the interpreter mishandles raw bf16 arithmetic)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 operands, so fp32 stays exact on the GPU
-    V_SLOT_MAJOR: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per loop step (of the large tiles if FUSED); autotuned
 ):
     """One program: a tile of query tokens of one request x all GROUP query heads of one KV head.
@@ -714,7 +708,7 @@ def unified_attention_kernel(
             max_blocks_per_req=max_blocks_per_req, scale=scale, softcap=softcap, window=window,
             stride_q_t=stride_q_t, stride_q_h=stride_q_h,
             stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
-            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h, stride_v_d=stride_v_d,
+            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
             stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
             stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
@@ -722,7 +716,7 @@ def unified_attention_kernel(
             GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
             BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
-            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION, V_SLOT_MAJOR=V_SLOT_MAJOR,
+            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
     else:
         _tile_program(
@@ -736,7 +730,7 @@ def unified_attention_kernel(
             max_blocks_per_req=max_blocks_per_req, scale=scale, softcap=softcap, window=window,
             stride_q_t=stride_q_t, stride_q_h=stride_q_h,
             stride_k_b=stride_k_b, stride_k_s=stride_k_s, stride_k_h=stride_k_h,
-            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h, stride_v_d=stride_v_d,
+            stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
             stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
             stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
@@ -744,5 +738,5 @@ def unified_attention_kernel(
             GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
             BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
-            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION, V_SLOT_MAJOR=V_SLOT_MAJOR,
+            UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip

@@ -192,7 +192,7 @@ def _check(q, k_cache, v_cache, out, config: LaunchConfig, group_pad: int) -> No
     """What the kernel needs beyond the paged contract (which ``paged_core.Backend.forward``
     checks: shapes, dtypes, devices, cache scales, host ints). Host-only, a few attribute reads."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.stride(-1) != 1 and not (name == "v_cache" and t.stride(1) == 1):
+        if t.stride(-1) != 1:
             # The kernel adds the head-dim offsets unscaled: a strided last dimension would be
             # read (or written) at the wrong addresses.
             _fail(f"{name}'s last-dimension stride", t.stride(-1), "stride 1 (head_dim contiguous)",
@@ -388,7 +388,6 @@ def unified_attention(
         stride_v_b=v_cache.stride(0),
         stride_v_s=v_cache.stride(1),
         stride_v_h=v_cache.stride(2),
-        stride_v_d=v_cache.stride(3),
         stride_ks_b=ks_strides[0],
         stride_ks_s=ks_strides[1],
         stride_ks_h=ks_strides[2],
@@ -421,8 +420,6 @@ def unified_attention(
         HAS_SINKS=sinks is not None,
         HAS_LSE=lse is not None,
         UPCAST=INTERPRET,
-        V_SLOT_MAJOR=v_cache.stride(1) == 1 and v_cache.stride(3) != 1 and v_cache.stride(0) % block_size == 0
-        and v_cache.stride(2) % block_size == 0,
         # tf32 would cost float32 inputs ~1e-3 relative error; bf16/fp16 ignore the setting.
         DOT_PRECISION="ieee" if (INTERPRET or q.dtype == torch.float32) else "tf32",
         **fixed,
