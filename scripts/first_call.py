@@ -1,6 +1,7 @@
 """First-call latency: what a new shape class costs in compile + autotune, cold and cached.
 
     python scripts/first_call.py [--backends triton-unified,triton-splitkv]
+    python scripts/first_call.py --timings --batches "prefill 8 x 2048"   # each config's time too
     python scripts/first_call.py child BACKEND BATCH HEAD_DIM     # one measurement (JSON line)
 
 For each backend and batch, two fresh processes share one empty ``TRITON_CACHE_DIR``: the first
@@ -27,7 +28,13 @@ BATCHES = {
     "decode 64 x 4096": ([1] * 64, [4096] * 64),
     "mixed 2 x 512 + 30": ([512] * 2 + [1] * 30, [1024] * 2 + [2048] * 30),
     "prefill 4 x 1024": ([1024] * 4, [1024] * 4),
+    # Not in the default list: more shape classes for --timings (which configs ever win).
+    "prefill 8 x 2048": ([2048] * 8, [2048] * 8),
+    "prefill 1 x 8192": ([8192], [8192]),
+    "chunk 512 @ 16k + 32": ([512] + [1] * 32, [16384] + [4096] * 32),
+    "mixed 2 x 512 + 30 @ 3k": ([512] * 2 + [1] * 30, [1536, 3584] + [2048] * 30),
 }
+DEFAULT_BATCHES = ("decode 64 x 4096", "mixed 2 x 512 + 30", "prefill 4 x 1024")
 HEADS, KV_HEADS, BLOCK_SIZE, DTYPE = 32, 8, 16, torch.bfloat16
 
 
@@ -56,7 +63,18 @@ def child(backend_name: str, batch: str, head_dim: str) -> int:
     backend.write(cache, k, torch.randn_like(k), meta)
     backend.forward(q, cache, backend.plan(meta), out=torch.empty_like(q))
     torch.cuda.synchronize()
-    print(json.dumps({"seconds": time.perf_counter() - t0, "timed_configs": timed[0]}))
+    seconds = time.perf_counter() - t0
+    # Each timed config of the attention kernels, fastest first (ms; what --timings prints).
+    timings = {}
+    for mod in ("paged_triton_unified.kernels", "paged_triton_splitkv.kernels"):
+        kernels = sys.modules.get(mod)
+        for name in ("unified_attention_kernel", "split_kv_attention_kernel"):
+            tuner = getattr(kernels, name, None) if kernels else None
+            if getattr(tuner, "configs_timings", None):
+                rows = sorted((float(t[0] if isinstance(t, (list, tuple)) else t), str(c))
+                              for c, t in tuner.configs_timings.items())
+                timings[name] = rows
+    print(json.dumps({"seconds": seconds, "timed_configs": timed[0], "timings": timings}))
     return 0
 
 
@@ -76,9 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         return child(*argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton-unified,triton-splitkv", help="comma-separated backend names")
-    p.add_argument("--batches", default=",".join(BATCHES), help="comma-separated batch names")
+    p.add_argument("--batches", default=",".join(DEFAULT_BATCHES),
+                   help=f"comma-separated batch names, of: {', '.join(BATCHES)}")
+    p.add_argument("--timings", action="store_true", help="also print each timed config's time (cold run)")
     p.add_argument("--head-dims", default="128,80", help="comma-separated head dims (default 128,80)")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.batches.split(",")) - set(BATCHES))
+    if unknown:
+        p.error(f"unknown batches {unknown}; accepted: {', '.join(BATCHES)}")
     import triton
 
     print(f"first call: write + forward, synchronised (s), and configs timed; torch {torch.__version__}, "
@@ -96,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                               else [f"error: {r['error']}", ""])
                 print(f"{name:<16} {batch:<20} {d:>8} {cells[0]:>8} {cells[1]:>6} {cells[2]:>9} {cells[3]:>6}",
                       flush=True)
+                for kernel, rows in (runs[0].get("timings") or {}).items() if args.timings else ():
+                    best = rows[0][0]
+                    for ms, config in rows:
+                        print(f"    {kernel}: {ms:.4f} ms ({ms / best:.3f} x best)  {config}", flush=True)
     return 0
 
 
