@@ -420,6 +420,13 @@ def test_register_capped_configs_are_timed_only_where_they_were_chosen(monkeypat
     monkeypatch.setattr(kernels, "INTERPRET", False)
     space = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in kernels._attention_configs()}
     assert kernels._PREFILL_CAPPED <= space
+    # Where the caps run (head dim 128, 16-bit K/V), a prefill tile times them and the two uncapped
+    # configs that won or came next (the 64-row tile's best, the no-autotune default) only.
+    uncapped = [config(*sig) for sig in kernels._PREFILL_CONFIGS]
+    timed = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in uncapped if kernels.keep(c, 128, 128, 0)}
+    assert timed == kernels._PREFILL_WITH_CAPS and kernels._DEFAULT_PREFILL in timed
+    # Elsewhere (other head dims, 8-bit caches) every uncapped prefill config is timed.
+    assert all(kernels.keep(c, 128, 64, 0) and kernels.keep(c, 128, 128, 1) for c in uncapped)
     # Uncapped configs keep their rule (the decode space for decode tiles).
     assert kernels.keep(config(*kernels._DEFAULT_DECODE), 16, 128, 1)
     default = config(*kernels._DEFAULT_PREFILL)

@@ -518,6 +518,15 @@ _PREFILL_CONFIGS = {
 # 3 CTAs per SM; 32/4/3 at 128, 4 CTAs) left int8 and fp8 64 x 4,096 where they were (0.2077 /
 # 0.2081 ms, 0.2260 / 0.2274): that tile's time is not its occupancy.
 _PREFILL_CAPPED = {(32, 8, 3, 128), (64, 8, 2, 128)}
+# Where the capped configs are timed, they win, and most uncapped ones never do: every config of
+# every class timed on a new process (scripts/first_call.py --timings; NVIDIA H200, Triton 3.6,
+# 2026-12-03; head dims 128 and 80; prefill 4 x 1,024, 8 x 2,048, 1 x 8,192, the mixed batches):
+# 64/8/2/128 best in all ten 128-row classes, 32/8/3/128 next (1.03-1.18 x), the best uncapped
+# config 1.18-1.40 x. The 64-row tiles (a 512-token chunk after 16 K cached + 32 decodes): 64/4/2
+# best, 64/8/2/128 1.12 x, the rest 1.43-2.6 x. So that space times these four and keeps 64/8/2
+# (the default without autotuning) as the uncapped fallback; the first call of a prefill class
+# times 4 configs instead of 10 (it took 9.4-11.1 s cold with 10).
+_PREFILL_WITH_CAPS = {(64, 4, 2), (64, 8, 2)}
 
 
 def keep(config, block_m, head_dim_pad, kv_quant=0):
@@ -526,7 +535,12 @@ def keep(config, block_m, head_dim_pad, kv_quant=0):
     sig = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
     if config.maxnreg is not None:
         return block_m > 32 and kv_quant == 0 and head_dim_pad == 128 and (*sig, config.maxnreg) in _PREFILL_CAPPED
-    allowed = _DECODE_CONFIGS if block_m <= 32 else _PREFILL_CONFIGS
+    if block_m <= 32:
+        allowed = _DECODE_CONFIGS
+    elif kv_quant == 0 and head_dim_pad == 128:  # where the capped configs run
+        allowed = _PREFILL_WITH_CAPS
+    else:
+        allowed = _PREFILL_CONFIGS
     if sig not in allowed:
         return False
     # Head dim 256 doubles every tile: 128-key steps with 3+ stages overflow shared memory.
