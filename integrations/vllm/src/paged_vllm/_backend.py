@@ -10,9 +10,10 @@ vLLM asks an attention backend for four things, each answered from paged's contr
   shared by every layer of the KV cache group;
 - **an implementation** whose ``forward`` writes the step's K/V with ``backend.write`` and reads
   with ``backend.forward``, on vLLM's own pool wrapped in a ``paged_core.KVCache`` (views, no copy);
-- **a cache layout**: vLLM 0.32 lays each layer out as logical ``[num_blocks, num_kv_heads,
-  block_size, 2 * head_size]`` (K then V along the last dimension), in a physical order resolved
-  from the backends' ``supported_kv_cache_layouts``. paged reads and writes any strides with a
+- **a cache layout**: vLLM lays each layer out as logical ``[num_blocks, num_kv_heads,
+  block_size, 2 * head_size]`` (K then V along the last dimension), in a physical order that
+  0.26 takes from ``get_kv_cache_stride_order`` (NHD here) and 0.32 resolves from the backends'
+  ``supported_kv_cache_layouts``. paged reads and writes any strides with a
   dense head dimension, so every layout serves, and vLLM's default (NHD, paged's own) is kept.
   vLLM's fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: e4m3 codes in uint8 storage, value
   = code * the layer's ``_k_scale`` / ``_v_scale``) is a paged fp8 cache with static per-tensor
@@ -153,6 +154,22 @@ class PagedAttentionBackend(AttentionBackend):
         elem = torch.empty((), dtype=spec.dtype).element_size()
         content = (spec.head_size + spec.head_size_v) * elem + 2 * _SCALE_BYTES
         return dataclasses.replace(spec, state_content_bytes=content)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """vLLM 0.26 asks each backend for its cache's logical shape (0.32 no longer does): the
+        one vLLM's own Triton backend uses, ``[num_blocks, num_kv_heads, block_size, 2 * width]``,
+        K then V along the last dimension; a per-token-head cache widens each side by the 4 bytes
+        of its inline float32 scale (int8 and fp8 codes are one byte each)."""
+        width = head_size + _SCALE_BYTES if cache_dtype_str in PER_TOKEN_HEAD_DTYPES else head_size
+        return (num_blocks, num_kv_heads, block_size, 2 * width)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """vLLM 0.26's physical order of that shape: NHD, paged's own layout (a slot's heads
+        side by side), with a layers dimension after the blocks when vLLM asks for one."""
+        return (1, 0, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
 
     @staticmethod
     def get_name() -> str:
@@ -521,7 +538,7 @@ def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
     scale = getattr(layer, name, None)
     if not isinstance(scale, torch.Tensor):
         raise InputError(f"layer {getattr(layer, 'layer_name', '?')!r} has no {name} tensor; an fp8 cache "
-                         "needs vLLM's per-tensor scales (vLLM 0.32's Attention layer sets them)")
+                         "needs vLLM's per-tensor scales (vLLM's Attention layer sets them)")
     if scale.dtype != torch.float32 or scale.device != device:
         scale = scale.to(device=device, dtype=torch.float32)
     return scale
@@ -550,7 +567,7 @@ def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | No
         raise InputError(
             f"vLLM's KV cache of this layer is {list(kv_cache.shape)} with strides {kv_cache.stride()}; "
             f"accepted: [num_blocks, num_kv_heads, block_size, 2 * {head_size}] with the last dimension "
-            "contiguous (vLLM 0.32's attention cache; other vLLM releases are not supported)"
+            "contiguous (the attention cache of vLLM 0.26 and 0.32; other vLLM releases are not supported)"
         )
     nhd = kv_cache.transpose(1, 2)
     if scales is None:
