@@ -172,14 +172,15 @@ def table(args: argparse.Namespace) -> None:
         ref = refs.get((r["dtype"], r["kv_cache_dtype"]))
         match, same, diff = None, "—", "—"
         if ref is not None and ref is not r:
-            equal = [a == b for a, b in zip(r["tokens"], ref["tokens"])]
+            equal = [a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True)]
             match = all(equal)
-            agree = [_common_prefix(a, b) for a, b in zip(r["tokens"], ref["tokens"])]
+            agree = [_common_prefix(a, b) for a, b in zip(r["tokens"], ref["tokens"], strict=True)]
             same = "all equal" if match else f"{sum(equal)}/{len(equal)} equal (first difference at {min(agree)})"
             diff = f"{_logprob_diff(r, ref):.2e}"
         calls = r.get("check_calls", {}).get("forward", "—")
         print(f"| {r['backend']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['mode']} | "
-              f"{r['output_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {r['tpot_ms']} | {same} | {diff} | {calls} |")
+              f"{r['output_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {r['tpot_ms']} | {same} | {diff} | "
+              f"{calls} |")
         out.append({"backend": r["backend"], "dtype": r["dtype"], "kv_cache_dtype": r["kv_cache_dtype"],
                     "mode": r["mode"], "tokens_per_s": r["tokens_per_s"],
                     "output_tokens_per_s": r["output_tokens_per_s"], "tpot_ms": r["tpot_ms"],
@@ -200,7 +201,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _logprob_diff(r: dict, ref: dict) -> float:
     worst = 0.0
-    for mine, theirs in zip(r["first_logprobs"], ref["first_logprobs"]):
+    for mine, theirs in zip(r["first_logprobs"], ref["first_logprobs"], strict=True):
         for tok in set(mine) & set(theirs):
             worst = max(worst, abs(mine[tok] - theirs[tok]))
     return worst
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         try:
             row = run(args)
-        except Exception as exc:  # the row says what failed; the driver goes on with the next
+        except Exception:  # the row says what failed; the driver goes on with the next
             import traceback
 
             row = {"backend": args.backend, "mode": args.mode, "dtype": args.dtype,
