@@ -108,6 +108,27 @@ def test_pool_view_writes_and_reads_vllm_storage_in_place(order):
     torch.testing.assert_close(backend.forward(q, cache, meta), backend.forward(q, dense, meta), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "int8_per_token_head", "fp8_per_token_head"])
+def test_vllm_026_cache_shape_is_the_one_the_views_read(dtype):
+    """vLLM 0.26 allocates each layer from ``get_kv_cache_shape`` permuted by
+    ``get_kv_cache_stride_order``: the logical tensor it then hands to ``forward`` is one that
+    ``pool_view`` / ``per_token_head_view`` accept, laid out NHD."""
+    shape = PagedAttentionBackend.get_kv_cache_shape(5, 16, 2, 32, cache_dtype_str=dtype)
+    order = PagedAttentionBackend.get_kv_cache_stride_order()
+    per_token_head = dtype.endswith("per_token_head")
+    assert shape == (5, 2, 16, 2 * (32 + 4 if per_token_head else 32))
+    storage = torch.zeros([shape[i] for i in order], dtype=torch.int8 if per_token_head else torch.float32)
+    kv = storage.permute(*[order.index(i) for i in range(4)])  # as vLLM 0.26 builds it
+    assert tuple(kv.shape) == shape
+    if per_token_head:
+        cache = _backend.per_token_head_view(kv, 32, "int8", dtype=torch.bfloat16)
+    else:
+        cache = pool_view(kv, 32)
+    assert cache.k.stride() == (16 * 2 * kv.shape[-1], 2 * kv.shape[-1], kv.shape[-1], 1)  # NHD
+    with_layers = PagedAttentionBackend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+    assert sorted(with_layers) == [0, 1, 2, 3, 4]
+
+
 def test_pool_view_refuses_another_layout():
     with pytest.raises(InputError, match=r"accepted: \[num_blocks, num_kv_heads, block_size, 2 \* 32\]"):
         pool_view(torch.zeros(4, 2, 16, 32), 32)
