@@ -9,6 +9,7 @@ tensors, and runs the full ``BatchMeta`` validation when validation is on.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import math
@@ -154,7 +155,10 @@ class Backend:
     def __init__(self, *, validate: bool | None = None) -> None:
         #: Run the host-syncing checks of :meth:`BatchMeta.validate` on each call.
         self.validate = validation_enabled(validate)
-        #: This instance's handle in the torch custom ops (stable for its life; see ``_ops``).
+        # What the torch custom ops use (``_ops``): this instance's handle (stable for its life),
+        # its last plans (plan() keeps them), and whether it writes with its own write().
+        self._op_plans: collections.deque[Any] = collections.deque(maxlen=_ops.KEPT_PLANS)
+        self._op_own_write = type(self).write is not Backend.write
         self._op_handle = _ops.register(self)
 
     # ----------------------------------------------------------------------------- capability
