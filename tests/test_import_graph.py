@@ -2,8 +2,8 @@
 
 Every import statement of every module is read from its source (the AST), so function-local
 imports and those under ``if TYPE_CHECKING:`` count too: a module that needs another only to
-name a type still depends on it. The backend contract (``_backend``) builds on the torch custom
-ops (``_ops``), which know a backend only by what they use of it.
+name a type still depends on it. The backend contract (``_backend``) builds on the checks
+(``_checks``) and the torch custom ops (``_ops``), which know a backend only by what they use of it.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def test_a_cycle_is_found():
 
 def test_the_contract_depends_on_the_ops_one_way():
     graph = _graph(CORE)
-    assert "_ops" in graph["_backend"]
-    assert "_backend" not in graph["_ops"]
+    assert "_ops" in graph["_backend"] and "_checks" in graph["_backend"]
+    assert "_backend" not in graph["_ops"] and "_backend" not in graph["_checks"]
 
 
 def test_core_modules_import_each_other_one_way():
