@@ -278,7 +278,7 @@ def test_plan_is_remembered_with_the_class_signature():
     metas = [batch(*MIXED) for _ in range(_ops.KEPT_PLANS + 1)]
     plans = [backend.plan(m) for m in metas]
     assert plans[-1] is metas[-1]  # the reference's plan is the BatchMeta itself
-    assert list(backend.__dict__["_op_plans"]) == plans[::-1][: _ops.KEPT_PLANS]
+    assert list(backend._op_plans) == plans[::-1][: _ops.KEPT_PLANS]
 
 
 def test_each_instance_has_its_own_stable_handle():

@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
@@ -45,35 +45,49 @@ from ._batch import BatchMeta
 from ._cache import KVCache, write_kv
 from ._errors import InputError
 
-if TYPE_CHECKING:
-    from ._backend import Backend
-
-__all__ = ["register", "remember", "write", "forward", "write_op", "forward_op", "KEPT_PLANS"]
+__all__ = ["register", "remember", "write", "forward", "write_op", "forward_op", "KEPT_PLANS", "OpBackend"]
 
 #: Plans remembered per backend instance, newest first. One step needs one; a few more let a
 #: compiled step use the plan of the step before (an engine double-buffering its batches).
 KEPT_PLANS = 4
 
-_backends: weakref.WeakValueDictionary[int, Backend] = weakref.WeakValueDictionary()
+
+class OpBackend(Protocol):
+    """What the ops use of a backend; :class:`paged_core.Backend` declares it in ``__init__``."""
+
+    name: ClassVar[str]
+    #: Its handle, from :func:`register`.
+    _op_handle: int
+    #: Its last :data:`KEPT_PLANS` ``plan()`` results, newest first (:func:`remember`).
+    _op_plans: collections.deque[Any]
+    #: Whether its class replaces ``Backend.write`` (then a compiled write needs its plan).
+    _op_own_write: bool
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None: ...
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None, window: int,
+                softcap: float, sinks: torch.Tensor | None, out: torch.Tensor | None,
+                return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_backends: weakref.WeakValueDictionary[int, OpBackend] = weakref.WeakValueDictionary()
 _handles = itertools.count(1)
 
 
-def register(backend: Backend) -> int:
-    """Give ``backend`` its op handle (unique in the process) and a place for its recent plans.
+def register(backend: OpBackend) -> int:
+    """Give ``backend`` its op handle, unique in the process; the registry holds it weakly.
 
     Called once, by :meth:`Backend.__init__`; :meth:`Backend.plan` then keeps its last
-    :data:`KEPT_PLANS` results there (:func:`remember`), where the ops find them. The registry
-    holds the instance weakly.
+    :data:`KEPT_PLANS` results in ``backend._op_plans`` (:func:`remember`), where the ops find them.
     """
     handle = next(_handles)
     _backends[handle] = backend
-    backend.__dict__["_op_plans"] = collections.deque(maxlen=KEPT_PLANS)
     return handle
 
 
-def remember(backend: Backend, plan: Any) -> Any:
+def remember(backend: OpBackend, plan: Any) -> Any:
     """Keep ``plan`` (what ``backend.plan`` returned) as the newest plan the ops look up; returns it."""
-    backend.__dict__["_op_plans"].appendleft(plan)
+    backend._op_plans.appendleft(plan)
     return plan
 
 
@@ -82,7 +96,7 @@ def remember(backend: Backend, plan: Any) -> Any:
 # and the op call, nothing that reads a tensor's data or address.
 
 
-def write(backend: Backend, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
+def write(backend: OpBackend, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None:
     """What :meth:`Backend.write` does under ``torch.compile``: one ``paged::write`` call."""
     batch = meta if isinstance(meta, BatchMeta) else meta.meta
     views: tuple[torch.Tensor | None, ...] = (cache.k, cache.v, cache.k_scale, cache.v_scale)
@@ -96,7 +110,7 @@ def write(backend: Backend, cache: KVCache, k: torch.Tensor, v: torch.Tensor, me
 
 
 def forward(
-    backend: Backend,
+    backend: OpBackend,
     q: torch.Tensor,
     cache: KVCache,
     meta: Any,
@@ -170,9 +184,7 @@ def write_op(
     if plan is not None:
         backend.write(cache, key, value, plan)
         return
-    from ._backend import Backend
-
-    if type(backend).write is not Backend.write:
+    if backend._op_own_write:
         raise InputError(
             f"{backend.name}.write ran compiled with a batch this backend never planned, and this "
             "backend writes with its own write(), which needs the batch; call "
@@ -236,7 +248,7 @@ def _forward_fake(handle, q, k_cache, v_cache, k_scale, v_scale, kv_dtype, query
 # --------------------------------------------------------------------------------- lookups
 
 
-def _backend(handle: int) -> Backend:
+def _backend(handle: int) -> OpBackend:
     backend = _backends.get(handle)
     if backend is None:
         raise InputError(
@@ -250,10 +262,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-def _remembered(backend: Backend, tensors: tuple[torch.Tensor, ...], fields) -> Any:
+def _remembered(backend: OpBackend, tensors: tuple[torch.Tensor, ...], fields) -> Any:
     """The newest remembered plan of ``backend`` whose batch holds ``tensors`` (same memory and
     shape), or None."""
-    for plan in backend.__dict__.get("_op_plans", ()):
+    for plan in backend._op_plans:
         batch = plan if isinstance(plan, BatchMeta) else getattr(plan, "meta", None)
         if isinstance(batch, BatchMeta) and all(map(_same, fields(batch), tensors)):
             return plan
