@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 import os
 from typing import Any, ClassVar, cast
@@ -22,7 +21,7 @@ from . import _ops
 from ._batch import BatchMeta
 from ._cache import KVCache, allocate_kv_cache, write_kv
 from ._errors import InputError, PagedError, UnsupportedSpecError
-from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
+from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
 __all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
 
@@ -55,6 +54,10 @@ def _capturing() -> bool:
     """
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
+
+# The float32 range of the kernels' scalars: the largest finite value and the smallest normal one.
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
 
 # Entries of Backend._checked_calls before it is emptied: layers x shapes of a few live steps.
 _CHECKED_CALLS_MAX = 4096
@@ -113,20 +116,64 @@ def _is_int(v) -> bool:
 
 
 def _check_scalars(window, softcap, scale) -> None:
-    """The host scalars of a layer, shared by ``plan`` and ``forward``."""
+    """The host scalars of a layer, shared by ``plan`` and ``forward``: in the ranges the kernels
+    compute in (float32 scalars, an int32 window)."""
     # Fast path for the plain int/float every caller passes: isinstance against the numbers
     # ABCs costs microseconds, and this runs on every layer call.
-    if type(window) is int and window >= 0 and type(softcap) in (float, int) and 0 <= softcap < math.inf \
-            and (scale is None or (type(scale) in (float, int) and math.isfinite(scale))):
+    if type(window) is int and 0 <= window < INT32_LIMIT and type(softcap) in (float, int) \
+            and (softcap == 0 or _F32_TINY <= softcap <= _F32_MAX) \
+            and (scale is None or (type(scale) in (float, int) and -_F32_MAX <= scale <= _F32_MAX)):
         return
-    if not _is_int(window) or window < 0:
-        raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) \
-            or softcap < 0:
-        raise InputError(f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float")
+    if not _is_int(window) or not 0 <= window < INT32_LIMIT:
+        raise InputError(
+            f"window is {window!r}; accepted: 0 (no window) or a positive int below 2**31 (a window "
+            "at least as long as the longest sequence is no window: pass 0)"
+        )
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not (
+            softcap == 0 or _F32_TINY <= softcap <= _F32_MAX):
+        raise InputError(
+            f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 (from "
+            f"{_F32_TINY:.4g} to {_F32_MAX:.4g}: the kernels compute in float32)"
+        )
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not math.isfinite(scale)):
-        raise InputError(f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float")
+                              or not -_F32_MAX <= scale <= _F32_MAX):
+        raise InputError(
+            f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float32 (magnitude at "
+            f"most {_F32_MAX:.4g}: the kernels compute in float32)"
+        )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, end)`` that tensor ``t`` (non-negative strides, not empty) can touch."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dimensions of more than one element,
+    by increasing stride, must each step past everything the smaller ones cover."""
+    covered = 1
+    for stride, n in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride < covered:
+            return True
+        covered += stride * (n - 1)
+    return False
+
+
+def _check_out_memory(out: torch.Tensor, cache: KVCache) -> None:
+    """Refuse an ``out`` that shares memory with the cache (the batch may read what it writes)."""
+    if not out.numel():
+        return
+    lo, hi = _span(out)
+    for name, t in (("k", cache.k), ("v", cache.v), ("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+        if t is not None:
+            t_lo, t_hi = _span(t)
+            if lo < t_hi and t_lo < hi:
+                raise InputError(
+                    f"out overlaps the cache's memory (cache.{name}); the kernels would read keys they "
+                    "are overwriting; accepted: an output outside the cache, such as torch.empty_like(q)"
+                )
 
 
 @functools.cache
@@ -267,6 +314,7 @@ class Backend:
                 "(check the spelling)"
             )
         self._check_layer(meta, layer)
+        meta = meta.contiguous()  # once per step: kernels index the metadata as contiguous
         passed = layer if takes_any else {k: v for k, v in layer.items() if k in names}
         # The custom ops of torch.compile find the step's plan here (host ints never travel as op
         # arguments: dynamo would guard on them and recompile every step).
@@ -354,14 +402,27 @@ class Backend:
                 if len(checked) >= _CHECKED_CALLS_MAX:
                     checked.clear()  # old steps' batches; the live ones are checked again once
                 checked[key] = True
+        if not batch._dense:
+            # Strided metadata (views of an engine's buffers): the kernels index it as contiguous.
+            # plan() makes the copy once per step; a plan that holds such a batch was not made by it.
+            if meta is not batch and not (type(self)._plan is Backend._plan and type(self).plan is Backend.plan):
+                raise InputError(
+                    f"the plan's batch has strided metadata, which {self.name}'s kernels do not read; "
+                    f"accepted: a plan made by {self.name}.plan(meta) (it makes such a batch contiguous), or the "
+                    "BatchMeta itself"
+                )
+            meta = batch = batch.contiguous()
+        if out is not None:
+            # Pointers differ per layer, so outside the memo: a few host ints per call.
+            _check_out_memory(out, cache)
         if self.validate and not _capturing():
             batch.validate(num_blocks=cache.num_blocks)
-            # A device read, so only here: an infinite sink gives zeros in one backend and NaN
-            # in another; with validation off it is the caller's promise (docs/reliability.md).
-            if sinks is not None and not bool(torch.isfinite(sinks).all()):
+            # A device read, so only here: with validation off a NaN sink is the caller's promise
+            # (docs/reliability.md). +inf and -inf are the limits: zeros, and no sink.
+            if sinks is not None and bool(torch.isnan(sinks).any()):
                 raise InputError(
-                    f"sinks holds non-finite values {sinks[~torch.isfinite(sinks)].tolist()}; "
-                    "accepted: finite float32 logits (use a large negative value for 'no sink')"
+                    f"sinks holds NaN at heads {torch.isnan(sinks).nonzero().flatten().tolist()}; accepted: "
+                    "float32 logits (+inf: the sink takes all the mass, zeros; -inf: no sink)"
                 )
         if out is None:
             out = torch.empty_like(q)
@@ -520,4 +581,10 @@ class Backend:
             raise InputError(
                 f"out is {found}; accepted: the shape, dtype and device of q ({_shape(q)}), "
                 "last-dimension stride 1"
+            )
+        if out is not None and out.numel() and _overlaps_itself(out):
+            raise InputError(
+                f"out's elements overlap each other (shape {list(out.shape)}, strides {tuple(out.stride())}: an "
+                "expanded or overlapping view, so rows would overwrite each other); accepted: an output whose "
+                "elements each have their own memory, such as torch.empty_like(q)"
             )
