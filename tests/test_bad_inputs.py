@@ -311,17 +311,6 @@ def test_a_refused_write_into_an_int8_cache_writes_nothing():
 
 
 # ---------------------------------------------------------------------------------- forward
-def test_infinite_sinks_are_refused_with_validation_on():
-    # +inf sinks gave zeros in the reference and NaN in Triton. Checking needs a device read, so
-    # only with validation on; with it off they are the caller's promise (docs/reliability.md).
-    q, cache, meta = small()
-    for bad in (math.inf, -math.inf, math.nan):
-        sinks = torch.tensor([0.0, bad, 0.0, 0.0])
-        with pytest.raises(InputError, match="sinks holds non-finite values"):
-            ReferenceBackend(validate=True).forward(q, cache, meta, sinks=sinks)
-    ReferenceBackend(validate=False).forward(q, cache, meta, sinks=torch.tensor([0.0, math.inf, 0.0, 0.0]))
-
-
 @pytest.mark.parametrize("bad", [math.inf, math.nan, "0.1", True])
 @pytest.mark.parametrize("field", ["scale", "softcap"])
 def test_scale_and_softcap_must_be_finite_numbers(field, bad):
@@ -418,3 +407,214 @@ def test_flashinfer_plan_refuses_before_flashinfer_is_called(monkeypatch):
     meta = BatchMeta.build([1], [5], block_size=16).to(DEVICE)
     with pytest.raises(UnsupportedSpecError, match="head_dim 96 is not supported"):
         b.plan(meta, num_heads=4, num_kv_heads=2, head_dim=96, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------- trust: the contract's edges
+def tiny(validate=None, **kw):
+    """4 query heads over 2 KV heads, head_dim 32, a mixed batch of three requests, K/V written."""
+    meta = BatchMeta.build([3, 1, 2], [5, 9, 6], block_size=4, num_blocks=12, seed=1)
+    cache = allocate_kv_cache(12, 4, 2, 32, dtype=torch.float32, **kw)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 4, 32, generator=g)
+    ReferenceBackend().write(cache, torch.randn(6, 2, 32, generator=g), torch.randn(6, 2, 32, generator=g), meta)
+    # The context before the step, so every key is a real number.
+    ctx = BatchMeta.from_lists([5, 9, 6], [5, 9, 6], meta.block_table.tolist(), block_size=4)
+    ReferenceBackend().write(cache, torch.randn(20, 2, 32, generator=g), torch.randn(20, 2, 32, generator=g), ctx)
+    ReferenceBackend().write(cache, torch.randn(6, 2, 32, generator=g), torch.randn(6, 2, 32, generator=g), meta)
+    return q, cache, meta
+
+
+def backends_here() -> list[str]:
+    return [n for n in ("reference", "triton-unified", "triton-splitkv") if n in registry.available()]
+
+
+def strided(t: torch.Tensor, fill: int) -> torch.Tensor:
+    """``t`` as a stride-2 view of a buffer twice its size; the other elements hold ``fill``."""
+    buf = torch.full((t.numel() * 2,), fill, dtype=t.dtype, device=t.device)
+    view = buf[::2]
+    view.copy_(t.reshape(-1))
+    return view.view(t.shape) if t.dim() == 1 else buf.view(t.shape[0], -1)[:, ::2]
+
+
+@pytest.mark.parametrize("field", ["query_start_loc", "seq_lens", "slot_mapping", "block_table",
+                                   "query_start_loc_cpu", "seq_lens_cpu", "all"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+def test_metadata_as_strided_views_of_persistent_buffers(name, field):
+    # A stride-2 seq_lens gave a relative error of 0.735 on both Triton backends; a stride-2
+    # query_start_loc left rows unwritten. The contract makes such views contiguous.
+    if name not in registry.available():
+        pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
+    q, cache, meta = tiny()
+    want = ReferenceBackend().forward(q, cache, meta)
+    names = [field] if field != "all" else ["query_start_loc", "seq_lens", "slot_mapping", "block_table",
+                                             "query_start_loc_cpu", "seq_lens_cpu"]
+    views = dataclasses.replace(meta, **{f: strided(getattr(meta, f), 7) for f in names})
+    for f in names:
+        assert not getattr(views, f).is_contiguous()
+    backend = registry.get(name)
+    got = backend.forward(q, cache, views)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got = backend.forward(q, cache, backend.plan(views))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The views are the caller's: nothing of them is replaced.
+    assert all(not getattr(views, f).is_contiguous() for f in names)
+
+
+@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+def test_expanded_seq_lens_and_query_start_loc(name):
+    # seq_lens = tensor([9]).expand(3) gave wrong rows 1-2 on the Triton backends.
+    if name not in registry.available():
+        pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
+    meta = BatchMeta.build([1, 1, 1], [9, 9, 9], block_size=4, num_blocks=12, seed=2)
+    cache = allocate_kv_cache(12, 4, 2, 32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ctx = BatchMeta.from_lists([9, 9, 9], [9, 9, 9], meta.block_table.tolist(), block_size=4)
+    ReferenceBackend().write(cache, torch.randn(27, 2, 32, generator=g), torch.randn(27, 2, 32, generator=g), ctx)
+    q = torch.randn(3, 4, 32, generator=g)
+    want = ReferenceBackend().forward(q, cache, meta)
+    views = dataclasses.replace(meta, seq_lens=torch.tensor([9], dtype=torch.int32).expand(3))
+    torch.testing.assert_close(registry.get(name).forward(q, cache, views), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_contiguous_batch_is_used_as_it_is():
+    _, _, meta = tiny()
+    assert meta.contiguous() is meta
+    views = dataclasses.replace(meta, seq_lens=strided(meta.seq_lens, 0))
+    dense = views.contiguous()
+    assert dense is not views and dense.seq_lens.is_contiguous() and dense.seq_lens.tolist() == [5, 9, 6]
+    assert dense.block_table is views.block_table  # the kernels read the table through its strides
+
+
+@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+def test_sinks_of_plus_infinity_give_zeros(name):
+    # The limit of a sink that absorbs all the mass: exact zeros for that head, the other heads
+    # unchanged. The reference gave zeros, both Triton backends NaN.
+    if name not in registry.available():
+        pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
+    q, cache, meta = tiny()
+    sinks = torch.tensor([0.5, math.inf, -math.inf, 0.0])
+    want = ReferenceBackend().forward(q, cache, meta, sinks=torch.tensor([0.5, 0.0, -math.inf, 0.0]))
+    for validate in (False, True):
+        got = registry.get(name, validate=validate).forward(q, cache, meta, sinks=sinks)
+        assert torch.equal(got[:, 1], torch.zeros_like(got[:, 1])), got[:, 1]
+        torch.testing.assert_close(got[:, [0, 2, 3]], want[:, [0, 2, 3]], atol=1e-4, rtol=1e-4)
+
+
+def test_nan_sinks_are_refused_with_validation_on():
+    q, cache, meta = tiny()
+    with pytest.raises(InputError, match=r"sinks holds NaN at heads \[1\]"):
+        ReferenceBackend(validate=True).forward(q, cache, meta, sinks=torch.tensor([0.0, math.nan, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+def test_outputs_whose_rows_overlap_are_refused(name):
+    # out=torch.empty(1, 4, 32).expand(6, 4, 32) was accepted by the Triton backends (every row
+    # held the last row written) and a raw RuntimeError in the reference.
+    if name not in registry.available():
+        pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
+    q, cache, meta = tiny()
+    b = registry.get(name)
+    for out in (torch.empty(1, 4, 32).expand(6, 4, 32), torch.empty(6, 1, 32).expand(6, 4, 32),
+                torch.empty(6 * 32 + 32).as_strided((6, 4, 32), (32, 8, 1))):
+        with pytest.raises(InputError, match="out's elements overlap each other"):
+            b.forward(q, cache, meta, out=out)
+    # Strided but not overlapping: accepted.
+    wide = torch.empty(6, 8, 32)[:, ::2]
+    b.forward(q, cache, meta, out=wide)
+
+
+@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+def test_outputs_inside_the_cache_are_refused(name):
+    if name not in registry.available():
+        pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
+    q, cache, meta = tiny()
+    b = registry.get(name)
+    for pool in (cache.k, cache.v):
+        out = pool.view(-1)[: 6 * 4 * 32].view(6, 4, 32)
+        with pytest.raises(InputError, match="out overlaps the cache's memory"):
+            b.forward(q, cache, meta, out=out)
+    b.forward(q, cache, meta, out=torch.empty_like(q))
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("softcap", 1e39, "softcap is 1e+39; accepted: 0 (off) or a positive finite float32"),
+    ("softcap", 1e-300, "softcap is 1e-300; accepted: 0 (off) or a positive finite float32"),
+    ("scale", 1e39, "scale is 1e+39; accepted: None (head_dim ** -0.5) or a finite float32"),
+    ("scale", -1e39, "scale is -1e+39; accepted: None"),
+    ("window", 2**64, "window is 18446744073709551616; accepted: 0 (no window) or a positive int below 2**31"),
+    ("window", 2**31, "window is 2147483648; accepted:"),
+])
+def test_scalars_are_checked_against_float32_and_int32(field, value, needle):
+    # softcap=1e39 was wrong on every backend, scale=1e39 NaN on the reference (float32 math);
+    # window=2**64 a raw OverflowError.
+    q, cache, meta = tiny()
+    for name in backends_here():
+        with pytest.raises(InputError) as exc:
+            registry.get(name).forward(q, cache, meta, **{field: value})
+        assert needle in str(exc.value)
+        with pytest.raises(InputError) as exc:
+            registry.get(name).plan(meta, **{field: value})
+        assert needle in str(exc.value)
+
+
+def test_the_largest_float32_scalars_are_accepted():
+    q, cache, meta = tiny()
+    ReferenceBackend().forward(q, cache, meta, softcap=3.0e38, scale=1e-3, window=2**31 - 1)
+
+
+def test_merge_states_checks_its_lists():
+    from paged_core import merge_states
+
+    o, lse = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4)
+    with pytest.raises(InputError, match=r"sinks is a list; accepted: None or a float32 tensor \[num_heads=4\]"):
+        merge_states(o, lse, sinks=[0.0] * 4)
+    with pytest.raises(InputError, match="sinks is float64"):
+        merge_states(o, lse, sinks=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(InputError, match="outputs no parts to merge"):
+        merge_states([], [])
+
+
+def test_triton_merge_states_checks_its_lists():
+    launch = pytest.importorskip("paged_triton_splitkv.launch")
+    with pytest.raises(InputError, match="outputs is an empty list"):
+        launch.merge_states([], [])
+    with pytest.raises(InputError, match=r"outputs: the parts differ in shape \(\[3, 4, 8\], \[2, 4, 8\]\)"):
+        launch.merge_states([torch.zeros(3, 4, 8), torch.zeros(2, 4, 8)], [torch.zeros(3, 4), torch.zeros(2, 4)])
+    with pytest.raises(InputError, match=r"lses: the parts differ in shape"):
+        launch.merge_states([torch.zeros(3, 4, 8)] * 2, [torch.zeros(3, 4), torch.zeros(2, 4)])
+    with pytest.raises(InputError, match="outputs is a str"):
+        launch.merge_states("x", [torch.zeros(3, 4)])
+
+
+def test_build_gives_back_its_blocks_when_the_allocator_runs_out():
+    # num_free went 5 -> 2: request 0's blocks were never returned.
+    a = BlockAllocator(6, shuffle=False)
+    with pytest.raises(BatchMetaError, match="out of KV blocks"):
+        BatchMeta.build([1, 1], [9, 13], block_size=4, allocator=a)
+    assert a.num_free == 5
+    assert a.allocate(5) == [1, 2, 3, 4, 5]
+
+
+def test_from_tensors_refuses_a_bool_block_table():
+    with pytest.raises(BatchMetaError, match="block_table is bool"):
+        BatchMeta.from_tensors(query_lens=[1], seq_lens=[2], block_table=torch.tensor([[True, False]]),
+                               slot_mapping=torch.tensor([1]), block_size=4)
+    with pytest.raises(BatchMetaError, match="slot_mapping is bool"):
+        BatchMeta.from_tensors(query_lens=[1], seq_lens=[2], block_table=torch.tensor([[1, 0]]),
+                               slot_mapping=torch.tensor([True]), block_size=4)
+
+
+def test_allocator_hands_back_python_ints_after_numpy_ids_are_freed():
+    np = pytest.importorskip("numpy")
+    a = BlockAllocator(4, shuffle=False)
+    ids = a.allocate(2)
+    a.free([np.int64(i) for i in ids])
+    got = a.allocate(3)
+    assert got == [3, 1, 2] and all(type(b) is int for b in got)
+
+
+def test_registry_get_lists_the_accepted_options():
+    # registry.get("reference", num_splits=4) quoted a bare TypeError.
+    needle = r"Backend 'reference' does not accept options \['num_splits'\]; accepted: compute_dtype, validate"
+    with pytest.raises(InputError, match=needle):
+        registry.get("reference", num_splits=4)

@@ -433,3 +433,38 @@ def test_quantize_with_a_scale_that_does_not_broadcast_is_refused():
         quantize_kv(torch.ones(3, 2, 4), "int8", torch.ones(3))
     with pytest.raises(InputError, match="a float32 tensor"):
         quantize_kv(torch.ones(3, 2, 4), "int8", 0.5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize(("num_blocks", "block_size", "heads"), [(5, 1, 4), (1, 1, 2), (1, 4, 1), (3, 1, 1)])
+def test_a_static_cache_with_size_one_dimensions_is_usable(kv_dtype, num_blocks, block_size, heads):
+    # allocate(..., block_size=1, kv_dtype="fp8", k_scale=...) returned a cache its own write
+    # refused: expand keeps a stride of 1 on the size-1 slot dimension.
+    from paged_core import BatchMeta, ReferenceBackend
+
+    cache = allocate_kv_cache(num_blocks, block_size, heads, 8, dtype=torch.float32, kv_dtype=kv_dtype,
+                              k_scale=0.05, v_scale=0.02)
+    assert cache.static_scales and cache.kv_scales == "per_tensor"
+    meta = BatchMeta.build([1], [1], block_size=block_size, allocator=_Counting(num_blocks))
+    k = torch.randn(1, heads, 8)
+    b = ReferenceBackend(validate=True)
+    b.write(cache, k, k, meta)
+    assert torch.equal(cache.k_scale, torch.full_like(cache.k_scale, 0.05))  # the scales stay
+    out = b.forward(torch.randn(1, heads, 8), cache, meta)
+    assert torch.isfinite(out).all()
+
+
+def test_a_per_slot_cache_of_one_slot_stays_per_slot():
+    cache = allocate_kv_cache(1, 1, 2, 8, kv_dtype="int8")
+    assert not cache.static_scales and cache.kv_scales == "per_slot"
+
+
+class _Counting:
+    """Blocks 0 .. n - 1 in order (a one-block cache has only block 0)."""
+
+    def __init__(self, n):
+        self.free = list(range(n))
+
+    def allocate(self, n):
+        out, self.free = self.free[:n], self.free[n:]
+        return out

@@ -8,6 +8,9 @@ happen to be installed in the environment do not change the expected results.
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import subprocess
 import sys
 import threading
 
@@ -552,3 +555,41 @@ def test_explain_and_select_of_something_that_is_not_a_spec(reference_only, bad)
     for call_ in (reference_only.explain, reference_only.select, reference_only.available):
         with pytest.raises(InputError, match=f"spec is a {type(bad).__name__}; accepted: a paged_core.AttentionSpec"):
             call_(bad)
+
+
+def test_a_triton_backend_on_a_cpu_without_the_interpreter_is_unavailable_everywhere():
+    # Without TRITON_INTERPRET=1, `paged list` showed triton-unified "available ... cpu,cuda",
+    # get() and write() succeeded, and forward raised. One answer now: list, get, select.
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the Triton backends run compiled")
+    code = "\n".join([
+        "import json, torch",
+        "from paged_core import AttentionSpec, BackendUnavailableError, registry",
+        "from paged_core._cli import main",
+        "out = {}",
+        "for name in ('triton-unified', 'triton-splitkv'):",
+        "    try:",
+        "        registry.get(name)",
+        "        out[name] = 'got'",
+        "    except BackendUnavailableError as exc:",
+        "        out[name] = str(exc)",
+        "spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)",
+        "out['select'] = registry.select(spec).name",
+        "out['available'] = registry.available()",
+        "print(json.dumps(out))",
+        "main(['list'])",
+    ])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PAGED_PLUGINS"] = "reference,triton-unified,triton-splitkv"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    first, _, listing = proc.stdout.partition("\n")
+    got = json.loads(first)
+    for name in ("triton-unified", "triton-splitkv"):
+        assert "cannot run on this machine" in got[name] and "TRITON_INTERPRET=1" in got[name], got[name]
+        assert name not in got["available"]
+        row = next(line for line in listing.splitlines() if line.startswith(name))
+        assert "unavailable" in row, listing
+    assert "set TRITON_INTERPRET=1" in listing
+    assert got["select"] == "reference"

@@ -241,6 +241,31 @@ class SinksReadContiguous(Wrapping):
         return super().forward(q, cache, meta, sinks=sinks, **kw)
 
 
+class SeqLensReadContiguous(Wrapping):
+    """Reads ``seq_lens`` as if it were contiguous (a kernel given its pointer without its stride,
+    and a contract that passed the view through): a strided view's lengths come from the wrong
+    places of its buffer."""
+
+    name = "seq-lens-read-contiguous"
+
+    def plan(self, meta, **layer):
+        # The caller's batch, before the contract lays it out, for the forwards of this plan.
+        self._given = meta
+        self._planned = super().plan(meta, **layer)
+        return self._planned
+
+    def forward(self, q, cache, meta, **kw):
+        if meta is not getattr(self, "_planned", None):
+            self._given = meta
+        return super().forward(q, cache, meta, **kw)
+
+    def attend(self, q, cache, meta, **kw):
+        sl = self._given.seq_lens
+        misread = sl.as_strided(tuple(sl.shape), (1,), sl.storage_offset())
+        return super().attend(q, cache, dataclasses.replace(meta, seq_lens=misread.clone(),
+                                                            seq_lens_cpu=misread.cpu().clone()), **kw)
+
+
 class PaddingRowsUnwritten(Wrapping):
     """Skips padding requests entirely: their rows of ``out`` keep whatever was there."""
 
@@ -261,6 +286,7 @@ BROKEN: tuple[type[Backend], ...] = (
     CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
     RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
     WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored, LayerScalesReused,
+    SeqLensReadContiguous,
 )
 
 

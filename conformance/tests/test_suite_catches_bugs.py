@@ -78,6 +78,7 @@ EXPOSED = [
     (bb.WritesIntoACopy, "matches_reference", lambda c: c.cache_layout != "nhd"),
     (bb.SinksReadContiguous, "matches_reference", lambda c: c.sinks_layout != "contiguous"),
     (bb.PaddingRowsUnwritten, "matches_reference", lambda c: bool(c.padding_requests)),
+    (bb.SeqLensReadContiguous, "matches_reference", lambda c: c.meta_layout != "contiguous"),
     # Codes quantized with their own scales, read with the cache's static ones.
     (bb.StaticScalesIgnored, "write_then_read", lambda c: c.kv_scales != "per_slot"),
     (bb.StaticScalesIgnored, "matches_reference", lambda c: c.kv_scales != "per_slot"),

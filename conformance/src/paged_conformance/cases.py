@@ -35,6 +35,8 @@ __all__ = [
     "SIZES",
     "CACHE_LAYOUTS",
     "SINKS_LAYOUTS",
+    "META_LAYOUTS",
+    "SINKS_VALUES",
     "KV_SCALES",
     "Batch",
     "Case",
@@ -52,6 +54,10 @@ SIZES = ("small", "full")
 CACHE_LAYOUTS = ("nhd", "kv_interleaved", "hnd_view")
 #: Memory layouts of ``sinks`` (see ``Case.sinks_layout``).
 SINKS_LAYOUTS = ("contiguous", "every_other")
+#: Memory layouts of the batch metadata (see ``Case.meta_layout``).
+META_LAYOUTS = ("contiguous", "strided_views")
+#: What the sinks hold (see ``Case.sinks_values``).
+SINKS_VALUES = ("random", "extreme")
 #: Scales of a quantized cache (see ``Case.kv_scales``).
 KV_SCALES = ("per_slot", "per_head", "per_tensor")
 
@@ -120,6 +126,14 @@ class Case:
     cache_layout: str = "nhd"
     #: "contiguous", or "every_other": ``sinks`` is ``buffer[::2]`` of a twice-as-long buffer.
     sinks_layout: str = "contiguous"
+    #: "contiguous", or "strided_views": every metadata tensor of the batch (``query_start_loc``,
+    #: ``seq_lens``, ``block_table`` rows and columns, ``slot_mapping``, the host mirrors) is a
+    #: stride-2 view of a persistent buffer twice its size, other numbers in between (engines
+    #: slice their buffers).
+    meta_layout: str = "contiguous"
+    #: "random" sinks around e^2, or "extreme": the limits, +inf for one head (the sink takes all
+    #: the mass: exact zeros) and -inf for another (no sink), random for the rest.
+    sinks_values: str = "random"
     #: Seed of the random data; derived from the id when left at None.
     seed: int | None = None
     #: One sentence: what the case is about (shown in reports).
@@ -137,6 +151,9 @@ class Case:
         if self.kv_scales not in KV_SCALES or (self.kv_scales != "per_slot" and self.kv_dtype == "auto"):
             raise ValueError(f"case {self.id}: kv_scales {self.kv_scales!r} with kv_dtype {self.kv_dtype!r}; "
                              f"accepted: {', '.join(KV_SCALES)}, static ones for an int8/fp8 cache only")
+        if self.meta_layout not in META_LAYOUTS or self.sinks_values not in SINKS_VALUES:
+            raise ValueError(f"case {self.id}: meta_layout {self.meta_layout!r}, sinks_values {self.sinks_values!r}; "
+                             f"accepted: {', '.join(META_LAYOUTS)} and {', '.join(SINKS_VALUES)}")
         if self.sinks_layout not in SINKS_LAYOUTS:
             raise ValueError(f"case {self.id}: sinks_layout {self.sinks_layout!r}; accepted: "
                              f"{', '.join(SINKS_LAYOUTS)}")
@@ -217,6 +234,10 @@ class Case:
             parts.append(f"cache {self.cache_layout}")
         if self.sinks_layout != "contiguous":
             parts.append(f"sinks {self.sinks_layout}")
+        if self.sinks_values != "random":
+            parts.append(f"sinks {self.sinks_values}")
+        if self.meta_layout != "contiguous":
+            parts.append(f"metadata {self.meta_layout}")
         parts += [f"{k}={v}" for k, v in self.options]
         return ", ".join(parts)
 
@@ -281,6 +302,11 @@ BATCHES: Mapping[str, Mapping[str, Batch]] = {
         "small": Batch((1, 1, 3, 1), (69, 94, 81, 112), shared_prefix_blocks=4),
         "full": Batch((1,) * 15 + (5,), tuple(4000 + 37 + 11 * i for i in range(16)), shared_prefix_blocks=250),
     },
+    # One request (every dimension over requests of size 1): a chunk after cached context.
+    "one_request": {
+        "small": Batch((3,), (11,)),
+        "full": Batch((64,), (1000,)),
+    },
 }
 
 #: (num_heads, num_kv_heads) per query/KV group size and case size. Group 3 pads to 4 in
@@ -313,11 +339,13 @@ class Row:
     kv_scales: str = "per_slot"
     window: bool = False
     scale: float | None = None
-    softcap: bool = False
+    softcap: bool | float = False
     sinks: bool = False
     q_layout: str = "contiguous"
     cache_layout: str = "nhd"
     sinks_layout: str = "contiguous"
+    meta_layout: str = "contiguous"
+    sinks_values: str = "random"
     options: tuple[tuple[str, Any], ...] = ()
 
     def build(self, size: str) -> Case:
@@ -337,11 +365,13 @@ class Row:
             kv_scales=self.kv_scales,
             window=WINDOW[size] if self.window else 0,
             scale=self.scale,
-            softcap=SOFTCAP if self.softcap else 0.0,
+            softcap=(float(self.softcap) if type(self.softcap) is not bool else SOFTCAP) if self.softcap else 0.0,
             sinks=self.sinks,
             q_layout=self.q_layout,
             cache_layout=self.cache_layout,
             sinks_layout=self.sinks_layout,
+            meta_layout=self.meta_layout,
+            sinks_values=self.sinks_values,
             options=self.options,
             shared_prefix_blocks=batch.shared_prefix_blocks,
             about=self.about,
@@ -370,6 +400,17 @@ TABLE: tuple[Row, ...] = (
         "[num_blocks, 2, block_size, num_kv_heads, head_dim] pool", group=3, cache_layout="kv_interleaved"),
     Row("cache-hnd_view", "mixed", "HND cache storage seen as NHD (a permuted view)", group=3,
         cache_layout="hnd_view"),
+    Row("meta-strided_views", "mixed", "every metadata tensor a stride-2 view of a persistent buffer",
+        meta_layout="strided_views"),
+    Row("meta-strided_views-decode_only", "decode", "decodes whose metadata are stride-2 views of buffers",
+        meta_layout="strided_views"),
+    Row("sinks-extreme", "mixed", "sinks at their limits: +inf (zeros) for one head, -inf (none) for another",
+        sinks=True, sinks_values="extreme"),
+    Row("softcap-largest", "mixed", "the largest soft-cap float32 holds (no cap in effect)", softcap=3.0e38),
+    Row("size_one_dims", "one_request", "one request, one KV head, blocks of one token", block_size=1,
+        block_size_fixed=True),
+    Row("kv_fp8-static-block_size_1", "one_request", "fp8 cache with one static scale at blocks of one token",
+        block_size=1, block_size_fixed=True, kv_dtype="fp8", kv_scales="per_tensor"),
     Row("many_requests", "many_requests", "more than 32 requests in one batch"),
     Row("over_128_requests", "over_128_requests", "more than 128 requests in one batch"),
     *(Row(f"head_dim_{d}", "mixed", f"head_dim {d}", head_dim=d) for d in (64, 96, 128, 256)),

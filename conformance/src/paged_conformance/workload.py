@@ -35,7 +35,7 @@ from paged_core import (
 from .cases import Case
 from .tolerances import ConformanceFailure
 
-__all__ = ["Workload", "build_workload", "clear_workloads", "storage", "SPARE_BLOCKS", "STALE_COLUMNS",
+__all__ = ["Workload", "build_workload", "strided_views", "clear_workloads", "storage", "SPARE_BLOCKS", "STALE_COLUMNS",
            "allocate_tables", "blocks_needed", "with_stale_ids", "laid_out_cache"]
 
 #: Blocks in the pool beyond what the batch needs (plus the reserved block 0): garbage to catch
@@ -211,6 +211,40 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
                    v_scale=vs if quantized else None, dtype=dtype)
 
 
+def _strided(t: torch.Tensor, fill: int) -> torch.Tensor:
+    """``t`` as a stride-2 view of a buffer twice its size whose other elements hold ``fill``
+    (for a 2-D tensor: every other column of rows twice as wide, so rows and columns are strided)."""
+    buf = torch.full((t.numel() * 2,), fill, dtype=t.dtype, device=t.device)
+    if t.dim() == 1:
+        view = buf[::2]
+    else:
+        view = buf.view(t.shape[0], 2 * t.shape[1])[:, ::2]
+    view.copy_(t)
+    return view
+
+
+def strided_views(meta: BatchMeta) -> BatchMeta:
+    """``meta`` with every tensor a stride-2 view of a persistent buffer (``Case.meta_layout``).
+
+    The numbers in between are a batch of their own: ``seq_lens``'s are the longest request's
+    length (valid for every request: the tables hold stale ids past each request's blocks), so
+    a kernel that reads it as contiguous computes a wrong but well-formed batch.
+    """
+    longest = max(meta.max_seq_len, 1)
+    return BatchMeta(
+        num_reqs=meta.num_reqs,
+        query_start_loc=_strided(meta.query_start_loc, 0),
+        seq_lens=_strided(meta.seq_lens, longest),
+        block_table=_strided(meta.block_table, 0),
+        slot_mapping=_strided(meta.slot_mapping, 0),
+        block_size=meta.block_size,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        query_start_loc_cpu=_strided(meta.query_start_loc_cpu, 0),
+        seq_lens_cpu=_strided(meta.seq_lens_cpu, longest),
+    )
+
+
 def _garbage_(cache: KVCache, g: torch.Generator) -> None:
     """Fill every slot (and scale) of ``cache`` with finite, non-zero garbage."""
     for name, t in storage(cache).items():
@@ -280,6 +314,8 @@ def _draw(case: Case, device: torch.device) -> Workload:
     tables = with_stale_ids(tables, num_blocks, torch.Generator().manual_seed(case.seed + 1))
     meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
                                 device=device)
+    if case.meta_layout == "strided_views":
+        meta = strided_views(meta)
 
     # Draw q, K, V first, from the seed alone: a case and its copy with another kv_dtype share
     # them, which is what the quantized-vs-full-precision check compares.
@@ -297,6 +333,8 @@ def _draw(case: Case, device: torch.device) -> Workload:
     v_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
     # Sinks around e^2 ~ 7: comparable to the softmax mass of short contexts, so ignoring them shows.
     sinks = (torch.randn(hq, generator=g) + 2.0).to(device) if case.sinks else None
+    if sinks is not None and case.sinks_values == "extreme":
+        sinks[0], sinks[-1] = math.inf, -math.inf
     if sinks is not None and case.sinks_layout == "every_other":
         # sinks[h] at buffer[2h]; the elements between are other numbers, so reading the buffer
         # as contiguous shows.

@@ -24,6 +24,7 @@ from ._checks import (
     batch_of,
     capturing,
     check_forward,
+    check_out_memory,
     check_plan,
     check_write,
     device_reasons,
@@ -171,6 +172,7 @@ class Backend:
         Subclasses override :meth:`_plan`, never this method, and get these checks for free.
         """
         passed = check_plan(self, meta, layer)
+        meta = meta.contiguous()  # once per step: kernels index the metadata as contiguous
         # The custom ops of torch.compile find the step's plan here (host ints never travel as op
         # arguments: dynamo would guard on them and recompile every step).
         return _ops.remember(self, self._plan(meta, **passed))
@@ -212,6 +214,18 @@ class Backend:
                                 sinks=sinks, out=out, return_lse=return_lse)
         batch = meta if type(meta) is BatchMeta else batch_of(self, meta)
         check_forward(self, self._checked_calls, q, cache, batch, window, softcap, scale, sinks, out, return_lse)
+        if not batch._dense:
+            # Strided metadata (views of an engine's buffers): the kernels index it as contiguous.
+            # plan() makes the copy once per step; a plan that holds such a batch was not made by it.
+            if meta is not batch and not (type(self)._plan is Backend._plan and type(self).plan is Backend.plan):
+                raise InputError(
+                    f"the plan's batch has strided metadata, which {self.name}'s kernels do not read; "
+                    f"accepted: a plan made by {self.name}.plan(meta) (it makes such a batch contiguous), or the "
+                    "BatchMeta itself"
+                )
+            meta = batch = batch.contiguous()
+        if out is not None:
+            check_out_memory(out, cache)
         validating = self.validate and not capturing()
         if validating:
             validate_call(batch, cache, sinks)

@@ -93,8 +93,9 @@ class BlockAllocator:
                     "handed out, each freed once"
                 )
             seen.add(b)
-        self._used.difference_update(blocks)
-        self._free.extend(blocks)
+        ids = [int(b) for b in blocks]  # numpy ints come back as the Python ints allocate() hands out
+        self._used.difference_update(ids)
+        self._free.extend(ids)
 
 
 def _is_int(v) -> bool:
@@ -170,6 +171,8 @@ class BatchMeta:
     # A number no other check of any object had: callers cache what they checked against this
     # object under it (Backend.forward), and a re-check gives a new one. 0: never checked.
     _generation: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    # Whether the checked fields are laid out as the kernels read them (``contiguous()``).
+    _dense: bool = dataclasses.field(default=True, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -335,7 +338,22 @@ class BatchMeta:
             raise BatchMetaError(f"num_blocks is {num_blocks!r}; accepted: None or a positive int")
         if allocator is None:
             allocator = BlockAllocator(num_blocks or sum(nblocks) + 1, seed=seed)
-        tables = [allocator.allocate(n) for n in nblocks]
+        # A refused build leaves the pool as it was: a BlockAllocator is restored (order included),
+        # another allocator gets the earlier requests' blocks back through its free(), if it has one.
+        saved = (list(allocator._free), set(allocator._used)) if isinstance(allocator, BlockAllocator) else None
+        tables: list = []
+        try:
+            for n in nblocks:
+                tables.append(allocator.allocate(n))
+        except Exception:
+            if saved is not None:
+                allocator._free, allocator._used = saved
+            elif callable(getattr(allocator, "free", None)) and tables:
+                try:
+                    allocator.free([b for t in tables for b in t])
+                except Exception:  # noqa: S110  (the allocation's error is the one to report)
+                    pass
+            raise
         return cls.from_lists(
             query_lens, seq_lens, tables, block_size=block_size, device=device, table_width=table_width
         )
@@ -409,7 +427,8 @@ class BatchMeta:
     ) -> BatchMeta:
         _check_lengths(query_lens, seq_lens, block_size)
         for name, t, dims in (("block_table", block_table, 2), ("slot_mapping", slot_mapping, 1)):
-            if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex():
+            if (not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex()
+                    or t.dtype == torch.bool):
                 found = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" if isinstance(t, torch.Tensor)
                          else f"a {type(t).__name__}")
                 raise BatchMetaError(f"{name} is {found}; accepted: an integer tensor of {dims} dimensions")
@@ -518,11 +537,44 @@ class BatchMeta:
                     f"max_query_len is {self.max_query_len} but query_start_loc_cpu has a request "
                     f"of {top} tokens; accepted: the largest query_len or an upper bound"
                 )
+        self._dense = _is_dense(self)
         # The very objects checked (held, so an identity is never reused): assigning any field
         # a new tensor or host int makes the next call check again.
         self._checked = fields
         self._generation = next(_GENERATIONS)
         return self
+
+    def contiguous(self) -> BatchMeta:
+        """This batch with its metadata laid out as every kernel reads it: ``self`` when it is
+        already, else a checked copy whose 1-D tensors (host mirrors included) are contiguous and
+        whose block table has a contiguous last dimension (any row stride).
+
+        Engines often slice persistent buffers (``seq_lens_buf[:n]``, every other element of a
+        buffer); ``Backend.plan`` and ``Backend.forward`` call this, so such views cost one copy
+        per field when planned (once per step) or, without a plan, per call, and a batch that is
+        contiguous costs nothing. The copy is the batch of that moment: a plan made from a
+        strided batch does not see later in-place edits of it (plan again, as after ``copy_``).
+
+        >>> meta = BatchMeta.build([1, 1], [5, 9], block_size=4)
+        >>> meta.contiguous() is meta
+        True
+        """
+        self.check_structure()
+        if self._dense:
+            return self
+        bt = self.block_table
+        return BatchMeta(
+            num_reqs=self.num_reqs,
+            query_start_loc=self.query_start_loc.contiguous(),
+            seq_lens=self.seq_lens.contiguous(),
+            block_table=bt if _last_dim_dense(bt) else bt.contiguous(),
+            slot_mapping=self.slot_mapping.contiguous(),
+            block_size=self.block_size,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=None if self.query_start_loc_cpu is None else self.query_start_loc_cpu.contiguous(),
+            seq_lens_cpu=None if self.seq_lens_cpu is None else self.seq_lens_cpu.contiguous(),
+        ).check_structure()
 
     def validate(self, *, num_blocks: int | None = None) -> BatchMeta:
         """Check every invariant; raise :class:`BatchMetaError` naming request, field and values.
@@ -665,6 +717,21 @@ class BatchMeta:
             raise BatchMetaError(
                 f"{name} is {self._desc(t)}; accepted: {str(dtype).removeprefix('torch.')} {list(shape)}"
             )
+
+
+def _last_dim_dense(t: torch.Tensor) -> bool:
+    # A stride of a size-1 dimension means nothing: torch.empty(1, 1).expand(3, 1) is as good.
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
+def _is_dense(meta: BatchMeta) -> bool:
+    """Whether every metadata tensor is laid out as the kernels read it: 1-D tensors contiguous
+    (kernels index them with the request), the block table's last dimension contiguous (the
+    kernels take its row stride; vendors' tables need unit column strides)."""
+    return (meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
+            and meta.slot_mapping.is_contiguous() and _last_dim_dense(meta.block_table)
+            and (meta.query_start_loc_cpu is None or meta.query_start_loc_cpu.is_contiguous())
+            and (meta.seq_lens_cpu is None or meta.seq_lens_cpu.is_contiguous()))
 
 
 def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:

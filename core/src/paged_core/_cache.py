@@ -347,12 +347,20 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
     values = None if capturing else base.detach().cpu()
     if values is not None and not bool(torch.isfinite(values).all() and (values > 0).all()):
         raise InputError(f"{name} holds {values.tolist()}; accepted: positive, finite scales")
-    return base.view(1, 1, -1).expand(k.shape[0], k.shape[1], heads)
+    # Strides set, not left to expand: expand keeps the stride of a dimension of size 1 (a
+    # one-slot block), and stride 0 is what marks the view static.
+    return base.as_strided((k.shape[0], k.shape[1], heads), (0, 0, base.stride(0) if base.numel() > 1 else 0),
+                           base.storage_offset())
 
 
 def _is_static(t: torch.Tensor) -> bool:
-    """A scale tensor that does not vary over blocks and slots (block and slot strides 0)."""
-    return t.stride(0) == 0 and t.stride(1) == 0
+    """A scale tensor that does not vary over blocks and slots: stride 0 on each of them that
+    has more than one element (a stride of a size-1 dimension means nothing). A cache of one
+    slot in all is static only with both strides 0, as :func:`static_scale` makes them."""
+    nb, bs = t.shape[0], t.shape[1]
+    if nb == 1 and bs == 1:
+        return t.stride(0) == 0 and t.stride(1) == 0
+    return (nb == 1 or t.stride(0) == 0) and (bs == 1 or t.stride(1) == 0)
 
 
 def _check_size(name: str, val: object) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 import os
 from typing import Any, ClassVar, Protocol, cast
@@ -26,10 +25,11 @@ import torch
 from ._batch import BatchMeta
 from ._cache import KVCache
 from ._errors import InputError, UnsupportedSpecError
-from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
+from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
 __all__ = [
-    "PLAN_KEYWORDS", "batch_of", "capturing", "check_call", "check_forward", "check_plan", "check_write",
+    "PLAN_KEYWORDS", "batch_of", "capturing", "check_call", "check_forward", "check_out_memory", "check_plan",
+    "check_write",
     "device_reasons", "tensor_facts", "validate_call", "validation_enabled",
 ]
 
@@ -40,6 +40,10 @@ PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "dtype", "kv_dtype", "
 
 # Entries of a backend's memo before it is emptied: layers x shapes of a few live steps.
 CHECKED_CALLS_MAX = 4096
+
+# The float32 range of the kernels' scalars: the largest finite value and the smallest normal one.
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 class _Checked(Protocol):
@@ -208,20 +212,68 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
 
 
 def _check_scalars(window, softcap, scale) -> None:
-    """The host scalars of a layer, shared by ``plan`` and ``forward``."""
+    """The host scalars of a layer, shared by ``plan`` and ``forward``: in the ranges the kernels
+    compute in (float32 scalars, an int32 window)."""
     # Fast path for the plain int/float every caller passes: isinstance against the numbers
     # ABCs costs microseconds, and this runs on every layer call.
-    if type(window) is int and window >= 0 and type(softcap) in (float, int) and 0 <= softcap < math.inf \
-            and (scale is None or (type(scale) in (float, int) and math.isfinite(scale))):
+    if type(window) is int and 0 <= window < INT32_LIMIT and type(softcap) in (float, int) \
+            and (softcap == 0 or _F32_TINY <= softcap <= _F32_MAX) \
+            and (scale is None or (type(scale) in (float, int) and -_F32_MAX <= scale <= _F32_MAX)):
         return
-    if not _is_int(window) or window < 0:
-        raise InputError(f"window is {window!r}; accepted: 0 (no window) or a positive int")
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) \
-            or softcap < 0:
-        raise InputError(f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float")
+    if not _is_int(window) or not 0 <= window < INT32_LIMIT:
+        raise InputError(
+            f"window is {window!r}; accepted: 0 (no window) or a positive int below 2**31 (a window "
+            "at least as long as the longest sequence is no window: pass 0)"
+        )
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not (
+            softcap == 0 or _F32_TINY <= softcap <= _F32_MAX):
+        raise InputError(
+            f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 (from "
+            f"{_F32_TINY:.4g} to {_F32_MAX:.4g}: the kernels compute in float32)"
+        )
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not math.isfinite(scale)):
-        raise InputError(f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float")
+                              or not -_F32_MAX <= scale <= _F32_MAX):
+        raise InputError(
+            f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float32 (magnitude at "
+            f"most {_F32_MAX:.4g}: the kernels compute in float32)"
+        )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, end)`` that tensor ``t`` (non-negative strides, not empty) can touch."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps_itself(shape: tuple, strides: tuple) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``strides`` may share memory: its
+    dimensions of more than one element, by increasing stride, must each step past everything
+    the smaller ones cover (an empty tensor has no elements to share)."""
+    if 0 in shape:
+        return False
+    covered = 1
+    for stride, n in sorted((st, n) for st, n in zip(strides, shape, strict=True) if n > 1):
+        if stride < covered:
+            return True
+        covered += stride * (n - 1)
+    return False
+
+
+def check_out_memory(out: torch.Tensor, cache: KVCache) -> None:
+    """Refuse an ``out`` that shares memory with the cache (the batch may read what it writes).
+    Pointers differ per layer, so this runs outside the memo: a few host ints per call."""
+    if not out.numel():
+        return
+    lo, hi = _span(out)
+    for name, t in (("k", cache.k), ("v", cache.v), ("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+        if t is not None:
+            t_lo, t_hi = _span(t)
+            if lo < t_hi and t_lo < hi:
+                raise InputError(
+                    f"out overlaps the cache's memory (cache.{name}); the kernels would read keys they "
+                    "are overwriting; accepted: an output outside the cache, such as torch.empty_like(q)"
+                )
 
 
 # ------------------------------------------------------------------------------------- forward
@@ -311,6 +363,13 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
             f"out is {found}; accepted: the shape, dtype and device of q ({_described(q)}), "
             "last-dimension stride 1"
         )
+    if out is not None and _overlaps_itself(tensor_facts(out)[0], tensor_facts(out)[3]):
+        raise InputError(
+            f"out's elements overlap each other (shape {list(tensor_facts(out)[0])}, strides "
+            f"{tuple(tensor_facts(out)[3])}: an "
+            "expanded or overlapping view, so rows would overwrite each other); accepted: an output whose "
+            "elements each have their own memory, such as torch.empty_like(q)"
+        )
     if not isinstance(return_lse, bool):
         raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
     spec = AttentionSpec(
@@ -336,10 +395,10 @@ def _wrong_out(facts: tuple, q_facts: tuple) -> bool:
 def validate_call(batch: BatchMeta, cache: KVCache, sinks: torch.Tensor | None) -> None:
     """The data checks of ``validate=True`` (they read the device: a sync)."""
     batch.validate(num_blocks=cache.num_blocks)
-    # An infinite sink gives zeros in one backend and NaN in another; with validation off it is
-    # the caller's promise (docs/reliability.md).
-    if sinks is not None and not bool(torch.isfinite(sinks).all()):
+    # A device read, so only here: with validation off a NaN sink is the caller's promise
+    # (docs/reliability.md). +inf and -inf are the limits: zeros, and no sink.
+    if sinks is not None and bool(torch.isnan(sinks).any()):
         raise InputError(
-            f"sinks holds non-finite values {sinks[~torch.isfinite(sinks)].tolist()}; "
-            "accepted: finite float32 logits (use a large negative value for 'no sink')"
+            f"sinks holds NaN at heads {torch.isnan(sinks).nonzero().flatten().tolist()}; accepted: "
+            "float32 logits (+inf: the sink takes all the mass, zeros; -inf: no sink)"
         )

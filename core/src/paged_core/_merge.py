@@ -49,8 +49,13 @@ def merge_states(
             f"outputs {list(outs.shape)} and lses {list(ls.shape)} do not match; accepted: "
             "outputs [S, num_tokens, num_heads, head_dim] with lses [S, num_tokens, num_heads]"
         )
-    if sinks is not None and tuple(sinks.shape) != (outs.shape[2],):
-        raise InputError(f"sinks has shape {list(sinks.shape)}; accepted: float32 [num_heads={outs.shape[2]}]")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (outs.shape[2],)
+                              or sinks.dtype != torch.float32 or sinks.device != outs.device):
+        found = (f"{str(sinks.dtype).removeprefix('torch.')} {list(sinks.shape)} on {sinks.device}"
+                 if isinstance(sinks, torch.Tensor) else f"a {type(sinks).__name__}")
+        raise InputError(
+            f"sinks is {found}; accepted: None or a float32 tensor [num_heads={outs.shape[2]}] on {outs.device}"
+        )
     ls = ls.float()
     total = ls if sinks is None else torch.cat([ls, sinks.float().view(1, 1, -1).expand(1, *ls.shape[1:])])
     lse = torch.logsumexp(total, dim=0)  # [N, H]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import threading
@@ -308,10 +309,20 @@ class Registry:
             raise BackendUnavailableError(
                 f"Backend {name!r} cannot run on this machine: " + "; ".join(reasons)
             )
+        accepted = _options_of(cls)
+        unknown = sorted(options) if accepted is None else sorted(set(options) - set(accepted))
+        if accepted is not None and unknown:
+            raise InputError(
+                f"Backend {name!r} does not accept options {unknown}; accepted: {', '.join(accepted) or 'none'} "
+                "(check the spelling)"
+            )
         try:
             return cls(**options)
         except TypeError as exc:
-            raise InputError(f"Backend {name!r} does not accept options {sorted(options)}: {exc}") from exc
+            raise InputError(
+                f"Backend {name!r} does not accept options {sorted(options)}: {exc}"
+                + (f"; accepted: {', '.join(accepted)}" if accepted else "")
+            ) from exc
 
     def explain(self, spec: AttentionSpec | None = None) -> dict[str, list[str]]:
         """Every backend with the reasons it cannot serve ``spec`` (empty list: it can)."""
@@ -376,6 +387,17 @@ class Registry:
         for p in self._problems:
             msg += f"\nPlugin problem: {p}"
         return msg
+
+
+def _options_of(cls: type[Backend]) -> list[str] | None:
+    """The keyword options ``cls`` takes, or None when it takes any (``**kwargs``)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 #: The process-wide registry of installed backends.

@@ -135,3 +135,13 @@ def test_a_capture_runs_backends_that_claim_graphs_and_plan_on_the_device(monkey
     run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]),
                    max_new_tokens=1)
     assert run.errors == {"req_0": None}
+
+
+def test_enable_checks_the_backend_and_options_before_naming_them():
+    # enable(None) was a raw TypeError; enable("reference", validate="True") after
+    # enable("reference", validate=True) was accepted, its name being the same.
+    with pytest.raises(InputError, match="backend name is None"):
+        paged_transformers.enable(None)
+    paged_transformers.enable("reference", validate=True)
+    with pytest.raises(InputError, match="validate is 'True'; accepted: True, False, or None"):
+        paged_transformers.enable("reference", validate="True")

@@ -54,6 +54,8 @@ __all__ = ["enable", "PagedAttention", "implementation_name", "register"]
 
 #: The adapters registered by :func:`enable`, by implementation name.
 _ENABLED: dict[str, PagedAttention] = {}
+# The options (name, type, value) each registered name was made with.
+_OPTIONS: dict[str, list] = {}
 _LOCK = threading.Lock()
 
 
@@ -101,6 +103,7 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
     supported hook, and the registry's errors for an unknown or unavailable backend.
     """
     hook = hook_of(check_transformers_version())
+    registry.registration(backend)  # a name that is a str and registered, before it names anything
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     if kv_dtype != "auto" and hook == "gathered":
@@ -111,11 +114,15 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
         ])
     name = implementation_name(backend, backend_options if kv_dtype == "auto" else
                                {**backend_options, "kv_dtype": kv_dtype}, hook=hook or "pool")
+    # The name is the options' text: options of other types (validate="True") share it, so the
+    # adapter is reused only for the very options (with their types) it was made with.
+    given = [(k, type(v), v) for k, v in sorted(backend_options.items())]
     with _LOCK:
-        if name not in _ENABLED:
-            # Fails here, with the registry's message, for a missing or broken backend.
+        if name not in _ENABLED or _OPTIONS.get(name) != given:
+            # Fails here, with the registry's message, for a missing or broken backend or a bad option.
             instance = registry.get(backend, **backend_options)
             register(PagedAttention(instance, name, kv_dtype=kv_dtype))
+            _OPTIONS[name] = given
         else:
             register(_ENABLED[name])
     return name

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 
+import torch
 from paged_core import BatchMeta, InputError
 from paged_triton_unified import TritonBackend, TritonPlan, TritonUnifiedBackend, unified_attention
 
 from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
 
-__all__ = ["TritonSplitKVBackend", "SplitKVPlan"]
+__all__ = ["TritonSplitKVBackend", "SplitKVPlan", "MAX_NUM_SPLITS"]
+
+#: The largest fixed split count (``num_splits``): eight times the automatic choice's cap.
+MAX_NUM_SPLITS = 256
+INT32_LIMIT = 2**31
 
 
 #: What :meth:`TritonSplitKVBackend.plan` returns: the batch, the shared prefix it decided
@@ -29,12 +35,16 @@ class TritonSplitKVBackend(TritonBackend):
     - ``split_kv``: ``"auto"`` (split when the (request, KV head) pairs cannot fill the GPU;
       the count comes from the multiprocessor count, at most three programs per SM, at least 256
       tokens a split, at most 32), ``True`` (always split decode batches) or ``False``.
-    - ``num_splits``: a fixed split count for decode batches (implies ``split_kv=True``).
+    - ``num_splits``: a fixed split count for decode batches, 1 to :data:`MAX_NUM_SPLITS`
+      (implies ``split_kv=True``; refused with ``split_kv=False`` or ``batch_invariant``).
     - ``batch_invariant``: splits of a fixed ``blocks_per_split`` blocks, not derived from the
       batch, so a request's output is bitwise the same alone or in any batch (decode batches).
+      Refused with ``cascade``, whose prefix pass splits by the batch.
     - ``cascade``: detect a prefix shared by every request (the same physical blocks) in
       :meth:`plan` and read it once for the whole batch; ``plan(meta, shared_prefix_blocks=k)``
-      declares it instead (no device read).
+      declares it instead (no device read; with validation on it is checked against the block
+      table, a sync; with it off a false declaration gives wrong rows for the requests that do
+      not hold it).
     - ``blocks_per_split``: the split size of the ``batch_invariant`` mode (default 16 blocks).
     - ``min_prefix_tokens``: a shared prefix (found or declared) shorter than this runs as a
       normal batch, without the cascade pass (default 256 tokens).
@@ -55,12 +65,35 @@ class TritonSplitKVBackend(TritonBackend):
         validate: bool | None = None,
     ):
         super().__init__(validate=validate)
-        if split_kv not in ("auto", True, False):
+        for opt, val in (("batch_invariant", batch_invariant), ("cascade", cascade)):
+            if type(val) is not bool:
+                raise InputError(f"{opt} is {val!r}; accepted: True or False")
+        if not (split_kv == "auto" or type(split_kv) is bool):
             raise InputError(f"split_kv is {split_kv!r}; accepted: 'auto', True or False")
-        if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-            raise InputError(f"num_splits is {num_splits!r}; accepted: None or an int >= 1")
-        if not isinstance(blocks_per_split, int) or blocks_per_split < 1:
-            raise InputError(f"blocks_per_split is {blocks_per_split!r}; accepted: an int >= 1")
+        if num_splits is not None and (not _is_int(num_splits) or not 1 <= num_splits <= MAX_NUM_SPLITS):
+            raise InputError(
+                f"num_splits is {num_splits!r}; accepted: None or an int from 1 to {MAX_NUM_SPLITS} (each split "
+                "keeps a partial output of the whole batch)"
+            )
+        if not _is_int(blocks_per_split) or not 1 <= blocks_per_split < INT32_LIMIT:
+            raise InputError(f"blocks_per_split is {blocks_per_split!r}; accepted: an int from 1 to 2**31 - 1")
+        if not _is_int(min_prefix_tokens) or min_prefix_tokens < 0:
+            raise InputError(f"min_prefix_tokens is {min_prefix_tokens!r}; accepted: an int >= 0")
+        if split_kv is False and num_splits is not None:
+            raise InputError(
+                f"split_kv=False and num_splits={num_splits} contradict each other; accepted: one of them "
+                "(num_splits alone splits decode batches that many ways)"
+            )
+        if batch_invariant and num_splits is not None:
+            raise InputError(
+                f"num_splits={num_splits} does not combine with batch_invariant=True, whose splits are "
+                "blocks_per_split blocks each (their count follows the sequence); accepted: one of them"
+            )
+        if batch_invariant and cascade:
+            raise InputError(
+                "cascade=True does not combine with batch_invariant=True: the cascade pass splits the shared "
+                "prefix by the batch, so a request's bits would follow its neighbours; accepted: one of them"
+            )
         self.split_kv = True if num_splits is not None else split_kv
         self.num_splits = num_splits
         self.blocks_per_split = blocks_per_split if batch_invariant else None
@@ -85,7 +118,15 @@ class TritonSplitKVBackend(TritonBackend):
         which must then hold it. The layer keywords are unused."""
         prefix, row = 0, 0
         if shared_prefix_blocks is not None:
-            prefix = shared_prefix_blocks
+            width = meta.block_table.shape[1]
+            if not _is_int(shared_prefix_blocks) or not 0 <= shared_prefix_blocks <= width:
+                raise InputError(
+                    f"shared_prefix_blocks is {shared_prefix_blocks!r}; accepted: None or an int from 0 to the "
+                    f"block table's width ({width})"
+                )
+            prefix = int(shared_prefix_blocks)
+            if self.validate and prefix:
+                _check_declared_prefix(meta, prefix)
             if meta.seq_lens_cpu is not None and prefix:
                 row = _first_with_keys(meta.seq_lens_cpu)
         elif self.cascade and meta.num_reqs > 1:
@@ -139,6 +180,30 @@ class TritonSplitKVBackend(TritonBackend):
             block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
         )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_declared_prefix(meta: BatchMeta, prefix: int) -> None:
+    """With validation on: every request with keys holds the first request's ids in the
+    declared prefix's columns, for the blocks it uses (a sync: the table is read on the host)."""
+    sl = meta.seq_lens.cpu()
+    table = meta.block_table[:, :prefix].cpu()
+    active = (sl > 0).nonzero().flatten().tolist()
+    if not active:
+        return
+    first = active[0]
+    for r in active[1:]:
+        used = min(prefix, -(-int(sl[r]) // meta.block_size))
+        if not torch.equal(table[r, :used], table[first, :used]):
+            raise InputError(
+                f"shared_prefix_blocks={prefix} but request {r} holds blocks {table[r, :used].tolist()} in its "
+                f"first {used} columns, request {first} {table[first, :used].tolist()}; accepted: a prefix every "
+                "request with keys shares (the same block ids), such as paged_core.shared_prefix_blocks(...) "
+                "finds, or leave it out with cascade=True"
+            )
 
 
 def _first_with_keys(seq_lens_cpu) -> int:

@@ -432,6 +432,26 @@ def _launch_split(
 # --------------------------------------------------------------------------------------------
 
 
+def _stacked(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """A list of parts as one tensor, refusing what torch.stack would fail on."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in parts):
+        _fail(name, f"a {type(parts).__name__}", "a tensor [S, ...] or a list of S tensors of one shape",
+              "pass the parts to merge")
+    if not parts:
+        _fail(name, "an empty list (it has no parts)", "at least one part", "pass the parts to merge")
+    shapes = [list(p.shape) for p in parts]
+    if any(sh != shapes[0] for sh in shapes) or any(p.dtype != parts[0].dtype or p.device != parts[0].device
+                                                   for p in parts):
+        raise InputError(
+            f"{name}: the parts differ in shape ({', '.join(map(str, shapes))}), dtype or device; triton-splitkv "
+            "accepts parts of one shape, dtype and device; pass outputs [num_tokens, num_heads, head_dim] and "
+            "lses [num_tokens, num_heads] per part"
+        )
+    return torch.stack(list(parts))
+
+
 def merge_states(
     outputs: torch.Tensor | Sequence[torch.Tensor],
     lses: torch.Tensor | Sequence[torch.Tensor],
@@ -456,10 +476,8 @@ def merge_states(
     >>> m.flatten().tolist(), s.item()
     ([1.0, 1.0, 1.0, 1.0], 0.0)
     """
-    if not isinstance(outputs, torch.Tensor):
-        outputs = torch.stack(list(outputs))
-    if not isinstance(lses, torch.Tensor):
-        lses = torch.stack(list(lses))
+    outputs = _stacked("outputs", outputs)
+    lses = _stacked("lses", lses)
     if outputs.dim() != 4 or outputs.dtype not in _FLOAT_DTYPES:
         _fail("outputs", f"{outputs.dtype} {list(outputs.shape)}",
               "float32/float16/bfloat16 [S, num_tokens, num_heads, head_dim], or a list of S [N, H, D]",

@@ -30,7 +30,12 @@ def interpreter_reasons(spec: AttentionSpec) -> list[str]:
     Triton picks interpreter or compiler when a kernel is defined (``kernels.INTERPRET``, read
     at import), not when it runs, and setting TRITON_INTERPRET=1 later ends in "0 active
     drivers" on a CPU."""
-    if spec.device_type != "cpu" or kernels.INTERPRET:
+    return _interpreter_off() if spec.device_type == "cpu" else []
+
+
+def _interpreter_off() -> list[str]:
+    """Why the Triton kernels cannot run on this machine's CPU (empty: they can)."""
+    if kernels.INTERPRET:
         return []
     if os.environ.get("TRITON_INTERPRET") == "1":
         return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported, and Triton reads it "
@@ -122,7 +127,8 @@ class TritonBackend(Backend):
     def unavailable(cls) -> list[str]:
         if importlib.util.find_spec("triton") is None:
             return ["triton is not installed (pip install 'paged-core[triton]')"]
-        return []
+        # No GPU and no interpreter: nothing here can run the kernels, whatever the spec.
+        return [] if torch.cuda.is_available() else _interpreter_off()
 
     def extra_reasons(self, spec: AttentionSpec) -> list[str]:
         return interpreter_reasons(spec)
