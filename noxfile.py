@@ -18,6 +18,10 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).parent
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+# The plugins that register backends (a paged_core entry point); the others (triton-common) are
+# libraries the backend plugins depend on.
+BACKEND_PLUGINS = [p for p in PLUGINS if "paged_core" in tomllib.loads(
+    (ROOT / "plugins" / p / "pyproject.toml").read_text())["project"].get("entry-points", {})]
 # Plugins whose vendor library cannot be installed on a CPU machine: installed without their
 # dependencies, so the registry shows them as unavailable with the reason (a tested behaviour).
 VENDOR_PLUGINS = {"flashinfer", "flash-attn2"}
@@ -52,9 +56,10 @@ nox.options.default_venv_backend = "venv"
 
 
 def _with_local_deps(plugins: list[str]) -> list[str]:
-    """``plugins`` plus the plugins of this repo they depend on (triton-splitkv needs triton-unified)."""
+    """``plugins`` plus the plugins of this repo they depend on, directly or not (triton-splitkv
+    needs triton-unified and triton-common)."""
     out = list(plugins)
-    for p in plugins:
+    for p in out:  # grows as dependencies are found
         deps = tomllib.loads((ROOT / "plugins" / p / "pyproject.toml").read_text())["project"]["dependencies"]
         for dep in deps:
             name = dep.split("=")[0].split("<")[0].split(">")[0].strip()
@@ -181,7 +186,7 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("plugin", PLUGINS, ids=PLUGINS)
+@nox.parametrize("plugin", BACKEND_PLUGINS, ids=BACKEND_PLUGINS)
 def conformance(session: nox.Session, plugin: str) -> None:
     """The conformance suite on one plugin's backends (and the reference), writing the matrix."""
     _install_workspace(session, [plugin])

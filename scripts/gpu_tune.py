@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
 from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
 from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention  # noqa: E402
-from paged_triton_unified import LaunchConfig, unified_attention  # noqa: E402
+from paged_triton_unified.launch import LaunchConfig, unified_attention  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 BW = 4.55e12  # read floor measured on the NVIDIA H200 (streaming-read kernel)

@@ -51,7 +51,7 @@ from paged_core import (  # noqa: E402
     registry,
     write_kv,
 )
-from paged_triton_unified.write import write_kv as triton_write_kv  # noqa: E402  # the Triton backends' write
+from paged_triton_common.write import write_kv as triton_write_kv  # noqa: E402  # the Triton backends' write
 
 DEV = torch.device(ARGS.device)
 HQ, HKV, D, BS = 8, 2, 64, 16  # one model shape: every case reuses the same compiled kernels

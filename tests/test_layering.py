@@ -1,7 +1,9 @@
 """Dependencies point one way: paged-core imports nothing of this repository's other distributions.
 
 Plugins, the conformance suite and integrations depend on core; core reaches them only through
-its hooks (``register_backends``, ``register_commands``) and dotted paths they register. Every
+its hooks (``register_backends``, ``register_commands``) and dotted paths they register. The
+Triton runtime (paged-triton-common) sits between: it imports core only, and the Triton backend
+plugins build on it. No plugin imports the conformance suite or the bench. Every
 import statement of every module of ``paged_core`` is read from its source (the AST, so
 function-local and ``try``-guarded imports count too), as is every ``importlib.import_module``
 or ``__import__`` of a literal name.
@@ -17,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "core" / "src" / "paged_core"
+TRITON_COMMON = ROOT / "plugins" / "triton-common" / "src" / "paged_triton_common"
+PLUGIN_SOURCES = sorted(ROOT.glob("plugins/*/src/*/**/*.py"))
 
 
 def _distributions() -> dict[str, str]:
@@ -55,8 +59,8 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
 
 def test_the_other_distributions_are_found():
     names = _distributions()
-    assert {"paged_conformance", "paged_triton_unified", "paged_triton_splitkv", "paged_flashinfer",
-            "paged_flash_attn2"} <= set(names), names
+    assert {"paged_conformance", "paged_triton_common", "paged_triton_unified", "paged_triton_splitkv",
+            "paged_flashinfer", "paged_flash_attn2"} <= set(names), names
     assert "paged_core" not in names
 
 
@@ -91,4 +95,36 @@ def test_core_imports_no_other_distribution(path):
     assert not bad, (
         "paged-core must not import the distributions that depend on it; reach them through a hook "
         "(paged_core.hookspecs) or a registered dotted path instead:\n" + "\n".join(bad)
+    )
+
+
+def _repo_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of the imports of ``path`` that name a ``paged_*`` package."""
+    return [(line, m) for line, m in imported_modules(path.read_text()) if m.split(".")[0].startswith("paged_")]
+
+
+@pytest.mark.parametrize("path", sorted(TRITON_COMMON.rglob("*.py")), ids=lambda p: str(p.relative_to(TRITON_COMMON)))
+def test_the_triton_runtime_imports_core_only(path):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in _repo_imports(path)
+           if module.split(".")[0] not in ("paged_core", "paged_triton_common")]
+    assert not bad, (
+        "paged-triton-common is what the Triton plugins build on: it may import paged-core only, "
+        "never a plugin (move what both plugins need into paged_triton_common instead):\n" + "\n".join(bad)
+    )
+
+
+def test_the_triton_plugins_build_on_the_triton_runtime():
+    for plugin in ("triton_unified", "triton_splitkv"):
+        sources = (ROOT / "plugins").glob(f"*/src/paged_{plugin}/*.py")
+        tops = {m.split(".")[0] for path in sources for _, m in _repo_imports(path)}
+        assert "paged_triton_common" in tops, plugin
+
+
+@pytest.mark.parametrize("path", PLUGIN_SOURCES, ids=lambda p: str(p.relative_to(ROOT / "plugins")))
+def test_plugins_import_neither_conformance_nor_bench(path):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in _repo_imports(path)
+           if module.split(".")[0] in ("paged_conformance", "paged_bench")]
+    assert not bad, (
+        "a backend plugin must not depend on the conformance suite or the bench (they test and time "
+        "plugins, through the registry):\n" + "\n".join(bad)
     )

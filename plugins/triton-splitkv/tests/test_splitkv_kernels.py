@@ -548,8 +548,8 @@ def test_the_cascade_path_is_recorded_once_per_step(monkeypatch):
     running the launcher again (472 us of host per layer on the H200 before, 2026-12-02). The
     launcher is faked: under the interpreter nothing launches directly, so nothing records."""
     from paged_core import BatchMeta
+    from paged_triton_common import direct
     from paged_triton_splitkv import backend as split_backend
-    from paged_triton_unified import direct
 
     class Binary:
         function, packed_metadata = "fn", "md"
@@ -791,9 +791,9 @@ def test_the_autotune_key_holds_the_occupancy_class_except_with_fixed_splits(mon
 
 def test_every_autotuner_times_configs_as_graph_replays():
     """A small decode's split kernel runs faster than Triton's launch path: timed eagerly, every
-    config measured the host (paged_triton_unified.tuning)."""
+    config measured the host (paged_triton_common.tuning)."""
+    from paged_triton_common.tuning import replay_bench
     from paged_triton_splitkv import kernels
-    from paged_triton_unified import replay_bench
     from triton.runtime.autotuner import Autotuner
 
     tuners = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, Autotuner)}

@@ -22,11 +22,10 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from paged_conformance.tolerances import assert_close_to_reference as conformance_close  # noqa: E402
 from paged_conformance.tolerances import lse_tolerance, output_tolerance  # noqa: E402
 from paged_core import InputError  # noqa: E402
-from paged_triton_unified import LaunchConfig, default_config, tanh, unified_attention  # noqa: E402
+from paged_triton_unified.launch import LaunchConfig, default_config, unified_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "fp8"}
@@ -344,53 +343,26 @@ def test_checks_what_the_kernel_needs_beyond_the_contract():
         unified_attention(q, k, batch["v_cache"], torch.empty_like(q), scale=0.125, config=small, **args)
 
 
-@pytest.mark.parametrize("formula", ["kept", "exp2"])
-def test_tanh_matches_torch_over_the_softcap_range(formula):
-    """The kernels' tanh (one for both Triton plugins) is the more accurate of the two formulas
-    they once had: 1 - 2 / (exp(2x) + 1), against 1 - 2 / (exp2(2x log2 e) + 1)."""
-    x = torch.linspace(-20.0, 20.0, 4001, dtype=torch.float32, device=DEVICE)
-    got = {name: torch.empty_like(x) for name in ("kept", "exp2")}
-    _tanh_kernel[(1,)](x, got["kept"], x.numel(), BLOCK=4096)
-    _tanh_exp2_kernel[(1,)](x, got["exp2"], x.numel(), BLOCK=4096)
-    want = torch.tanh(x.double())
-    err = {name: (y.double() - want).abs().max().item() for name, y in got.items()}
-    assert err[formula] <= 5e-7, err
-    assert err["kept"] <= err["exp2"], err
-
-
-@triton.jit
-def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, tanh(x), mask=offs < n)
-
-
-@triton.jit
-def _tanh_exp2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0), mask=offs < n)
-
-
 def test_interpreter_set_after_import_is_a_reason_not_a_driver_error(monkeypatch):
     # TRITON_INTERPRET=1 set after the kernels were defined used to pass the capability check and
     # then fail inside Triton with "RuntimeError: 0 active drivers".
     from paged_core import AttentionSpec, BatchMeta, UnsupportedSpecError
+    from paged_triton_common import backend as common_backend
     from paged_triton_unified import backend as backend_module
 
-    monkeypatch.setattr(backend_module.kernels, "INTERPRET", False)
+    monkeypatch.setattr(common_backend, "INTERPRET", False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
-    [reason] = backend_module.interpreter_reasons(spec)
+    [reason] = common_backend.interpreter_reasons(spec)
     assert "was set after the Triton kernels were imported" in reason
-    assert backend_module.interpreter_reasons(dataclasses.replace(spec, device="cuda")) == []
+    assert common_backend.interpreter_reasons(dataclasses.replace(spec, device="cuda")) == []
     b = backend_module.TritonUnifiedBackend()
     meta = BatchMeta.build([3, 1], [10, 40], block_size=16)
     cache = b.allocate(8, 16, 2, 64, dtype=torch.float32)
     with pytest.raises(UnsupportedSpecError, match="was set after"):
         b.forward(torch.randn(4, 4, 64), cache, meta)
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert "set TRITON_INTERPRET=1" in backend_module.interpreter_reasons(spec)[0]
+    assert "set TRITON_INTERPRET=1" in common_backend.interpreter_reasons(spec)[0]
 
 
 def test_register_capped_configs_are_timed_only_where_they_were_chosen(monkeypatch):

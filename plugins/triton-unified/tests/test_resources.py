@@ -19,7 +19,8 @@ def test_reports_registers_and_shared_memory_per_config():
         pytest.skip("this Triton wheel ships no cuobjdump: the offline resource report needs it")
     # Its own process: the other tests of this directory run Triton's interpreter, which cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / "triton-unified" / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / p / "src") for p in ("triton-unified", "triton-common")]
+                                   + [env.get("PYTHONPATH", "")])
     script = ROOT / "scripts" / "kernel_resources.py"
     run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2,128/4/2/80"],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import torch
 from paged_core import BatchMeta, InputError
-from paged_triton_unified import TritonBackend, TritonPlan, TritonUnifiedBackend, unified_attention
+from paged_triton_common.backend import TritonBackend, TritonPlan
+from paged_triton_unified.backend import TritonUnifiedBackend
+from paged_triton_unified.launch import unified_attention
 
 from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
 

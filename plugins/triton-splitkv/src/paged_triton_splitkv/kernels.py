@@ -3,7 +3,9 @@
 Only ``@triton.jit`` code and the autotune configs of the kernel right below them live here;
 launchers (argument checks, workspaces, grids) are in ``launch.py``.
 
-Conventions shared by every kernel of this file:
+Conventions shared by every kernel of this file (the rules of masking, soft-cap, sinks, 8-bit
+codes, the online-softmax step and the interpreter's float32 switch are the helpers of
+:mod:`paged_triton_common.tiles`, which triton-unified's kernel calls too):
 
 * Scores are kept in the log2 domain inside the loops (``exp2`` is one MUFU instruction);
   every log-sum-exp that leaves a kernel is converted back to the natural log.
@@ -12,24 +14,28 @@ Conventions shared by every kernel of this file:
 * K/V are gathered straight from the paged pool through the block table; block ids outside
   ``[0, num_blocks)`` mask their keys and their pointers are clamped to block 0, so a corrupt
   table can never make a kernel read outside the pool.
-* ``UPCAST`` is on only under ``TRITON_INTERPRET=1``: the interpreter of Triton 3.9 stores
-  bfloat16 as raw 16-bit integers and computes garbage (silently) on any bf16 value that was not
-  first converted with ``.to(tl.float32)``. On the GPU the 16-bit operands go into ``tl.dot``
-  untouched so they run on tensor cores.
-* float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast here: the
-  interpreter cannot load ``float8_e4m3fn`` tensors, the GPU does not care.
-* Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``), and
-  so do the interpreter and autotuning flags and ``tanh``: one definition of each, imported from
-  triton-unified's public API.
+* ``UPCAST`` (:func:`~paged_triton_common.tiles.upcast`) is on only under ``TRITON_INTERPRET=1``.
+* float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast in
+  :func:`~paged_triton_common.tiles.codes_to`: the interpreter cannot load ``float8_e4m3fn``
+  tensors, the GPU does not care.
+* Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``).
 """
 
 import triton
 import triton.language as tl
-from paged_triton_unified import AUTOTUNE, INTERPRET, replay_bench, tanh
-
-# tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from paged_triton_common.runtime import AUTOTUNE, INTERPRET
+from paged_triton_common.tiles import (
+    LOG2E,
+    block_ok,
+    codes_to,
+    fold_sink,
+    natural_lse,
+    soft_cap,
+    softmax_step,
+    upcast,
+    visible,
+)
+from paged_triton_common.tuning import replay_bench
 
 
 @triton.jit
@@ -77,12 +83,10 @@ def _attend_tile(
         mask=key_ok[None, :] & d_mask[:, None],
         other=0,
     )  # [HEAD_DIM_PAD, BLOCK_N]
-    if FP8:
-        kt = kt.to(tl.float8e4nv, bitcast=True)
     # int8 and e4m3 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
-    kt = kt.to(q.dtype)
+    kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT:
         ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
@@ -90,17 +94,10 @@ def _attend_tile(
         s = s * k_sc[None, :]
     s = s * scale
     if USE_SOFTCAP:
-        s = softcap * tanh(s / softcap)
+        s = soft_cap(s / softcap, softcap)
     # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
     s = tl.where(vis, s * LOG2E, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
-    # exp2(-inf - (-inf)) = NaN out of p and alpha (both are then exactly 0).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_safe)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = softmax_step(s, m_i, l_i, 1.0, MAY_BE_EMPTY=True, RAW=False)
 
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
     v = tl.load(
@@ -108,8 +105,6 @@ def _attend_tile(
         mask=key_ok[:, None] & d_mask[None, :],
         other=0,
     )  # [BLOCK_N, HEAD_DIM_PAD]
-    if FP8:
-        v = v.to(tl.float8e4nv, bitcast=True)
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
@@ -117,13 +112,13 @@ def _attend_tile(
             # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
             # BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into subnormals.
             pv = p * v_sc[None, :]
-            v = v.to(q.dtype)
+            v = codes_to(v, q.dtype, FP8)
         else:
             pv = p
-            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+            v = (codes_to(v, tl.float32, FP8) * v_sc[:, None]).to(q.dtype)
     else:
         pv = p
-        v = v.to(q.dtype)
+        v = codes_to(v, q.dtype, FP8)
     acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -145,7 +140,7 @@ def _store_partial(
     has_keys = l_i != 0.0
     inv_l = tl.where(has_keys, 1.0 / tl.where(has_keys, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
-    lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    lse = natural_lse(m_i, tl.where(has_keys, l_i, 1.0), has_keys)
     tl.store(
         part_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :] * stride_po_d,
         out,
@@ -177,12 +172,7 @@ def _store_final(
     # != rather than >: a NaN sum (NaN in this request's q or K) must stay NaN, not become 0.
     has_keys = l_i != 0.0
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E
-        m_fin = tl.maximum(m_i, sink)
-        rescale = tl.math.exp2(m_i - m_fin)  # m_i = -inf (no keys): 0, and acc is 0 anyway
-        l_i = tl.where(has_keys, l_i * rescale + tl.math.exp2(sink - m_fin), 0.0)
-        acc = acc * rescale[:, None]
-        m_i = m_fin
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sinks_ptr, head, row_valid, has_keys)
     l_safe = tl.where(has_keys, l_i, 1.0)
     # acc * (1 / l) as in _store_partial: without sinks this is bit-identical to merging one part.
     out = acc * (1.0 / l_safe)[:, None]
@@ -192,7 +182,7 @@ def _store_final(
         mask=row_valid[:, None] & d_mask[None, :],
     )
     if STORE_LSE:
-        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+        lse = natural_lse(m_i, l_safe, has_keys)
         tl.store(lse_ptr + token * stride_lse_t + head * stride_lse_h, lse, mask=row_valid)
 
 
@@ -249,7 +239,7 @@ else:
     key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program",
          "occupancy"],
     cache_results=True,
-    # Timed as CUDA-graph replays (paged_triton_unified.tuning): a small decode's split kernel
+    # Timed as CUDA-graph replays (paged_triton_common.tuning): a small decode's split kernel
     # takes less time than Triton's own launch path, which would otherwise be what is timed.
     do_bench=replay_bench,
 )
@@ -364,8 +354,7 @@ def split_kv_attention_kernel(
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = upcast(q, UPCAST)
 
     # Keys the tile can see: [lo, hi). Rows refine this with their own causal / window mask.
     last_q = tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
@@ -405,12 +394,10 @@ def split_kv_attention_kernel(
         # addresses, so the pipeliner can buffer the gathered K/V num_stages deep.
         blk = blk_next  # [BLOCK_N] int32
         blk_next = _tile_block_ids(bt_row, t0 + BLOCK_N, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
-        key_ok = key_in & (blk >= 0) & (blk < num_blocks)
+        key_ok = key_in & block_ok(blk, num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         if BLOCK_Q > 1:
-            vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-            if USE_WINDOW:
-                vis = vis & (offs_n[None, :] > pos[:, None] - window)
+            vis = visible(key_ok, offs_n, pos, pos, window, USE_WINDOW)
         else:
             # Decode: the single query sits at seq_len - 1, so [start, end) is already exact.
             vis = key_ok[None, :] & (offs_m[:, None] >= 0)
@@ -572,8 +559,7 @@ def cascade_prefix_kernel(
         mask=row_valid[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = upcast(q, UPCAST)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -587,9 +573,9 @@ def cascade_prefix_kernel(
         offs_n = t0 + tl.arange(0, BLOCK_N)
         key_in = offs_n < end
         blk = _tile_block_ids(block_table_ptr, t0, start, end, stride_bt_b, BLOCK_SIZE, BLOCK_N)
-        key_ok = key_in & (blk >= 0) & (blk < num_blocks)
+        key_ok = key_in & block_ok(blk, num_blocks)
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
-        vis = key_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        vis = visible(key_ok, offs_n, pos, pos, 0, False)
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,

@@ -11,7 +11,7 @@ from paged_core) is the one helper that syncs, and says so.
 The autotuned kernels benchmark their configs on the first call for each key (GROUP_PAD,
 HEAD_DIM_PAD, BLOCK_SIZE, query tile, dtypes; the split kernel also the keys per program, a
 power of two): a first call inside a CUDA-graph capture takes a tuned choice if there is one,
-else the default config (paged_triton_unified.direct).
+else the default config (paged_triton_common.direct).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import NoReturn, cast
 
 import torch
 from paged_core import InputError, shared_prefix_blocks
-from paged_triton_unified import INTERPRET, occupancy_class, sm_count
-from paged_triton_unified.direct import DirectKernel
+from paged_triton_common.direct import DirectKernel
+from paged_triton_common.runtime import INTERPRET, occupancy_class, sm_count
 
 from .kernels import (
     PREFIX_DEFAULT_CONFIG,
@@ -35,7 +35,7 @@ from .kernels import (
 )
 
 # Launched directly once compiled, and compiled safely inside a CUDA-graph capture on a first
-# call (paged_triton_unified.direct).
+# call (paged_triton_common.direct).
 _split = DirectKernel(split_kv_attention_kernel, capture_config=lambda _: SPLIT_DEFAULT_CONFIG)
 _split_fixed = DirectKernel(split_kv_attention_kernel.fn)
 _merge = DirectKernel(merge_states_kernel)

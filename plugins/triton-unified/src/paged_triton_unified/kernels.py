@@ -1,8 +1,9 @@
 """Triton kernels of the triton-unified backend: one launch per layer for a whole mixed batch.
 
-Only ``@triton.jit`` code lives here, plus the autotuning configs of the kernel right below them
-and the flags the other Triton plugin shares (``INTERPRET``, ``AUTOTUNE``, ``tanh``); the launcher
-that checks arguments and sizes the grid is ``launch.py``.
+Only ``@triton.jit`` code lives here, plus the autotuning configs of the kernel right below them;
+the rules both Triton backends' tiles apply (masks, soft-cap, sinks, 8-bit codes, the
+online-softmax step) are :mod:`paged_triton_common.tiles`, and the launcher that checks
+arguments and sizes the grid is ``launch.py``.
 
 Vocabulary, for one request of a flattened batch::
 
@@ -22,40 +23,31 @@ block, or block-table column), ``s`` (slot in a block, or split), ``r`` (request
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+from paged_triton_common.runtime import AUTOTUNE, INTERPRET
+from paged_triton_common.tiles import (
+    LOG2E,
+    block_ok,
+    codes_to,
+    fold_sink,
+    natural_lse,
+    soft_cap,
+    softmax_step,
+    upcast,
+    visible,
+)
+from paged_triton_common.tuning import replay_bench
 
-from .tuning import replay_bench
+__all__ = ["capture_config", "tile_plan_kernel", "unified_attention_kernel"]
 
-__all__ = ["AUTOTUNE", "INTERPRET", "capture_config", "tanh", "tile_plan_kernel", "unified_attention_kernel"]
-
-# Triton picks interpreter or compiler when a kernel is defined (this module's import), not when
-# it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config: autotuning there would
-# only multiply the (already slow) interpreted run time by the number of configs.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Block ids read per iteration of the check before a tile's unmasked bulk: 1,024 (16 K tokens of
 # 16-token blocks) keep a long context's check to a few dependent loads.
 ID_CHECK_BLOCKS = tl.constexpr(1024)
-# PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
-# tiny shape would cost minutes of compiles and the chosen config never changes the result.
-AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
-
-# Literals 1.4426950408889634 (log2 e) and 0.6931471805599453 (ln 2) appear inline in the
-# kernels: plain Python globals are not readable from @triton.jit code.
 
 # Tilings of one launch (the FUSED constexpr): False, a decode-shaped batch (every request fits
 # one small tile): tile r is request r, no tile plan launch and no search; True, both size
 # classes in one launch, large tiles first, found through the tile plan's prefix sums.
-
-
-@triton.jit
-def tanh(x):
-    """tanh for float32 ``x``: ``tl`` has no portable tanh across Triton 3.6..3.9 and the
-    interpreter (libdevice is not). Saturates cleanly: exp overflow -> inf -> 1, underflow -> 0
-    -> -1. Absolute error ~2e-7 over [-20, 20] (tests/test_kernel.py compares it with torch)."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,18 +98,6 @@ def tile_plan_kernel(
 # --------------------------------------------------------------------------------------------
 # Attention.
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _codes_to_dot(x, dot_dtype, KV_QUANT: tl.constexpr):
-    """A loaded K/V tile (values, int8 codes, or fp8 codes as uint8) in the dot dtype."""
-    if KV_QUANT == 2:
-        # fp8 codes travel as uint8 (the CPU interpreter has no float8 pointers); reinterpret.
-        x = x.to(tl.float8e4nv, bitcast=True)
-    # Quantized codes convert exactly to fp16/bf16. e4m3 -> fp16 is a native cvt on sm_89+
-    # (cvt.rn.f16x2.e4m3x2: two codes per instruction); e4m3 -> bf16 is not, it goes through
-    # f16/f32, which is why QDOT16 runs fp8 tiles in fp16.
-    return x.to(dot_dtype)
 
 
 @triton.jit
@@ -177,7 +157,7 @@ def _attend_step(
         # no mask: its scores are selected out).
         offs_a = tl.minimum(offs_n, key_end - 1)
         block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
-        key_ok = (block >= 0) & (block < num_blocks)  # [BLOCK_N]
+        key_ok = block_ok(block, num_blocks)  # [BLOCK_N]
         block = tl.where(key_ok, block, 0)
         v_mask = key_ok[:, None] & d_mask[None, :]
     else:
@@ -199,7 +179,7 @@ def _attend_step(
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = _codes_to_dot(k, q.dtype, KV_QUANT)
+    k = codes_to(k, q.dtype, KV_QUANT == 2)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
@@ -211,9 +191,9 @@ def _attend_step(
         # One multiply per score: the key scale and qk_scale combine per column first.
         s = qk * (k_sc * qk_scale)[None, :]
         if USE_SOFTCAP:
-            s = tanh(s) * (softcap * 1.4426950408889634)
+            s = soft_cap(s, softcap * LOG2E)
     elif USE_SOFTCAP:
-        s = tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+        s = soft_cap(qk * qk_scale, softcap * LOG2E)
     elif RAW:
         s = qk
     else:
@@ -221,29 +201,11 @@ def _attend_step(
 
     if MASKED:
         q_lim = tl.minimum(q_pos, key_end - 1)  # [BLOCK_M] the last key each row sees
-        visible = key_ok[None, :] & (offs_n[None, :] <= q_lim[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        s = tl.where(visible(key_ok, offs_n, q_lim, q_pos, window, USE_WINDOW), s, float("-inf"))
 
-    if RAW:
-        # FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of the scaled scores
-        # (and -inf stays -inf).
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps
-    # exp2(-inf - (-inf)) = NaN out of alpha and p.
-    if MASKED:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new  # unmasked, every score is finite and so is the max
-    alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
-    if RAW:
-        p = tl.exp2(s * qk_scale - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
-    else:
-        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, 1)
+    # RAW: FOLD_SCALE only for scale > 0, so max(s) * qk_scale is the max of the scaled scores
+    # (and -inf stays -inf). Unmasked, every score is finite and so is the max.
+    p, alpha, l_i, m_new = softmax_step(s, m_i, l_i, qk_scale, MAY_BE_EMPTY=MASKED, RAW=RAW)
 
     # V: [BLOCK_N, HEAD_DIM_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
@@ -251,7 +213,7 @@ def _attend_step(
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0)
     else:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :])
-    v = _codes_to_dot(v, q.dtype, KV_QUANT)
+    v = codes_to(v, q.dtype, KV_QUANT == 2)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -341,18 +303,16 @@ def _tile_program(
     d_mask = offs_d < HEAD_DIM
     token64 = token.to(tl.int64)
     q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = upcast(tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0), UPCAST)
 
     if USE_SOFTCAP:
         qk_scale = scale / softcap
     else:
-        qk_scale = scale * 1.4426950408889634
+        qk_scale = scale * LOG2E
     if QDOT16:
-        # fp8 caches run their dots in fp16 (see _codes_to_dot). bf16 q is exact in fp16
-        # as long as it stays in fp16's range: scale q by a power of two (exact) so that
-        # max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
+        # fp8 caches run their dots in fp16 (e4m3 -> fp16 is a native conversion, -> bf16 is
+        # not). bf16 q is exact in fp16 as long as it stays in fp16's range: scale q by a power
+        # of two (exact) so that max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
         q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
         exponent = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         shift = tl.minimum(tl.maximum(exponent - 13, 0), 100)
@@ -429,21 +389,13 @@ def _tile_program(
     # such rows (padding requests) write zeros and lse = -inf, sinks or not.
     seen = l_i > 0.0
     if HAS_SINKS:
-        # The sink joins the denominator only; folding it in at the end is the same softmax as
-        # starting from (m = sink, l = 1) and leaves l == 0 as the "no visible key" signal.
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        rescale = tl.exp2(m_i - m_fin)
-        l_fin = l_i * rescale + tl.exp2(sink - m_fin)
-        acc = acc * rescale[:, None]
-        m_i = m_fin
-        l_i = tl.where(seen, l_fin, 0.0)
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sinks_ptr, head, row_ok, seen)
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
     o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     if HAS_LSE:
-        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = natural_lse(m_i, l_safe, seen)
         tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
 
 
@@ -666,7 +618,7 @@ def unified_attention_kernel(
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
-    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (see _codes_to_dot)
+    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native e4m3 -> fp16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,

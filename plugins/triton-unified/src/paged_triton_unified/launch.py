@@ -12,14 +12,14 @@ from typing import NoReturn, cast
 
 import torch
 from paged_core import InputError
+from paged_triton_common.direct import DirectKernel
+from paged_triton_common.runtime import INTERPRET, occupancy_class, sm_count
 
-from .direct import DirectKernel
-from .kernels import INTERPRET, INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
+from .kernels import INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
 
 __all__ = [
     "BLOCK_M_LARGE",
     "BLOCK_M_SMALL",
-    "INTERPRET",
     "INTERPRET_CONFIG",
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
@@ -27,7 +27,6 @@ __all__ = [
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
     "default_config",
-    "sm_count",
     "unified_attention",
 ]
 
@@ -49,7 +48,7 @@ BLOCK_M_LARGE_WIDE_HEAD = 64
 _TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
 
 # Launched directly once compiled (a few us instead of Triton's ~100 us of per-call Python), and
-# compiled safely inside a CUDA-graph capture on a first call (paged_triton_unified.direct).
+# compiled safely inside a CUDA-graph capture on a first call (paged_triton_common.direct).
 _attention = DirectKernel(unified_attention_kernel, capture_config=capture_config)
 _attention_fixed = DirectKernel(unified_attention_kernel.fn)
 _tile_plan = DirectKernel(tile_plan_kernel)
@@ -71,23 +70,6 @@ FUSED_BLOCK_N_SMALL = 128
 MIN_LARGE_PROGRAMS_PER_SM = 1.5
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device | str) -> int | None:
-    """Multiprocessors of a CUDA device (cached; no sync); None for any other device.
-
-    >>> sm_count("cpu") is None
-    True
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
                       num_sms: int | None) -> int:
     """Query tokens per large tile: ``block_q_large``, halved (down to 64 rows) when the batch's
@@ -106,18 +88,6 @@ def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int,
     if programs < MIN_LARGE_PROGRAMS_PER_SM * num_sms:
         return max(1, block_q_large // 2)
     return block_q_large
-
-
-def occupancy_class(programs: int, num_sms: int | None) -> int:
-    """The autotune key's occupancy class: programs per SM rounded up to 1, 2, 4 or 8 (8: 8 or
-    more); 1 without a GPU.
-
-    >>> [occupancy_class(n * 8, 132) for n in (16, 32, 64, 128, 256)]  # decode batches, 8 KV heads
-    [1, 2, 4, 8, 8]
-    """
-    if not num_sms:
-        return 1
-    return min(8, _next_power_of_2(-(-programs // num_sms)))
 
 
 @dataclasses.dataclass(frozen=True)

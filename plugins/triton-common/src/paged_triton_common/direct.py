@@ -21,19 +21,41 @@
 The normal Triton path is always taken under ``TRITON_INTERPRET=1``, for autotuners with
 ``pre_hook``/``reset_to_zero``/``restore_value`` (Triton runs those around each launch), and
 while a launch hook is installed (``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler).
+
+This is the one module that reaches into Triton's internals (``compiled.run`` and its
+``packed_metadata``, the autotuner's ``nargs``/``prune_configs``/``check_disk_cache``,
+``triton.runtime._async_compile``, ``_init_handles``). It was tested on the releases in
+:data:`TESTED_TRITON`; on any other release every launch takes Triton's own
+``kernel[grid](...)`` path (correct, with Triton's host cost per call), after one warning.
 """
 
 from __future__ import annotations
 
 import ctypes
 import inspect
+import re
 import threading
+import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DirectKernel", "Recording", "relaxed_capture_mode", "specialization_key"]
+__all__ = [
+    "TESTED_TRITON",
+    "DirectKernel",
+    "LayerTensors",
+    "Recording",
+    "direct_launch_supported",
+    "relaxed_capture_mode",
+    "specialization_key",
+]
+
+#: The (major, minor) Triton releases the direct launch was tested on, oldest and newest: 3.6 on
+#: an NVIDIA H200, 3.9 in CI (the key against Triton's own binder, tests/test_direct.py). The
+#: distributions' ``triton`` requirement stops after the newest.
+TESTED_TRITON = ((3, 6), (3, 9))
+_supported: bool | None = None
 
 # How each argument enters the key (see specialization_key).
 _INT, _INT_NOSPEC, _EXACT = range(3)
@@ -116,6 +138,34 @@ def specialization_key(kinds: Mapping[str, int], kwargs: Mapping[str, Any]) -> t
     return tuple(key)
 
 
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a Triton version string; None when it does not start with them."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def direct_launch_supported() -> bool:
+    """Whether the installed Triton is a release within :data:`TESTED_TRITON` (read once).
+    Outside it, warns once that every launch takes Triton's own path."""
+    global _supported
+    if _supported is None:
+        import triton
+
+        release = _release(triton.__version__)
+        _supported = release is not None and TESTED_TRITON[0] <= release <= TESTED_TRITON[-1]
+        if not _supported:
+            (a, b), (c, d) = TESTED_TRITON[0], TESTED_TRITON[-1]
+            warnings.warn(
+                f"paged_triton_common.direct was tested with Triton {a}.{b} to {c}.{d}, and Triton "
+                f"{triton.__version__} is installed: every kernel launch takes Triton's own path "
+                f"(kernel[grid](...): the same results, with Triton's host work per launch). To launch "
+                f"directly, install a tested release: pip install 'triton>={a}.{b},<{c}.{d + 1}'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _supported
+
+
 class _NotTuned(Exception):
     """No tuned choice on disk (raised instead of timing configs, which a capture cannot)."""
 
@@ -171,7 +221,8 @@ class DirectKernel:
         self.capture_config = capture_config
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         # The interpreter's kernels are not JITFunctions: they always take the normal path.
-        self.enabled = isinstance(jit, JITFunction) and (self.tuner is None or not _tuner_hooks(self.tuner))
+        self.enabled = (isinstance(jit, JITFunction) and (self.tuner is None or not _tuner_hooks(self.tuner))
+                        and direct_launch_supported())
         if not isinstance(jit, JITFunction):
             return
         params = jit.params
@@ -320,9 +371,23 @@ class DirectKernel:
 
 
 
+class LayerTensors(NamedTuple):
+    """The tensors of one attention layer's call that a :class:`Recording` swaps between layers
+    (None for absent ones); everything else a recorded launch reads is fixed by the batch."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
 class _Launch:
     """One recorded launch: the binary, its grid, its arguments, and which of them are the
-    layer's tensors (argument position, index into the layer tuple)."""
+    layer's tensors (argument position, index of the :class:`LayerTensors` field)."""
 
     __slots__ = ("args", "device", "function", "grid", "keep", "metadata", "run", "slots")
 
@@ -343,8 +408,8 @@ class Recording:
 
     ``with Recording(layer) as rec: <launch kernels through DirectKernel>`` records every
     launch made inside; ``rec.replay(layer2)`` repeats them on the current stream with the
-    tensors of ``layer2`` in place of ``layer``'s (a tuple of the per-call tensors, None for
-    absent ones), matched by data pointer. What depends only on the batch is fixed: a launch
+    tensors of ``layer2`` in place of ``layer``'s (both :class:`LayerTensors`), each field's
+    tensor matched by data pointer. What depends only on the batch is fixed: a launch
     that reads none of ``layer``'s tensors (a tile plan) is not repeated, and its outputs (and
     every buffer allocated inside) live as long as the recording.
 
@@ -358,7 +423,7 @@ class Recording:
     recorded dtypes, shapes, strides and 16-byte alignment: key recordings on them.
     """
 
-    def __init__(self, layer: tuple[torch.Tensor | None, ...]) -> None:
+    def __init__(self, layer: LayerTensors) -> None:
         self.ok = True
         self.launches: list[_Launch] = []
         self._where: dict[int, int] = {}
@@ -396,7 +461,7 @@ class Recording:
                     self.ok = False  # a view into a layer tensor: its offset would be lost
         self.launches.append(_Launch(compiled, grid, list(args), slots, device))
 
-    def replay(self, layer: tuple[torch.Tensor | None, ...], *, everything: bool = False) -> None:
+    def replay(self, layer: LayerTensors, *, everything: bool = False) -> None:
         """Repeat the recorded launches with ``layer``'s tensors; ``everything``: also those
         that read none of them (for a batch whose tensors may have changed in place)."""
         for launch in self.launches:
@@ -404,7 +469,7 @@ class Recording:
                 continue
             args = launch.args.copy()
             for pos, i in launch.slots:
-                args[pos] = layer[i].data_ptr()  # type: ignore[union-attr]  # slots name tensors only
+                args[pos] = layer[i].data_ptr()  # type: ignore[union-attr]  # slots name the fields that hold tensors
             g = launch.grid
             launch.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(launch.device),
                        launch.function, launch.metadata, None, None, None, *args)

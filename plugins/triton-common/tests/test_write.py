@@ -1,4 +1,4 @@
-"""paged_triton_unified.write against paged_core.write_kv: the same bytes, the same errors.
+"""paged_triton_common.write against paged_core.write_kv: the same bytes, the same errors.
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set below before
 Triton is imported). Every comparison is bitwise, over the whole storage the cache views (an
@@ -25,9 +25,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry, static_scale  # noqa: E402
 from paged_core import write_kv as torch_write_kv  # noqa: E402
-from paged_triton_unified import TritonBackend  # noqa: E402
-from paged_triton_unified import write as triton_write  # noqa: E402
-from paged_triton_unified.write import write_kv  # noqa: E402
+from paged_triton_common import write as triton_write  # noqa: E402
+from paged_triton_common.backend import TritonBackend  # noqa: E402
+from paged_triton_common.write import write_kv  # noqa: E402
 
 NB, BS, H, D = 5, 4, 3, 24  # 3 heads and head_dim 24: both padded in the kernel (4, 32)
 NUM_SLOTS = NB * BS
@@ -296,7 +296,7 @@ def test_a_replaced_cache_field_is_written_not_the_old_tensor():
 
 @pytest.mark.parametrize("name", ["triton-unified", "triton-splitkv"])
 def test_the_triton_backends_write_with_the_kernel(name, monkeypatch):
-    import paged_triton_unified.backend as backend_module
+    import paged_triton_common.backend as backend_module
 
     backend = registry.get(name)
     assert isinstance(backend, TritonBackend)

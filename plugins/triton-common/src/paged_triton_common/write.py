@@ -43,7 +43,7 @@ from paged_core import KVCache, check_write_inputs
 from paged_core import write_kv as torch_write_kv
 
 from .direct import DirectKernel, _hooks_empty
-from .kernels import INTERPRET
+from .runtime import INTERPRET
 
 __all__ = ["write_kv", "write_kv_kernel"]
 

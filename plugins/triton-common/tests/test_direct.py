@@ -1,16 +1,20 @@
-"""paged_triton_unified.direct: the specialisation key (CPU) and first-call CUDA-graph capture (GPU)."""
+"""paged_triton_common.direct: the specialisation key against Triton's own binder, the fallback to
+Triton's launch path outside the tested releases, recordings (CPU) and first-call CUDA-graph capture (GPU)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from paged_triton_unified.direct import DirectKernel, specialization_key
+import triton.language as tl
+from paged_triton_common.direct import DirectKernel, LayerTensors, specialization_key
 
 KINDS = DirectKernel.kinds_of(["x_ptr", "n", "stride", "BLOCK"], constexprs={"BLOCK"}, nospec={"n"})
 
@@ -56,6 +60,95 @@ def test_launch_options_and_unknown_names_enter_with_their_value():
     assert specialization_key(KINDS, {"other": 1}) != specialization_key(KINDS, {"other": 2})
 
 
+def _probe(x_ptr, y_ptr, n, m, f, BLOCK: tl.constexpr):
+    pass
+
+
+def _variants():
+    """Arguments of ``_probe`` that differ in everything Triton specialises on, and in what it
+    does not (the values of unspecialised ints and floats, other aligned pointers)."""
+    buf = torch.zeros(512, dtype=torch.float16)
+    xs = [buf, buf[8:], buf[1:], torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.float32)[4:]]
+    ns = [1, 16, 48, 17, 0, -32, 2**31 - 16, 2**31, 2**40 + 16, 2**63]
+    for x, y, n, m, f, block, warps in itertools.product(
+            xs, [buf, None], ns, [5, 1, 2**33], [1.0, 2.5], [32, 64], [4, 8]):
+        yield {"x_ptr": x, "y_ptr": y, "n": n, "m": m, "f": f, "BLOCK": block, "num_warps": warps}
+
+
+def test_the_key_is_tritons_own_specialisation():
+    """Two calls share a DirectKernel key exactly when Triton's binder (the installed release's,
+    for an sm_90 target) specialises them alike: a coarser key would launch the wrong binary."""
+    from paged_triton_common import direct
+
+    if not direct.direct_launch_supported():
+        pytest.skip("this Triton release is outside TESTED_TRITON: its launches take Triton's own path")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = JITFunction(_probe, do_not_specialize=["m"])
+    binder = create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget("cuda", 90, 32)))
+    kinds = DirectKernel(jit).kinds
+    ours, theirs = {}, {}
+    for i, kwargs in enumerate(_variants()):
+        _, specialization, options = binder(**kwargs)
+        ours.setdefault(specialization_key(kinds, kwargs), set()).add(i)
+        theirs.setdefault((tuple(specialization), str(options)), set()).add(i)
+    assert sorted(map(sorted, ours.values())) == sorted(map(sorted, theirs.values()))
+
+
+def test_outside_the_tested_releases_every_launch_takes_tritons_path(monkeypatch):
+    import triton
+    from paged_triton_common import direct
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(_probe)
+    monkeypatch.setattr(direct, "_supported", None)
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    with pytest.warns(RuntimeWarning, match=r"tested with Triton 3\.6 to 3\.9.*'triton>=3\.6,<3\.10'") as seen:
+        kernels = [DirectKernel(jit), DirectKernel(jit)]
+    assert len(seen) == 1, "warned more than once"
+    assert not any(k.enabled for k in kernels)
+    monkeypatch.setattr(direct, "_supported", None)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert DirectKernel(jit).enabled
+
+
+@pytest.mark.parametrize("backend", ["triton-unified", "triton-splitkv"])
+def test_tritons_path_gives_the_same_output(backend, monkeypatch):
+    """The fallback (every DirectKernel on ``kernel[grid](...)``) against the launches of this
+    run (direct on a GPU, the interpreter on a CPU): bitwise the same cache and output."""
+    from paged_core import BatchMeta, registry
+    from paged_triton_common import direct
+    from paged_triton_common import write as write_module
+    from paged_triton_splitkv import launch as split_launch
+    from paged_triton_unified import launch as unified_launch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b = registry.get(backend)
+
+    def run():
+        torch.manual_seed(0)
+        meta = BatchMeta.build([5, 1, 1], [37, 20, 60], block_size=16, num_blocks=16, device=device, seed=1)
+        cache = b.allocate(16, 16, 2, 32, dtype=torch.float16, device=device)
+        k = torch.randn(meta.num_tokens, 2, 32, dtype=torch.float16, device=device)
+        b.write(cache, k, -k, meta)
+        q = torch.randn(meta.num_tokens, 4, 32, dtype=torch.float16, device=device)
+        return cache.k.clone(), b.forward(q, cache, b.plan(meta))
+
+    first = run()
+    for module in (unified_launch, split_launch, write_module):
+        for kernel in vars(module).values():
+            if isinstance(kernel, direct.DirectKernel):
+                monkeypatch.setattr(kernel, "enabled", False)
+    write_module._seen.clear()
+    write_module._plans.clear()
+    again = run()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
 def test_interpreter_kernels_take_the_normal_path():
     from paged_triton_unified import launch
 
@@ -68,9 +161,10 @@ def test_interpreter_kernels_take_the_normal_path():
 # the DirectKernels the launchers really use on a GPU.
 _COMPILED_KERNELS = """
 import triton
-from paged_triton_unified import launch, write
+from paged_triton_common import write
+from paged_triton_unified import launch
 from paged_triton_splitkv import launch as split
-from paged_triton_unified.direct import DirectKernel
+from paged_triton_common.direct import DirectKernel
 kernels = {n: getattr(m, n) for m in (launch, write, split) for n in dir(m)
            if isinstance(getattr(m, n), DirectKernel)}
 print(sorted(n for n, k in kernels.items() if not k.enabled))
@@ -158,7 +252,7 @@ class _FakeBinary:
 
 
 def _recorded(monkeypatch, layer, launches):
-    from paged_triton_unified.direct import Recording
+    from paged_triton_common.direct import Recording
 
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     rec = Recording(layer)
@@ -170,16 +264,17 @@ def _recorded(monkeypatch, layer, launches):
 def test_recording_replays_with_the_next_layers_tensors(monkeypatch):
     q, k, out, fixed = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
     tiles, attention = _FakeBinary(), _FakeBinary()
-    rec = _recorded(monkeypatch, (q, k, None, out), [(tiles, [fixed, 3]), (attention, [q, fixed, k, out, 7])])
+    rec = _recorded(monkeypatch, LayerTensors(q=q, k=k, v=None, out=out),
+                    [(tiles, [fixed, 3]), (attention, [q, fixed, k, out, 7])])
     assert rec.ok
     q2, k2, out2 = torch.ones(8), torch.ones(8), torch.ones(8)
-    rec.replay((q2, k2, None, out2))
+    rec.replay(LayerTensors(q=q2, k=k2, v=None, out=out2))
     assert tiles.calls == []  # reads no layer tensor: ran once, when recorded
     (grid, args), = attention.calls
     # Pointers as ints (Triton's launcher takes them so, without a driver query per tensor).
     assert grid == (4, 2, 1) and list(args[:4]) == [q2.data_ptr(), fixed.data_ptr(), k2.data_ptr(), out2.data_ptr()]
     assert args[4] == 7
-    rec.replay((q2, k2, None, out2), everything=True)
+    rec.replay(LayerTensors(q=q2, k=k2, v=None, out=out2), everything=True)
     assert len(tiles.calls) == 1 and tiles.calls[0][1][0] == fixed.data_ptr()
     assert any(t is fixed for t in rec.launches[0].keep)  # alive as long as the recording
 
@@ -187,6 +282,6 @@ def test_recording_replays_with_the_next_layers_tensors(monkeypatch):
 def test_recording_refuses_views_into_layer_tensors_and_aliases(monkeypatch):
     q, out = torch.zeros(16), torch.zeros(16)
     # A kernel argument at an offset into q: its replacement's offset would be lost.
-    assert not _recorded(monkeypatch, (q, out), [(_FakeBinary(), [q[8:], out])]).ok
+    assert not _recorded(monkeypatch, LayerTensors(q=q, k=None, v=None, out=out), [(_FakeBinary(), [q[8:], out])]).ok
     # out is q: the next layer's distinct q and out could not both be placed.
-    assert not _recorded(monkeypatch, (q, q), [(_FakeBinary(), [q])]).ok
+    assert not _recorded(monkeypatch, LayerTensors(q=q, k=None, v=None, out=q), [(_FakeBinary(), [q])]).ok

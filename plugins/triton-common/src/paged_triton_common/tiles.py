@@ -1,0 +1,143 @@
+"""The rules every paged attention tile applies, once: ``@triton.jit`` helpers that both Triton
+backends' kernels call (Triton inlines them, so a helper costs nothing over writing it out).
+
+Scores are kept in log2 units inside the loops (``exp2`` is one MUFU instruction); every
+log-sum-exp that leaves a kernel is in natural-log units (:func:`natural_lse`). A row that has
+seen no visible key has ``m == -inf`` and ``l == 0``; its output is zeros and its LSE ``-inf``.
+
+* Visibility (:func:`visible`): query at position ``pos`` sees keys ``<= pos`` of valid blocks
+  (:func:`block_ok`), and with a window ``w > 0`` only keys ``> pos - w``.
+* Soft-cap (:func:`soft_cap`): ``cap * tanh(score / cap)``, applied before masking (a masked
+  key is ``-inf``, not ``cap * tanh(-inf)``).
+* Sinks (:func:`fold_sink`): a per-head natural-log logit without a value, in the denominator
+  once, after every key; it never makes a row without keys seen.
+* 8-bit caches (:func:`codes_to`): int8 codes, or fp8 e4m3 codes that travel as ``uint8`` (the
+  CPU interpreter has no float8 pointers) and are bitcast here. Codes convert exactly to
+  fp16/bf16, so a dot on raw codes loses nothing; scales are applied by the caller to scores or
+  probabilities.
+* The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile.
+* The interpreter switch (:func:`upcast`): the interpreter of Triton 3.9 stores bfloat16 as raw
+  16-bit integers and silently computes garbage on any bf16 value not first converted with
+  ``.to(tl.float32)``; on the GPU 16-bit operands go into ``tl.dot`` untouched (tensor cores).
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "LN2",
+    "LOG2E",
+    "block_ok",
+    "codes_to",
+    "fold_sink",
+    "natural_lse",
+    "soft_cap",
+    "softmax_step",
+    "tanh",
+    "upcast",
+    "visible",
+]
+
+# tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def tanh(x):
+    """tanh for float32 ``x``: ``tl`` has no portable tanh across Triton 3.6..3.9 and the
+    interpreter (libdevice is not). Saturates cleanly: exp overflow -> inf -> 1, underflow -> 0
+    -> -1. Absolute error ~2e-7 over [-20, 20] (tests/test_tiles.py compares it with torch)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def upcast(x, UPCAST: tl.constexpr):
+    """``x`` in float32 when ``UPCAST`` (on under ``TRITON_INTERPRET=1`` only), else unchanged."""
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def codes_to(x, dtype, FP8: tl.constexpr):
+    """A loaded K/V tile (values, int8 codes, or with ``FP8`` e4m3 codes as uint8) in ``dtype``.
+
+    e4m3 -> fp16 is a native cvt on sm_89+ (cvt.rn.f16x2.e4m3x2: two codes per instruction);
+    e4m3 -> bf16 is not, it goes through f16/f32.
+    """
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def block_ok(block, num_blocks):
+    """Block ids inside the pool ``[0, num_blocks)``. Callers mask the keys of any other id and
+    read them at block 0, so a corrupt block table never reads outside the cache."""
+    return (block >= 0) & (block < num_blocks)
+
+
+@triton.jit
+def visible(key_ok, offs_n, q_last, q_pos, window, USE_WINDOW: tl.constexpr):
+    """``[rows, keys]``: key ``offs_n`` is valid (``key_ok``), at most ``q_last`` (the row's
+    position, or less where the tile's keys end sooner), and with ``USE_WINDOW`` after
+    ``q_pos - window``."""
+    vis = key_ok[None, :] & (offs_n[None, :] <= q_last[:, None])
+    if USE_WINDOW:
+        vis = vis & (offs_n[None, :] > q_pos[:, None] - window)
+    return vis
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """``cap * tanh(x)`` for scores ``x`` already divided by the cap (each kernel folds that
+    division, and its log2 factor into ``cap``, where it costs least)."""
+    return tanh(x) * cap
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, qk_scale, MAY_BE_EMPTY: tl.constexpr, RAW: tl.constexpr):
+    """Fold a tile of scores ``s [rows, keys]`` into the running max ``m_i`` and sum ``l_i``.
+
+    ``s`` is in log2 units, or with ``RAW`` unscaled, ``qk_scale`` (> 0) then applied inside the
+    exponent (``s * qk_scale - m`` is one FFMA). ``MAY_BE_EMPTY``: a row may have no visible key
+    yet (``m = -inf``); subtracting 0 instead of -inf keeps ``exp2(-inf - (-inf)) = NaN`` out of
+    ``alpha`` and ``p`` (both are then exactly 0). Returns ``(p, alpha, l_i, m_new)``: the tile's
+    probabilities, the factor the accumulator is rescaled by, the new sum and max.
+    """
+    if RAW:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new  # every score is finite, and so is the max
+    alpha = tl.exp2(m_i - m_ref)  # [rows]
+    if RAW:
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
+    else:
+        p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def fold_sink(m_i, l_i, acc, sinks_ptr, head, row_mask, seen):
+    """Add each row's sink (``sinks_ptr[head]``, a natural-log logit without a value) to the
+    denominator, after every key: the same softmax as starting from ``(m = sink, l = 1)``. Rows
+    not ``seen`` keep ``l == 0``, the "no visible key" signal. Returns ``(m_i, l_i, acc)``."""
+    sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0) * LOG2E
+    m_fin = tl.maximum(m_i, sink)
+    rescale = tl.exp2(m_i - m_fin)  # m_i = -inf (no keys): 0, and acc is 0 anyway
+    l_i = tl.where(seen, l_i * rescale + tl.exp2(sink - m_fin), 0.0)
+    acc = acc * rescale[:, None]
+    return m_fin, l_i, acc
+
+
+@triton.jit
+def natural_lse(m_i, l_safe, seen):
+    """The rows' log-sum-exp in natural-log units from the log2-unit max and a sum that is 1
+    where the row was not ``seen`` (those get ``-inf``)."""
+    return tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
