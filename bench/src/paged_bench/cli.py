@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from paged_conformance import Batch, Tolerance, allocate_tables, blocks_needed, check_writable, output_tolerance
 from paged_core import (
     AttentionSpec,
     Backend,
@@ -55,10 +56,6 @@ from paged_core import (
 )
 
 from . import floor as _floor
-from .cases import Batch
-from .report import check_writable
-from .tolerances import Tolerance, output_tolerance
-from .workload import allocate_tables, blocks_needed
 
 __all__ = ["add_arguments", "main", "run", "CASE_IDS"]
 

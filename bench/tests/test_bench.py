@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from paged_conformance import bench as _bench
+from paged_bench import cli as _bench
 from paged_conformance.tolerances import output_tolerance
 from paged_core import KV_DTYPES, KV_SCALES, Backend, Capabilities, Registry, _cli, hookimpl, reference_attention
 
