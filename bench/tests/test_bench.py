@@ -357,7 +357,7 @@ class CascadeOptionBackend(_Counting):
         out.copy_(reference_attention(q, cache, plan, scale=scale))
 
 
-def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeypatch):
+def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     CascadeOptionBackend.built_with = []
 
@@ -376,6 +376,13 @@ def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeyp
     labels = {r["label"]: r["status"] for r in rows}
     assert labels == {"fake-cascade": "ok", "fake-planning": "ok", "fake-cascade (cascade)": "ok"}
     assert True in CascadeOptionBackend.built_with  # the extra row really used cascade=True
+    # Every backend's row, then the variants; each row gets one progress line as it finishes.
+    assert [r["label"] for r in rows] == ["fake-cascade", "fake-planning", "fake-cascade (cascade)"]
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[1/1]")]
+    heads = [f"[1/1] {'cascade':<16} {'4x(32+8)':<14} {label:<24} " for label in (
+        "fake-cascade", "fake-planning", "fake-cascade (cascade)")]
+    assert [line[: len(head)] for line, head in zip(progress, heads, strict=True)] == heads
+    assert all(line.endswith(" ms") for line in progress), progress
 
 
 @pytest.mark.parametrize("argv, words", [
