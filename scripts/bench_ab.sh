@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # paged bench on two versions of the sources, alternately, each run with an empty Triton cache:
 #   bash scripts/bench_ab.sh OTHER_DIR ROUNDS [paged bench options...]
-# OTHER_DIR holds another version's core/, conformance/ and plugins/, e.g. main's:
-#   git archive main core conformance plugins | tar -x -C /tmp/main
+# OTHER_DIR holds another version's core/, conformance/, bench/ and plugins/, e.g. main's:
+#   git archive main core conformance bench plugins | tar -x -C /tmp/main
 # Its runs put its src/ folders first on PYTHONPATH, so one environment where this checkout is
 # installed (editable, scripts/gpu_install.sh) runs both. Rounds alternate other, this, other,
 # this...; an empty Triton cache per run means each tunes its own configs, as a new process on a
@@ -12,7 +12,7 @@
 set -uo pipefail
 other=$(cd "$1" && pwd); rounds=$2; shift 2
 OUT=${OUT:-/tmp/paged-out}; mkdir -p "$OUT"
-other_path=$(printf '%s:' "$other"/core/src "$other"/conformance/src "$other"/plugins/*/src)
+other_path=$(printf '%s:' "$other"/core/src "$other"/conformance/src "$other"/bench/src "$other"/plugins/*/src)
 for n in $(seq 1 "$rounds"); do
   for version in other this; do
     cache=$(mktemp -d)

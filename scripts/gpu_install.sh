@@ -29,7 +29,7 @@ fi
 if [ -f "$PAGED_WHEELS/fa2-sm90.tar.xz" ]; then  # a flash-attn build (build_sm90.sh), unpacked to /tmp/fa2
   tar -xJf "$PAGED_WHEELS/fa2-sm90.tar.xz" -C /tmp && export PYTHONPATH=/tmp/fa2${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e core -e conformance \
+python3 -m pip install -q --no-build-isolation --no-deps -e core -e conformance -e bench \
   -e plugins/triton-common -e plugins/triton-unified -e plugins/triton-splitkv -e plugins/flashinfer -e plugins/flash-attn2 \
   -e integrations/transformers
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -172,20 +172,20 @@ def test_a_half_registered_command_exits_2_with_the_problem(command_registry, ca
            "ValueError: half-registered" in err
 
 
-@pytest.mark.parametrize("command", ["check", "bench"])
-def test_a_missing_command_says_what_to_install(command_registry, monkeypatch, capsys, command):
+@pytest.mark.parametrize("command, dist", [("check", "paged-conformance"), ("bench", "paged-bench")])
+def test_a_missing_command_says_what_to_install(command_registry, monkeypatch, capsys, command, dist):
     monkeypatch.setattr(_cli, "_installed", lambda dist: None)
     with pytest.raises(SystemExit) as exc:
         _cli.main([command, "--backend", "reference", "--help"])  # its options do not matter
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: paged")
-    assert err.endswith(f"paged: error: '{command}' is provided by paged-conformance, which is not installed. "
-                        "To fix: pip install paged-conformance\n")
+    assert err.endswith(f"paged: error: '{command}' is provided by {dist}, which is not installed. "
+                        f"To fix: pip install {dist}\n")
     # ... and `paged --help` names it with the same advice.
     with pytest.raises(SystemExit):
         _cli.main(["--help"])
-    assert "(needs paged-conformance: pip install paged-conformance)" in capsys.readouterr().out
+    assert f"(needs {dist}: pip install {dist})" in capsys.readouterr().out
 
 
 def test_a_command_whose_plugin_is_left_out_says_so(command_registry, monkeypatch, capsys):
@@ -199,12 +199,12 @@ def test_a_command_whose_plugin_is_left_out_says_so(command_registry, monkeypatc
 
 
 def test_a_command_whose_plugin_failed_names_the_failure(command_registry, monkeypatch, capsys):
-    monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.1.0", ["conformance"]))
-    command_registry.add_plugin(_Commands("check", fail=True), name="conformance")
+    monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.1.0", ["bench"]))
+    command_registry.add_plugin(_Commands("bench", fail=True), name="bench")
     with pytest.raises(SystemExit):
         _cli.main(["bench"])
-    assert ("'bench' is provided by paged-conformance 0.1.0, but its plugin failed: conformance "
-            "(register_commands): RuntimeError: check cannot register") in capsys.readouterr().err
+    assert ("'bench' is provided by paged-bench 0.1.0, but its plugin failed: bench "
+            "(register_commands): RuntimeError: bench cannot register") in capsys.readouterr().err
 
 
 def test_a_command_an_installed_plugin_does_not_register(command_registry, monkeypatch, capsys):

@@ -7,11 +7,15 @@ plugins build on it. No plugin imports the conformance suite or the bench. Every
 import statement of every module of ``paged_core`` is read from its source (the AST, so
 function-local and ``try``-guarded imports count too), as is every ``importlib.import_module``
 or ``__import__`` of a literal name.
+
+Read the same way: nothing imports the bench (``paged bench`` reaches it through its entry
+point), and no plugin imports the suite or the bench.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "core" / "src" / "paged_core"
 TRITON_COMMON = ROOT / "plugins" / "triton-common" / "src" / "paged_triton_common"
 PLUGIN_SOURCES = sorted(ROOT.glob("plugins/*/src/*/**/*.py"))
+BENCH = ROOT / "bench"
 
 
 def _distributions() -> dict[str, str]:
@@ -59,7 +64,7 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
 
 def test_the_other_distributions_are_found():
     names = _distributions()
-    assert {"paged_conformance", "paged_triton_common", "paged_triton_unified", "paged_triton_splitkv",
+    assert {"paged_conformance", "paged_bench", "paged_triton_common", "paged_triton_unified", "paged_triton_splitkv",
             "paged_flashinfer", "paged_flash_attn2"} <= set(names), names
     assert "paged_core" not in names
 
@@ -128,3 +133,32 @@ def test_plugins_import_neither_conformance_nor_bench(path):
         "a backend plugin must not depend on the conformance suite or the bench (they test and time "
         "plugins, through the registry):\n" + "\n".join(bad)
     )
+
+
+def _sources_outside(folder: Path) -> list[Path]:
+    """Every Python file of the repository outside ``folder``: not under hidden folders (.git, .nox
+    virtualenvs) or build outputs."""
+    found = []
+    for here, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("build", "__pycache__")
+                         and not d.endswith(".egg-info") and Path(here, d) != folder)
+        found += [Path(here, f) for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def test_nothing_imports_the_bench():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in _sources_outside(BENCH) for line, module in imported_modules(path.read_text())
+           if module.split(".")[0] == "paged_bench"]
+    assert not bad, (
+        "paged_bench is reached only through its command (the entry point paged_bench.commands); "
+        "import what it shares from paged_conformance or paged_core instead:\n" + "\n".join(bad)
+    )
+
+
+def test_the_checks_see_the_plugins_and_the_rest_of_the_repository():
+    assert {p.parts[len(ROOT.parts) + 1] for p in PLUGIN_SOURCES} >= {"triton-unified", "triton-splitkv",
+                                                                      "flashinfer", "flash-attn2"}
+    outside = {p.relative_to(ROOT).parts[0] for p in _sources_outside(BENCH)}
+    assert {"core", "conformance", "plugins", "integrations", "scripts", "tests"} <= outside
+    assert "bench" not in outside

@@ -22,12 +22,13 @@ def _plugins() -> dict[str, dict]:
 
 def test_every_extra_names_an_existing_plugin_at_its_version():
     core = _project(ROOT / "core" / "pyproject.toml")
-    # Extras name plugins, and integrations (paged-core[transformers]).
+    # Extras name plugins, integrations (paged-core[transformers]) and the bench (paged-core[bench]).
     integrations = [_project(p) for p in sorted((ROOT / "integrations").glob("*/pyproject.toml"))]
-    versions = {proj["name"]: proj["version"] for proj in [*_plugins().values(), *integrations]}
+    bench = _project(ROOT / "bench" / "pyproject.toml")
+    versions = {proj["name"]: proj["version"] for proj in [*_plugins().values(), *integrations, bench]}
     for extra, reqs in core["optional-dependencies"].items():
         for req in reqs:
-            name, _, pin = re.match(r"([A-Za-z0-9_.-]+)\s*(==\s*(\S+))?", req).groups()
+            name, _, _, pin = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(==\s*(\S+))?", req).groups()
             if not name.startswith("paged-"):
                 continue
             assert name in versions, f"extra {extra!r} names {name}, which is not a plugin of this repo"

@@ -22,6 +22,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Batch": "cases",
     "Case": "cases",
     "TABLE": "cases",
     "cases": "cases",
@@ -37,6 +38,9 @@ _EXPORTS = {
     "NotApplicable": "checks",
     "BackendPool": "backends",
     "Matrix": "report",
+    "check_writable": "report",
+    "allocate_tables": "workload",
+    "blocks_needed": "workload",
     "run": "runner",
 }
 

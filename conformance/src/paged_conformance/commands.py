@@ -1,9 +1,9 @@
-"""``paged check`` and ``paged bench``: the commands this distribution adds to ``paged``.
+"""``paged check``: the command this distribution adds to ``paged``.
 
 paged-core owns the ``paged`` entry point and ``paged list``; this module is the plugin (entry
-point ``conformance`` in the group ``paged_core``) whose ``register_commands`` hook adds the two
-commands. Their options live next to their code (:func:`.runner.add_arguments`,
-:func:`.bench.add_arguments`); importing those modules loads no backend and no Triton kernel.
+point ``conformance`` in the group ``paged_core``) whose ``register_commands`` hook adds the
+command. Its options live next to its code (:func:`.runner.add_arguments`); importing that module
+loads no backend and no Triton kernel.
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ __all__ = ["register_commands"]
 
 @hookimpl
 def register_commands(subparsers) -> None:
-    from . import bench, runner
+    from . import runner
 
     check = subparsers.add_parser("check", help="run the conformance cases on installed backends now")
     runner.add_arguments(check)
     check.set_defaults(func=runner.main)
-
-    timing = subparsers.add_parser("bench", help="time installed backends against the bandwidth floor")
-    bench.add_arguments(timing)
-    timing.set_defaults(func=bench.main)

@@ -1,5 +1,5 @@
 """The ``paged`` command line. Core owns the entry point and ``list``; every other command comes
-from a plugin's ``register_commands`` hook (``check`` and ``bench`` from paged-conformance).
+from a plugin's ``register_commands`` hook (``check`` from paged-conformance, ``bench`` from paged-bench).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser", "PROVIDERS"]
 
 #: Commands that this project's other distributions provide, and which one: when a command is
 #: missing, ``paged`` says what to install instead of "invalid choice".
-PROVIDERS: dict[str, str] = {"check": "paged-conformance", "bench": "paged-conformance"}
+PROVIDERS: dict[str, str] = {"check": "paged-conformance", "bench": "paged-bench"}
 
 
 class _Row(TypedDict):

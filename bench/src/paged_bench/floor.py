@@ -1,8 +1,5 @@
-"""Timers and the two ceilings ``paged bench`` measures in the same run.
+"""The two ceilings ``paged bench`` measures in the same run, the denominators of its floors.
 
-* :func:`time_fn` — median time of a callable: ``triton.testing.do_bench`` on a GPU (L2 flushed
-  before every repetition), CUDA events around each call with a 256 MB buffer written between
-  repetitions when Triton is missing, a host clock on the CPU.
 * :func:`read_bandwidth` — the read ceiling: a streaming-read Triton kernel over a 4 GB buffer
   (each program sums one chunk with wide vector loads and writes one value), which reaches more
   than a copy or ``torch.sum``; ``torch.sum`` is the fallback (and the CPU path).
@@ -15,102 +12,13 @@ Nothing here imports Triton at module import: on a CPU machine ``paged bench`` s
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-__all__ = ["Ceiling", "have_triton", "matmul_rate", "read_bandwidth", "sync", "time_fn"]
+from .timing import have_triton, host_time, time_fn
 
-_FLUSH_BYTES = 256 * 1024 * 1024
-
-
-def have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.testing  # noqa: F401
-    except Exception:
-        return False
-    return True
+__all__ = ["Ceiling", "matmul_rate", "read_bandwidth"]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# --------------------------------------------------------------------------------------------- timers
-def time_fn(
-    fn: Callable[[], Any], device: torch.device, *, warmup_ms: float = 25, rep_ms: float = 100,
-    method: str = "auto",
-) -> tuple[float, str]:
-    """``(median ms, how it was timed)`` of ``fn()``; ``fn`` must already have run once (compiled).
-
-    On a GPU the L2 cache is flushed before every repetition, so each call reads its inputs from
-    memory as a real layer call would.
-    """
-    if device.type != "cuda":
-        return _host_time(fn, device, rep_ms=rep_ms), "host clock (median)"
-    if method in ("auto", "do_bench") and have_triton():
-        from triton.testing import do_bench
-
-        try:
-            ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        except TypeError:  # an old Triton without return_mode
-            ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5])
-            ms = ms[0] if isinstance(ms, (list, tuple)) else ms
-        return float(ms), "triton.testing.do_bench (median, L2 flushed)"
-    return _event_time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "CUDA events (median, L2 flushed)"
-
-
-def _event_time(fn, device, *, warmup_ms: float, rep_ms: float) -> float:
-    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    fn()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        flush.zero_()
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    est = max(start.elapsed_time(end) / 5, 1e-3)  # includes the flush: an over-estimate, fine
-    for _ in range(max(1, int(warmup_ms / est))):
-        fn()
-    n = min(max(10, int(rep_ms / est)), 2000)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for i in range(n):
-        flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-
-
-def _host_time(fn, device, *, rep_ms: float, max_reps: int = 50) -> float:
-    times: list[float] = []
-    deadline = time.perf_counter() + rep_ms / 1000
-    while not times or (time.perf_counter() < deadline and len(times) < max_reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
-
-
-def host_time_ms(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
-    """Median wall time of ``fn()`` over ``reps`` calls, each synced on both sides (host-side
-    planning)."""
-    return _host_time(fn, device, rep_ms=math.inf, max_reps=reps)
-
-
-# --------------------------------------------------------------------------------------------- ceilings
 class Ceiling(dict):
     """``{"value": per second, "method": str, ...}``: what was measured and how."""
 
@@ -147,7 +55,7 @@ def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: floa
     """Bytes per second the device reads, measured now (the denominator of every floor)."""
     if device.type != "cuda":
         x = torch.randn(16 * 1024 * 1024, dtype=torch.float32)  # 64 MB
-        ms = _host_time(lambda: torch.sum(x), device, rep_ms=200, max_reps=10)
+        ms = host_time(lambda: torch.sum(x), device, rep_ms=200, max_reps=10)
         return Ceiling(value=x.numel() * 4 / (ms / 1000), method="torch.sum of 64 MB float32 (CPU)",
                        bytes=x.numel() * 4)
     results: dict[str, float] = {}
@@ -200,7 +108,7 @@ def matmul_rate(
     if device.type != "cuda":
         n = 1024
         a, b = torch.randn(n, n), torch.randn(n, n)
-        ms = _host_time(lambda: torch.matmul(a, b), device, rep_ms=200, max_reps=10)
+        ms = host_time(lambda: torch.matmul(a, b), device, rep_ms=200, max_reps=10)
         return Ceiling(value=2 * n**3 / (ms / 1000), method=f"torch.matmul {n}x{n} float32 (CPU)")
     n = 8192
     a = torch.randn(n, n, dtype=dtype, device=device)

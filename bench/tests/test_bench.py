@@ -7,8 +7,11 @@ import json
 
 import pytest
 import torch
-from paged_conformance import bench as _bench
-from paged_conformance.tolerances import output_tolerance
+from paged_bench import cli as _bench
+from paged_bench import config as _config
+from paged_bench import data as _data
+from paged_bench import rows as _rows
+from paged_conformance import output_tolerance
 from paged_core import KV_DTYPES, KV_SCALES, Backend, Capabilities, Registry, _cli, hookimpl, reference_attention
 
 
@@ -232,7 +235,7 @@ def test_bench_reports_wrong_skip_and_error_without_timing_them(tmp_path, fake_r
     # One static scale per tensor: no scale per slot to read (2 x 4 bytes per token and KV head).
     fp8, static = by_id["decode-fp8"], by_id["decode-fp8-static"]
     tokens = fp8["total_context"]
-    assert fp8["kv_bytes"] - static["kv_bytes"] == tokens * 2 * 4 * _bench._config(_args()).kv_heads
+    assert fp8["kv_bytes"] - static["kv_bytes"] == tokens * 2 * 4 * _config.make_config(_args()).kv_heads
     assert static["kv_scales"] == "static" and fp8["kv_scales"] == "per_slot"
     assert rows[("decode-fp8-static", "reference")]["status"] == "ok"
     assert by_id["prefill"]["flops"] > 0 and by_id["mixed"]["kind"] == "mixed"
@@ -278,7 +281,7 @@ def test_a_recorded_run_is_printed_again_without_timing(tmp_path, monkeypatch, c
     table = [line for line in first.splitlines() if line.startswith(("decode", "sweep-"))]
     assert len(table) == 3
     # Nothing may run: a backend call would fail here.
-    monkeypatch.setattr(_bench, "_run_backend", lambda *a, **k: pytest.fail("--from-json timed a backend"))
+    monkeypatch.setattr(_rows, "run_backend", lambda *a, **k: pytest.fail("--from-json timed a backend"))
     png = tmp_path / "again.png"
     assert _cli.main(["bench", "--from-json", str(out), "--plot", str(png)]) == 0
     again = capsys.readouterr().out
@@ -310,24 +313,24 @@ def test_bad_options_exit_2(fake_registry, capsys):
 
 def test_flop_and_byte_counts():
     # One prompt of 3 tokens sees 1 + 2 + 3 keys; a decode at 10 tokens sees 10.
-    assert _bench._flops([3, 1], [3, 10], heads=2, head_dim=8) == 4 * 8 * 2 * (6 + 10)
+    assert _data.count_flops([3, 1], [3, 10], heads=2, head_dim=8) == 4 * 8 * 2 * (6 + 10)
     # A 2-block prefix shared by two requests is read once.
     tables = [[5, 6, 7], [5, 6, 9]]
-    assert _bench._unique_kv_tokens(tables, [40, 36], 16) == 32 + 8 + 4
+    assert _data.unique_kv_tokens(tables, [40, 36], 16) == 32 + 8 + 4
     # Checked requests: every prefill within the row budget, and spread decodes.
-    picked = _bench._pick_checked([1] * 30 + [512, 512])
+    picked = _data.pick_checked([1] * 30 + [512, 512])
     assert {30, 31} <= set(picked) and 0 in picked and len(picked) <= 8
 
 
 def test_a_case_that_cannot_be_built_is_reported_and_the_rest_run(tmp_path, fake_registry, monkeypatch):
-    real = _bench._build_pool
+    real = _data.build_pool
 
     def build(cfg, case, seed):
         if case.id == "prefill":
             raise torch.OutOfMemoryError("pretend the pool does not fit")
         return real(cfg, case, seed)
 
-    monkeypatch.setattr(_bench, "_build_pool", build)
+    monkeypatch.setattr(_data, "build_pool", build)
     out = tmp_path / "b.json"
     rc = _bench.main(_args("--backend", "reference", "--cases", "decode,prefill,cascade", "--json", str(out)),
                      registry=fake_registry)
@@ -354,7 +357,7 @@ class CascadeOptionBackend(_Counting):
         out.copy_(reference_attention(q, cache, plan, scale=scale))
 
 
-def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeypatch):
+def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     CascadeOptionBackend.built_with = []
 
@@ -373,6 +376,13 @@ def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeyp
     labels = {r["label"]: r["status"] for r in rows}
     assert labels == {"fake-cascade": "ok", "fake-planning": "ok", "fake-cascade (cascade)": "ok"}
     assert True in CascadeOptionBackend.built_with  # the extra row really used cascade=True
+    # Every backend's row, then the variants; each row gets one progress line as it finishes.
+    assert [r["label"] for r in rows] == ["fake-cascade", "fake-planning", "fake-cascade (cascade)"]
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[1/1]")]
+    heads = [f"[1/1] {'cascade':<16} {'4x(32+8)':<14} {label:<24} " for label in (
+        "fake-cascade", "fake-planning", "fake-cascade (cascade)")]
+    assert [line[: len(head)] for line, head in zip(progress, heads, strict=True)] == heads
+    assert all(line.endswith(" ms") for line in progress), progress
 
 
 @pytest.mark.parametrize("argv, words", [
