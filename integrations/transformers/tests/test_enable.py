@@ -107,6 +107,19 @@ def test_the_distribution_requires_exactly_the_supported_releases():
     assert admitted == set(SUPPORTED), f"pyproject.toml requires transformers{spec}; the table: {sorted(SUPPORTED)}"
 
 
+def test_ci_runs_the_tests_on_the_newest_supported_release():
+    """noxfile.py's transformers pins are tested releases of the table, the newest among them."""
+    import pathlib
+
+    from paged_transformers import SUPPORTED
+
+    noxfile = pathlib.Path(__file__).resolve().parents[3] / "noxfile.py"
+    pins = re.findall(r'"transformers==([0-9.]+)"', noxfile.read_text())
+    assert pins and set(pins) <= set(paged_transformers.TESTED), (pins, paged_transformers.TESTED)
+    newest = max(SUPPORTED, key=lambda key: tuple(map(int, key.split("."))))
+    assert SUPPORTED[newest].tested in pins, f"noxfile.py pins {pins}, not the newest release {newest}"
+
+
 @pytest.mark.parametrize("version, says", [
     ("5.19.0", "5.19 to 5.23 are untested"),
     ("5.23.2", "5.19 to 5.23 are untested"),
