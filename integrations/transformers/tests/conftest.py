@@ -24,9 +24,9 @@ from paged_transformers._versions import hook_of  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, Qwen3Config  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
-#: The installed release's hook: "pool" (5.17, 5.18) or "gathered" (5.24).
+#: The installed release's hook: "pool" (5.17, 5.18) or "gathered" (5.24, 5.25).
 HOOK = hook_of(transformers.__version__)
-#: transformers' own paged path in the installed release (the oracle): 5.24 dropped the
+#: transformers' own paged path in the installed release (the oracle): the gathered releases dropped the
 #: ``paged|`` prefix of its SDPA path.
 TRANSFORMERS_PAGED = "sdpa" if HOOK == "gathered" else "paged|sdpa"
 

@@ -67,23 +67,80 @@ def test_unknown_backend_is_the_registry_error():
         paged_transformers.enable("flashinfr")
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.18.0", "5.18.3", "5.24.0", "5.24.1"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.18.0", "5.18.3", "5.24.0", "5.24.1", "5.25.0", "5.25.2"])
 def test_supported_releases(version):
     assert paged_transformers.check_transformers_version(version) == version
+
+
+def test_the_table_names_each_release_once_with_a_known_hook():
+    from paged_transformers import HOOKS, SUPPORTED
+
+    for key, release in SUPPORTED.items():
+        assert release.hook in HOOKS, (key, release)
+        assert release.tested.startswith(key + "."), (key, release)
+        assert paged_transformers.hook_of(release.tested) == release.hook
+    assert paged_transformers.TESTED == tuple(r.tested for r in SUPPORTED.values())
+
+
+def test_one_line_in_the_table_supports_a_release(monkeypatch):
+    from paged_transformers import SUPPORTED, Release
+
+    with pytest.raises(UnsupportedSpecError, match="newer than the newest release"):
+        paged_transformers.check_transformers_version("5.26.0")
+    monkeypatch.setitem(SUPPORTED, "5.26", Release("gathered", "5.26.0"))
+    assert paged_transformers.hook_of("5.26.1") == "gathered"
+    assert paged_transformers.check_transformers_version("5.26.1") == "5.26.1"
+
+
+def test_the_distribution_requires_exactly_the_supported_releases():
+    """pyproject.toml's transformers range admits the table's releases and no other."""
+    import pathlib
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from paged_transformers import SUPPORTED
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    (spec,) = [Requirement(d).specifier for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+               if Requirement(d).name == "transformers"]
+    admitted = {f"5.{minor}" for minor in range(10, 40) if spec.contains(f"5.{minor}.0")}
+    assert admitted == set(SUPPORTED), f"pyproject.toml requires transformers{spec}; the table: {sorted(SUPPORTED)}"
+
+
+def test_ci_runs_the_tests_on_the_newest_supported_release():
+    """noxfile.py's transformers pins are tested releases of the table, the newest among them."""
+    import pathlib
+
+    from paged_transformers import SUPPORTED
+
+    noxfile = pathlib.Path(__file__).resolve().parents[3] / "noxfile.py"
+    pins = re.findall(r'"transformers==([0-9.]+)"', noxfile.read_text())
+    assert pins and set(pins) <= set(paged_transformers.TESTED), (pins, paged_transformers.TESTED)
+    newest = max(SUPPORTED, key=lambda key: tuple(map(int, key.split("."))))
+    assert SUPPORTED[newest].tested in pins, f"noxfile.py pins {pins}, not the newest release {newest}"
 
 
 @pytest.mark.parametrize("version, says", [
     ("5.19.0", "5.19 to 5.23 are untested"),
     ("5.23.2", "5.19 to 5.23 are untested"),
-    ("5.25.0", "newer than the newest release paged-transformers was tested with"),
+    ("5.26.0", "newer than the newest release paged-transformers was tested with (5.25.0)"),
     ("6.0.0", "newer than the newest release"),
     ("5.16.1", "predates"),
 ])
 def test_releases_without_a_tested_hook_are_refused(version, says):
-    with pytest.raises(UnsupportedSpecError, match=says) as info:
+    with pytest.raises(UnsupportedSpecError, match=re.escape(says)) as info:
         paged_transformers.check_transformers_version(version)
-    assert "accepted: transformers 5.17.x, 5.18.x or 5.24.x" in str(info.value)
-    assert "pip install 'transformers==5.24.0'" in str(info.value)
+    assert f"transformers {version}" in str(info.value)
+    assert "accepted: transformers 5.17.x, 5.18.x, 5.24.x or 5.25.x" in str(info.value)
+    assert "(tested: 5.17.0, 5.18.0, 5.24.0, 5.25.0)" in str(info.value)
+    assert "pip install 'transformers==5.25.0'" in str(info.value)
+
+
+def test_enable_refuses_an_untested_release_with_what_is_supported(monkeypatch):
+    # By its dotted name: transformers may replace its module object in sys.modules after an import.
+    monkeypatch.setattr("transformers.__version__", "5.26.0")
+    with pytest.raises(UnsupportedSpecError, match=r"transformers 5\.26\.0 is newer.*accepted: transformers 5\.17\.x"):
+        paged_transformers.enable("reference")
 
 
 def test_sliding_window_layer_is_refused_by_name():

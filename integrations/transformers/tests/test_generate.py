@@ -150,7 +150,7 @@ def _transformers_pools(cache):
     return [*cache.key_cache, *cache.value_cache]
 
 
-@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 writes its pool itself: see "
+@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 and 5.25 write their pool themselves: see "
                     "test_gathered_kv_is_read_without_a_copy")
 def test_kv_pool_is_written_in_place(models, monkeypatch):
     """The backend reads and writes transformers' own pool tensors (no copy of the cache)."""
@@ -181,7 +181,7 @@ def test_kv_pool_is_written_in_place(models, monkeypatch):
 @pytest.mark.skipif(HOOK != "gathered", reason="transformers 5.17/5.18 pass their pool: see "
                     "test_kv_pool_is_written_in_place")
 def test_gathered_kv_is_read_without_a_copy(models, monkeypatch):
-    """5.24: the backend reads the K/V transformers gathered, as one-token blocks, and writes nothing."""
+    """5.24, 5.25: the backend reads the K/V transformers gathered, as one-token blocks, and writes nothing."""
     name = paged_transformers.enable("reference")
     adapter = _ENABLED[name]
     given, read = [], []

@@ -3,7 +3,7 @@
 transformers looks an attention implementation up by name in ``AttentionInterface`` (its public
 registry) and calls it once per layer with the packed queries, keys and values and the step's
 metadata as keyword arguments. What it hands over depends on the release
-(:mod:`paged_transformers._versions` names the two hooks):
+(:mod:`paged_transformers._versions` has the table of releases and their hooks):
 
 - **"pool"** (5.17, 5.18): the new K/V of the step and transformers' paged cache object
   (``cache``, ``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_seqlen_q``, ``max_seqlen_k``,
@@ -14,7 +14,7 @@ metadata as keyword arguments. What it hands over depends on the release
   layer the function views the layer's pool as paged's ``[blocks, block_size, kv_heads,
   head_dim]`` (no copy; :func:`_view_pool` has each release's layout), writes the new K/V with
   ``backend.write`` and runs ``backend.forward``.
-- **"gathered"** (5.24): the model has already written the new K/V into the pool and gathered
+- **"gathered"** (5.24, 5.25): the model has already written the new K/V into the pool and gathered
   each request's whole K/V (``key``/``value`` are ``[1, kv_heads, rows, head_dim]``, request r at
   rows ``cu_k[r]:cu_k[r+1]``); the cache object is not passed. Continuous batching accepts only
   names that contain ``flash`` (besides its own), so these names end with ``+flash`` and the
@@ -48,7 +48,7 @@ from paged_core import (
 )
 
 from ._meta import batch_meta_from_gathered, batch_meta_from_transformers
-from ._versions import check_transformers_version, hook_of
+from ._versions import SUPPORTED, check_transformers_version, hook_of
 
 __all__ = ["enable", "PagedAttention", "implementation_name", "register"]
 
@@ -64,7 +64,7 @@ def implementation_name(backend: str, options: dict[str, Any], *, hook: str = "p
 
     ``hook`` is the transformers release's hook (:func:`paged_transformers._versions.hook_of`).
     The backend part never contains ``flash`` (written ``fl-ash``): 5.17 would resolve such a
-    name as a flash-attention package; 5.24 needs ``flash`` in the name, once, at its end.
+    name as a flash-attention package; 5.24 and 5.25 need ``flash`` in the name, once, at its end.
 
     >>> implementation_name("triton-unified", {})
     'paged|paged-triton-unified'
@@ -93,7 +93,7 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
     transformers still allocates (and no longer uses) its own pool, so this measures what
     quantization costs in accuracy, not what it saves in memory. transformers 5.17 only.
 
-    On transformers 5.24 the name contains ``flash`` (the only custom names its continuous
+    On transformers 5.24 and 5.25 the name contains ``flash`` (the only custom names its continuous
     batching accepts); ``enable`` then marks the name as loaded in transformers' flash-attention
     loader, which would otherwise look for a flash-attention package or Hub kernel of that name
     when ``set_attn_implementation`` is called (see the README). Call ``enable`` again before
@@ -131,9 +131,9 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
 def register(adapter: PagedAttention) -> str:
     """Register ``adapter`` with transformers under ``adapter.name`` (what :func:`enable` does).
 
-    On 5.24 a name containing ``flash`` is also marked as loaded in transformers' flash-attention
+    On 5.24 and 5.25 a name containing ``flash`` is also marked as loaded in transformers' flash-attention
     loader (``transformers.modeling_flash_attention_utils``). That loader is private: it is the
-    one step between a registered name and continuous batching that 5.24 gives no public way
+    one step between a registered name and continuous batching that these releases give no public way
     through. ``set_attn_implementation`` calls it for every name containing ``flash``, and for a
     name that is neither ``flash_attention_2/3/4`` nor a Hub repository it raises "Could not find
     the currently requested flash attention implementation"; a name without ``flash`` is refused
@@ -151,7 +151,7 @@ def register(adapter: PagedAttention) -> str:
                 f"transformers {_transformers_version()} has no flash-attention loader state "
                 f"(modeling_flash_attention_utils._loaded_implementation) to record {adapter.name!r} in, so "
                 "set_attn_implementation would look the name up as a flash-attention package; accepted: "
-                "transformers 5.24.x or 5.17.x"
+                f"transformers {_supported_releases()}"
             ])
         loader._loaded_implementation = adapter.name
     return adapter.name
@@ -175,7 +175,7 @@ class PagedAttention:
         self.backend = backend
         self.name = name
         self.kv_dtype = kv_dtype
-        #: "pool" (5.17, 5.18) or "gathered" (5.24): what transformers hands the function.
+        #: "pool" (5.17, 5.18) or "gathered" (5.24, 5.25): what transformers hands the function.
         self.hook = hook or hook_of(_transformers_version()) or "pool"
         self._step: _Step | None = None
         # (transformers' cache object, per layer: (group, the layer as a paged cache, padding slot)):
@@ -225,7 +225,7 @@ class PagedAttention:
     def _gathered(self, module: torch.nn.Module, layer: int | None, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, dropout: float, scaling: float | None,
                   kwargs: dict) -> tuple[torch.Tensor, None]:
-        """transformers 5.24: attention over the K/V the model wrote and gathered itself."""
+        """transformers 5.24, 5.25: attention over the K/V the model wrote and gathered itself."""
         if "write_index" not in kwargs or "cu_seq_lens_q" not in kwargs:
             raise InputError(
                 f"{self.name!r} was called without transformers' continuous-batching metadata (layer {layer}); "
@@ -377,7 +377,7 @@ def _window_reason(module: torch.nn.Module, layer: int | None, window: int) -> s
         "transformers keeps such layers in a rolling buffer whose slots are not paged's "
         "block_size * block + offset positions, so paged cannot read them. Accepted: models whose "
         "layers are all full attention (e.g. Qwen3 with use_sliding_window=False, Llama); use "
-        "attn_implementation='sdpa' (5.24) or 'paged|sdpa' (5.17) for this model"
+        "attn_implementation='sdpa' (5.24, 5.25) or 'paged|sdpa' (5.17, 5.18) for this model"
     )
 
 
@@ -388,6 +388,10 @@ def _layer_window(module: torch.nn.Module, cache: Any, layer: int) -> int:
         return 0 if window == 1 else int(window)
     allocator = cache.layer_to_allocator[layer]  # 5.18: one allocator per attention type
     return int(getattr(allocator, "sliding_window", 0) or getattr(module, "sliding_window", 0) or 0)
+
+
+def _supported_releases() -> str:
+    return ", ".join(f"{key}.x" for key in SUPPORTED)
 
 
 def _transformers_version() -> str:

@@ -118,9 +118,9 @@ def batch_meta_from_gathered(
     max_query_len: int,
     max_seq_len: int,
 ) -> BatchMeta:
-    """The ``BatchMeta`` of one transformers 5.24 step over the K/V it gathered: block_size 1.
+    """The ``BatchMeta`` of one transformers 5.24 or 5.25 step over the K/V it gathered: block_size 1.
 
-    transformers 5.24 hands the attention function every request's K/V gathered from its pool,
+    transformers 5.24 and 5.25 hand the attention function every request's K/V gathered from its pool,
     request after request (request r's positions ``0 .. seq_len-1`` are rows
     ``cu_k[r]:cu_k[r+1]``; ``num_kv_rows`` counts them, padding included). Seen as a pool of
     one-token blocks, request r's block table is ``cu_k[r] + j`` and each new token's K/V is
