@@ -44,6 +44,8 @@ CHECKED_CALLS_MAX = 4096
 # The float32 range of the kernels' scalars: the largest finite value and the smallest normal one.
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)
+# The largest soft-cap: kernels fold log2(e) into it, which must stay finite in float32.
+SOFTCAP_MAX = _F32_MAX / 2
 
 
 class _Checked(Protocol):
@@ -217,7 +219,7 @@ def _check_scalars(window, softcap, scale) -> None:
     # Fast path for the plain int/float every caller passes: isinstance against the numbers
     # ABCs costs microseconds, and this runs on every layer call.
     if type(window) is int and 0 <= window < INT32_LIMIT and type(softcap) in (float, int) \
-            and (softcap == 0 or _F32_TINY <= softcap <= _F32_MAX) \
+            and (softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX) \
             and (scale is None or (type(scale) in (float, int) and -_F32_MAX <= scale <= _F32_MAX)):
         return
     if not _is_int(window) or not 0 <= window < INT32_LIMIT:
@@ -226,10 +228,10 @@ def _check_scalars(window, softcap, scale) -> None:
             "at least as long as the longest sequence is no window: pass 0)"
         )
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not (
-            softcap == 0 or _F32_TINY <= softcap <= _F32_MAX):
+            softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX):
         raise InputError(
-            f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 (from "
-            f"{_F32_TINY:.4g} to {_F32_MAX:.4g}: the kernels compute in float32)"
+            f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 from {_F32_TINY:.4g} to "
+            f"{SOFTCAP_MAX:.4g} (the kernels compute in float32; a cap that large is no cap)"
         )
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
                               or not -_F32_MAX <= scale <= _F32_MAX):

@@ -32,6 +32,18 @@ def test_tanh_matches_torch_over_the_softcap_range(formula):
     assert err["kept"] <= err["exp2"], err
 
 
+def test_tanh_keeps_its_relative_precision_near_zero():
+    """A soft-cap far above the scores divides them to tiny ``x``: there tanh(x) ~ x must keep
+    its relative precision (1 - 2 / (exp(2x) + 1) cancels to 0 below 3e-8)."""
+    mags = torch.logspace(-30, 0, 601, dtype=torch.float64)
+    x = torch.cat([-mags.flip(0), mags]).to(torch.float32).to(DEVICE)
+    y = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, y, x.numel(), BLOCK=2048)
+    want = torch.tanh(x.double())
+    rel = ((y.double() - want).abs() / want.abs()).max().item()
+    assert rel <= 1e-6, rel
+
+
 @triton.jit
 def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)

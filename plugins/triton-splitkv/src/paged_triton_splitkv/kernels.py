@@ -29,6 +29,7 @@ from paged_triton_common.tiles import (
     block_ok,
     codes_to,
     fold_sink,
+    sink_weight,
     natural_lse,
     soft_cap,
     softmax_step,
@@ -669,7 +670,7 @@ def _merge_rows(
         # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.
         acc += tl.sum(tl.where((w != 0.0)[:, :, None], w[:, :, None] * o, 0.0), 0)
     if HAS_SINKS:
-        denom += tl.exp(sink - m_safe)
+        denom += sink_weight(sink, m_safe, LOG2=False)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, denom))
     tl.store(
         out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
@@ -742,7 +743,7 @@ def merge_states_kernel(
         acc += tl.sum(tl.where((w != 0.0)[:, None], w[:, None] * o, 0.0), 0)
     if HAS_SINKS:
         # The sink joins the denominator exactly once, here, after all parts.
-        denom += tl.exp(sink - m_safe)
+        denom += sink_weight(sink, m_safe, LOG2=False)
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, denom))
     out = acc * inv
     tl.store(
