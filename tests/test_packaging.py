@@ -35,10 +35,25 @@ def test_every_extra_names_an_existing_plugin_at_its_version():
             assert pin == versions[name], f"extra {extra!r} pins {name}=={pin}, the plugin is {versions[name]}"
 
 
+# Distributions under plugins/ that register no backend: the runtime the Triton plugins share.
+RUNTIMES = {"triton-common"}
+
+
+def test_the_triton_runtime_registers_nothing_and_both_triton_plugins_need_it():
+    plugins = _plugins()
+    for folder in RUNTIMES:
+        assert "paged_core" not in plugins[folder].get("entry-points", {}), f"{folder} must register no backend"
+    for folder in ("triton-unified", "triton-splitkv"):
+        needs = {re.split(r"[=<> ]", r)[0] for r in plugins[folder]["dependencies"]}
+        assert "paged-triton-common" in needs, folder
+
+
 def test_every_plugin_is_in_the_all_extra_and_registers_its_folder_name():
     core = _project(ROOT / "core" / "pyproject.toml")
     all_extra = {re.split(r"[=<> ]", r)[0] for r in core["optional-dependencies"]["all"]}
     for folder, proj in _plugins().items():
+        if folder in RUNTIMES:
+            continue
         assert proj["name"] == f"paged-{folder}", "folder, distribution suffix and registry key are one word"
         assert proj["name"] in all_extra
         assert folder in proj["entry-points"]["paged_core"], f"{proj['name']} registers no {folder!r} entry point"
