@@ -37,7 +37,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -223,17 +223,40 @@ class DirectKernel:
         # The interpreter's kernels are not JITFunctions: they always take the normal path.
         self.enabled = (isinstance(jit, JITFunction) and (self.tuner is None or not _tuner_hooks(self.tuner))
                         and direct_launch_supported())
-        if not isinstance(jit, JITFunction):
-            return
-        params = jit.params
-        self.names = tuple(p.name for p in params)
-        self.defaults = {n: p.default for n, p in jit.signature.parameters.items()
-                         if p.default is not inspect.Parameter.empty}
-        exact = {p.name for p in params if p.is_constexpr} | (set(self.tuner.keys) if self.tuner else set())
-        self.kinds = self.kinds_of(
-            self.names, constexprs=exact, nospec={p.name for p in params if p.do_not_specialize})
+        if isinstance(jit, JITFunction):
+            params = jit.params
+            self.names = tuple(p.name for p in params)
+            self.defaults = {n: p.default for n, p in jit.signature.parameters.items()
+                             if p.default is not inspect.Parameter.empty}
+            constexprs = {p.name for p in params if p.is_constexpr}
+            nospec = {p.name for p in params if p.do_not_specialize}
+        else:  # the interpreter's InterpretedFunction: the same facts from the Python function
+            signature = inspect.signature(jit.fn).parameters
+            self.names = tuple(signature)
+            self.defaults = {n: p.default for n, p in signature.items() if p.default is not inspect.Parameter.empty}
+            constexprs = {n for n, p in signature.items() if "constexpr" in str(p.annotation)}
+            nospec = set(getattr(jit, "kwargs", {}).get("do_not_specialize") or ())
+        tuned = set(self.tuner.keys) if self.tuner else set()
+        self.kinds = self.kinds_of(self.names, constexprs=constexprs | tuned, nospec=nospec)
+        # What Triton compiles a binary on: autotune-key ints specialise like any other int.
+        self.binary_kinds = self.kinds_of(self.names, constexprs=constexprs, nospec=nospec)
         for option in ("num_warps", "num_stages", "num_ctas", "maxnreg"):
-            self.kinds[option] = _EXACT
+            self.kinds[option] = self.binary_kinds[option] = _EXACT
+
+    def tuning_key(self, kwargs: Mapping[str, Any]) -> tuple | None:
+        """The autotuner's key for a launch with ``kwargs``, as ``Autotuner.run`` builds it (the
+        key arguments' values, then every tensor argument's dtype); None for a kernel that is not
+        autotuned. A launch with a key not tuned yet times the configs."""
+        if self.tuner is None:
+            return None
+        args = {k: v for k, v in kwargs.items() if k in self.tuner.arg_names}
+        return tuple([args[k] for k in self.tuner.keys if k in args]
+                     + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+
+    def binary_key(self, kwargs: Mapping[str, Any]) -> tuple:
+        """What Triton compiles a binary of one config on, for a launch with ``kwargs``: a
+        launch with a key not seen yet compiles (each config, when the autotuner times them)."""
+        return specialization_key(self.binary_kinds, kwargs)
 
     @staticmethod
     def kinds_of(names, *, constexprs=frozenset(), nospec=frozenset()) -> dict[str, int]:
@@ -298,11 +321,7 @@ class DirectKernel:
         tuned in this process, or earlier by any process that shares the cache directory
         (``cache_results``: Triton keeps its timings next to the compiled kernels)."""
         tuner: Any = self.tuner  # an Autotuner: only autotuned kernels are asked
-        # As Autotuner.run builds it: the key arguments' values, then every tensor's dtype in
-        # the order of the call's arguments.
-        args = {k: v for k, v in kwargs.items() if k in tuner.arg_names}
-        key = tuple([args[k] for k in tuner.keys if k in args]
-                    + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+        key = cast(tuple, self.tuning_key(kwargs))
         tuner.nargs = {}  # prune_configs reads it; every argument comes by keyword here
         configs = tuner.prune_configs(kwargs) if len(tuner.configs) > 1 else list(tuner.configs)
         if len(configs) == 1:

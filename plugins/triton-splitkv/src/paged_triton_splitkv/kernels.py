@@ -244,7 +244,10 @@ else:
     # takes less time than Triton's own launch path, which would otherwise be what is timed.
     do_bench=replay_bench,
 )
-@triton.jit(do_not_specialize=["occupancy"])  # a key value only: no binary per class
+# Batch-dependent ints feed no address alignment: specialised (== 1, divisible by 16), a new
+# split count or table width would compile another binary of a tuned class. occupancy is a key
+# value only.
+@triton.jit(do_not_specialize=["num_blocks", "max_blocks", "num_splits", "occupancy"])
 def split_kv_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], q dtype / int8 / uint8 (fp8 bytes)

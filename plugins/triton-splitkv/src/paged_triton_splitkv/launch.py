@@ -306,8 +306,7 @@ def split_decode_attention(
     # Several splits: one launch, whose last program per (request, KV head) merges the partials
     # (split_kv_attention_kernel's FUSED_MERGE). The counters reset themselves, so zeroing them
     # once per workspace is enough: a recorded or captured call keeps its workspace.
-    part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, head_dim, q.device)
     counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
@@ -317,6 +316,18 @@ def split_decode_attention(
         final=(out, lse, sinks), counters=counters, kernel_config=kernel_config,
     )
     return out
+
+
+def _partials(num_parts: int, num_tokens: int, num_q_heads: int, head_dim: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 workspaces ``[num_parts, num_tokens, num_q_heads, head_dim]`` and ``[num_parts,
+    num_tokens, num_q_heads]``, views of ones with the token count rounded up to 16: a part's
+    stride is then a multiple of 16 for every batch size, so Triton specialises the kernels on it
+    one way (aligned) instead of compiling a binary per batch-size residue."""
+    rows = _cdiv(num_tokens, 16) * 16
+    part_out = torch.empty((num_parts, rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((num_parts, rows, num_q_heads), dtype=torch.float32, device=device)
+    return part_out[:, :num_tokens], part_lse[:, :num_tokens]
 
 
 def _launch_split(
@@ -625,8 +636,7 @@ def cascade_attention(
         prefix_tokens, prefix_splits, row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
         num_kv_heads=num_kv_heads, device=q.device)
     num_parts = num_splits + prefix_splits
-    part_out = torch.empty((num_parts, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_parts, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, head_dim, q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
     # The suffix and prefix passes share nothing until the merge: on a GPU the prefix pass runs on

@@ -45,7 +45,10 @@ BLOCK_M_LARGE = 128
 # Head dims padded to 256 double every register tile; 64 rows keep the accumulator in registers.
 BLOCK_M_LARGE_WIDE_HEAD = 64
 
-_TILE_PLAN_BLOCK_R = 1024  # requests per step of the tile-plan scan
+# Requests per step of the tile-plan scan, one value for every batch: a constexpr that followed
+# the request count compiled a tile-plan binary per power of two of it, on the first mixed step
+# of each (the masked lanes of one program cost nothing a launch of it can show).
+_TILE_PLAN_BLOCK_R = 1024
 
 # Launched directly once compiled (a few us instead of Triton's ~100 us of per-call Python), and
 # compiled safely inside a CUDA-graph capture on a first call (paged_triton_common.direct).
@@ -297,7 +300,7 @@ def unified_attention(
             num_reqs=num_reqs,
             BLOCK_Q_SMALL=bq_small,
             BLOCK_Q_LARGE=bq_large,
-            BLOCK_R=min(_TILE_PLAN_BLOCK_R, max(16, _next_power_of_2(num_reqs))),
+            BLOCK_R=_TILE_PLAN_BLOCK_R,
         )
         # Upper bounds on the tile counts from host ints only: sum(ceil(q_len / B)) over
         # requests <= num_tokens // B + (number of requests). Programs past the last real tile
