@@ -9,8 +9,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = sorted(
-    [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"), *ROOT.glob("*/README.md"),
-     *ROOT.glob("plugins/*/README.md"), *ROOT.glob("integrations/*/README.md")]
+    [
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+        *(ROOT / "docs").glob("*.md"),
+        *ROOT.glob("*/README.md"),
+        *ROOT.glob("plugins/*/README.md"),
+        *ROOT.glob("integrations/*/README.md"),
+    ]
 )
 # [text](target) outside code spans and fenced blocks; images too.
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -37,8 +43,13 @@ def _links(doc: pathlib.Path) -> list[str]:
 
 def test_the_docs_are_found():
     names = {str(p.relative_to(ROOT)) for p in DOCS}
-    assert {"README.md", "docs/benchmarks.md", "conformance/README.md", "plugins/flashinfer/README.md",
-            "integrations/vllm/README.md"} <= names
+    assert {
+        "README.md",
+        "docs/benchmarks.md",
+        "conformance/README.md",
+        "plugins/flashinfer/README.md",
+        "integrations/vllm/README.md",
+    } <= names
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
