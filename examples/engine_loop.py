@@ -6,7 +6,7 @@ prefill next to whole prompts and decodes, then decodes), plans once per step, a
 layer writes the step's new K/V and runs attention. Each step's output is compared with the
 float64 reference on the same cache, within the conformance suite's tolerance for the dtype
 (``paged_conformance.tolerances``: the example needs paged-conformance installed next to
-paged-core, ``pip install paged-conformance``), so the loop doubles as an end-to-end check:
+paged-core, ``pip install --find-links dist paged-conformance`` after ``python3 -m nox -s wheels``), so the loop doubles as an end-to-end check:
 
     python examples/engine_loop.py                          # the reference backend, on the CPU
     python examples/engine_loop.py --backend triton-unified # Triton (interpreter without a GPU)

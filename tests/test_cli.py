@@ -17,6 +17,9 @@ REFERENCE_CAPS = (
 )
 GOOD_CAPS = "head_dim 16; block 8,16; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"
 
+#: How every install hint for one of paged's own distributions says where its wheels come from.
+WHEELS = " (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+
 
 @pytest.fixture
 def cli_registry(fixture_plugins, monkeypatch):
@@ -86,7 +89,8 @@ def test_list_with_nothing_registered(monkeypatch, capsys):
     monkeypatch.setattr(_cli, "registry", Registry())
     assert _cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("No backends registered. Install one: pip install 'paged-core[triton]'\n")
+    assert out.startswith("No backends registered. Install one: pip install --find-links dist 'paged-core[triton]'"
+                           f"{WHEELS}\n")
     # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
     assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
 
@@ -181,11 +185,13 @@ def test_a_missing_command_says_what_to_install(command_registry, monkeypatch, c
     err = capsys.readouterr().err
     assert err.startswith("usage: paged")
     assert err.endswith(f"paged: error: '{command}' is provided by {dist}, which is not installed. "
-                        f"To fix: pip install {dist}\n")
+                        f"To fix: pip install --find-links dist {dist}{WHEELS}\n")
     # ... and `paged --help` names it with the same advice.
     with pytest.raises(SystemExit):
         _cli.main(["--help"])
-    assert f"(needs {dist}: pip install {dist})" in capsys.readouterr().out
+    # argparse wraps the help text (at spaces and after hyphens): compare without whitespace.
+    want = f"(needs {dist}: pip install --find-links dist {dist}{WHEELS})"
+    assert "".join(want.split()) in "".join(capsys.readouterr().out.split())
 
 
 def test_a_command_whose_plugin_is_left_out_says_so(command_registry, monkeypatch, capsys):
@@ -212,5 +218,5 @@ def test_a_command_an_installed_plugin_does_not_register(command_registry, monke
     with pytest.raises(SystemExit):
         _cli.main(["check"])
     assert ("'check' is provided by paged-conformance, but the installed paged-conformance 0.0.9 registers "
-            "no 'check' command. To fix: pip install --force-reinstall paged-conformance") in (
+            f"no 'check' command. To fix: pip install --find-links dist --force-reinstall paged-conformance{WHEELS}") in (
         capsys.readouterr().err)

@@ -39,6 +39,9 @@ MISSING_CAUSE = (
     "No module named 'paged_fixture_extra_dependency_that_is_not_installed'"
 )
 
+#: How every install hint for one of paged's own distributions says where its wheels come from.
+WHEELS = " (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+
 
 # ---------------------------------------------------------------------------------- real plugin
 def test_real_plugin_is_discovered_and_loaded_lazily(fixture_plugins):
@@ -164,18 +167,18 @@ def test_reload_rediscovers(fixture_plugins, monkeypatch):
             "nope",
             [
                 "Unknown backend 'nope'. Installed: fixture-good, fixture-missing, reference.",
-                "Not installed: triton-unified (pip install 'paged-core[triton]')",
-                "flashinfer (pip install 'paged-core[flashinfer]')",
+                "Not installed: triton-unified (pip install --find-links dist 'paged-core[triton]'" + WHEELS + ")",
+                "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")",
                 "Plugin problem: fixture-broken (import): ImportError: paged_fixture_broken needs "
                 "libfixture.so.3",
             ],
         ),
         ("refrence", ["Unknown backend 'refrence'.", "Did you mean 'reference'?"]),
         ("fixture-god", ["Did you mean 'fixture-good'?"]),
-        ("flashinfr", ["Did you mean 'flashinfer'?", "flashinfer (pip install 'paged-core[flashinfer]')"]),
+        ("flashinfr", ["Did you mean 'flashinfer'?", "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")"]),
         (
             "triton-unified",
-            ["Unknown backend 'triton-unified'.", "To install it: pip install 'paged-core[triton]'."],
+            ["Unknown backend 'triton-unified'.", "To install it: pip install --find-links dist 'paged-core[triton]'" + WHEELS + "."],
         ),
     ],
 )
@@ -319,7 +322,7 @@ def test_newer_hook_api_is_refused_with_a_message(reference_only):
     (p,) = problems_of(reg, "future")
     assert p.message == (
         f"backend 'tiny' was written for hook API {HOOK_API_VERSION + 1}, but this paged-core speaks "
-        f"{HOOK_API_VERSION}; upgrade paged-core (pip install -U paged-core)"
+        f"{HOOK_API_VERSION}; upgrade paged-core (pip install --find-links dist -U paged-core{WHEELS})"
     )
     # The current version (and older ones) are accepted.
     reg.add_plugin(FakePlugin(call("tiny", Tiny, api_version=HOOK_API_VERSION)), name="now")

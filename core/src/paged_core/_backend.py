@@ -136,7 +136,7 @@ class Backend:
 
         With validation on, the batch is validated against the cache first, so a slot past the
         pool is a :class:`BatchMetaError`; with it off, such a slot is skipped (never written).
-        Under ``torch.compile`` this is the custom op ``paged::write`` (README, "torch.compile").
+        Under ``torch.compile`` this is the custom op ``paged::write`` (docs/contract.md, "torch.compile").
         """
         if torch.compiler.is_compiling():
             return _ops.write(self, cache, k, v, meta)
@@ -207,7 +207,7 @@ class Backend:
         softmax denominator. ``out`` receives the result if given. With ``return_lse`` the
         result is ``(out, lse)``, ``lse`` float32 ``[num_tokens, num_heads]`` in natural log
         (``-inf`` for rows that see no key). Under ``torch.compile`` this is the custom op
-        ``paged::forward`` (README, "torch.compile").
+        ``paged::forward`` (docs/contract.md, "torch.compile").
         """
         if torch.compiler.is_compiling():
             return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,

@@ -258,7 +258,7 @@ class BatchMeta:
         and a block table at least as wide as ``src``'s (the extra columns become -1: keys past
         a request's ``seq_len`` are never read). Host ints and host mirrors are copied too, so
         an eager call sees ``src`` whole; a replayed graph keeps the launch decisions its capture
-        made from them (README, "CUDA graphs").
+        made from them (docs/cuda-graphs.md).
 
         >>> static = BatchMeta.build([1, 1], [5, 9], block_size=4, table_width=4)
         >>> _ = static.copy_(BatchMeta.build([1, 1], [13, 2], block_size=4))

@@ -11,7 +11,8 @@ import os
 import sys
 from typing import TypedDict
 
-from ._registry import registry
+from ._registry import FIRST_PARTY, registry
+from .hookspecs import pip_install
 
 __all__ = ["main", "build_parser", "PROVIDERS"]
 
@@ -53,7 +54,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print()
         return 0
     if not rows:
-        print("No backends registered. Install one: pip install 'paged-core[triton]'")
+        print(f"No backends registered. Install one: {FIRST_PARTY['triton-unified']}")
     width = max([len(r["name"]) for r in rows] + [7])
     for r in rows:
         dist = f"{r['distribution']} {r['version']}".strip()
@@ -90,7 +91,7 @@ def _add_missing(parser: argparse.ArgumentParser, sub, name: str, dist: str) -> 
     """A stand-in for command ``name`` that says why it is missing and what fixes it (exit 2)."""
     # prefix_chars no argument uses: `paged check --backend x` reaches the message, not
     # "unrecognized arguments".
-    stub = sub.add_parser(name, help=f"(needs {dist}: pip install {dist})", add_help=False, prefix_chars="\0")
+    stub = sub.add_parser(name, help=f"(needs {dist}: {pip_install(dist)})", add_help=False, prefix_chars="\0")
     stub.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     stub.set_defaults(func=lambda args: parser.error(_why_missing(name, dist)))
 
@@ -107,7 +108,7 @@ def _installed(dist: str) -> tuple[str, list[str]] | None:
 def _why_missing(name: str, dist: str) -> str:
     found = _installed(dist)
     if found is None:
-        return f"'{name}' is provided by {dist}, which is not installed. To fix: pip install {dist}"
+        return f"'{name}' is provided by {dist}, which is not installed. To fix: {pip_install(dist)}"
     version, plugins = found
     wanted = os.environ.get(registry.env_var)
     allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
@@ -120,7 +121,7 @@ def _why_missing(name: str, dist: str) -> str:
     if failed:
         return f"'{name}' is provided by {dist} {version}, but its plugin failed: " + "; ".join(failed)
     return (f"'{name}' is provided by {dist}, but the installed {dist} {version} registers no "
-            f"'{name}' command. To fix: pip install --force-reinstall {dist}")
+            f"'{name}' command. To fix: {pip_install('--force-reinstall ' + dist)}")
 
 
 def main(argv: list[str] | None = None) -> int:

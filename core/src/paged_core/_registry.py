@@ -25,16 +25,17 @@ from . import hookspecs
 from ._backend import Backend
 from ._errors import BackendNotFoundError, BackendUnavailableError, InputError
 from ._spec import AttentionSpec, Capabilities
+from .hookspecs import pip_install
 
 __all__ = ["Registry", "Registration", "Problem", "registry", "FIRST_PARTY"]
 
 #: Backends of this project and what installs each, for messages about missing ones.
 FIRST_PARTY = {
-    "reference": "pip install paged-core",
-    "triton-unified": "pip install 'paged-core[triton]'",
-    "triton-splitkv": "pip install 'paged-core[triton]'",
-    "flashinfer": "pip install 'paged-core[flashinfer]'",
-    "flash-attn2": "pip install 'paged-core[flash-attn]'",
+    "reference": pip_install("paged-core"),
+    "triton-unified": pip_install("'paged-core[triton]'"),
+    "triton-splitkv": pip_install("'paged-core[triton]'"),
+    "flashinfer": pip_install("'paged-core[flashinfer]'"),
+    "flash-attn2": pip_install("'paged-core[flash-attn]'"),
 }
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -203,7 +204,7 @@ class Registry:
         if api_version > hookspecs.HOOK_API_VERSION:
             return problem(
                 f"backend {name!r} was written for hook API {api_version}, but this paged-core speaks "
-                f"{hookspecs.HOOK_API_VERSION}; upgrade paged-core (pip install -U paged-core)"
+                f"{hookspecs.HOOK_API_VERSION}; upgrade paged-core ({pip_install('-U paged-core')})"
             )
         if not (isinstance(target, str) and ":" in target) and not isinstance(target, type):
             return problem(

@@ -102,7 +102,7 @@ class AttentionSpec:
     kv_scales: str = "per_slot"
 
     def __post_init__(self) -> None:
-        # A zero here used to surface as a ZeroDivisionError from registry.explain()/select().
+        # Sizes below 1 are refused here, so registry.explain()/select() never divide by zero.
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:

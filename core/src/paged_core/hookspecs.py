@@ -27,6 +27,7 @@ import pluggy
 
 __all__ = [
     "PROJECT", "HOOK_API_VERSION", "hookspec", "hookimpl", "Register", "register_backends", "register_commands",
+    "pip_install",
 ]
 
 #: The pluggy project name and the entry-point group plugins are found in.
@@ -38,6 +39,20 @@ PROJECT = "paged_core"
 HOOK_API_VERSION = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+def pip_install(requirement: str) -> str:
+    """The command that installs ``requirement``, one of paged's own distributions, as a fix hint.
+
+    The distributions are not on a package index: the command installs from the wheels that
+    ``nox -s wheels`` builds into ``dist/`` in a clone of paged, and says so.
+
+    >>> pip_install("'paged-core[triton]'")
+    "pip install --find-links dist 'paged-core[triton]' (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+    """
+    return f"pip install --find-links dist {requirement} (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+
+
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 

@@ -132,7 +132,7 @@ def test_one_plan_per_step_serves_every_layer(models):
 
 def test_triton_unified_matches_transformers(models):
     reasons = registry.unavailable("triton-unified") if "triton-unified" in registry.names() else [
-        "triton-unified is not installed: pip install 'paged-core[triton]'"]
+        "triton-unified is not installed: pip install --find-links dist 'paged-core[triton]'"]
     if reasons:
         pytest.skip("; ".join(reasons))
     # Kept tiny: every kernel call runs in Triton's interpreter on the CPU.

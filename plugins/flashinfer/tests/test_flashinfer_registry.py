@@ -48,7 +48,7 @@ def test_unavailable_without_flashinfer_names_the_fix(registry, monkeypatch):
     _no_flashinfer(monkeypatch)
     reasons = registry.unavailable("flashinfer")
     assert any("flashinfer is not installed" in r and r.endswith(f"({INSTALL})") for r in reasons)
-    with pytest.raises(Exception, match="pip install 'paged-core\\[flashinfer\\]'"):
+    with pytest.raises(Exception, match="pip install --find-links dist 'paged-core\\[flashinfer\\]'"):
         registry.get("flashinfer")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 
+from paged_core.hookspecs import pip_install
+
 __version__ = "0.1.0"
 
 #: The vLLM release lines this plugin is tested with (their attention-backend interface).
@@ -57,8 +59,9 @@ def register() -> None:
 
     if not supported_vllm(vllm.__version__):
         _log.warning("paged-vllm supports vLLM %s, not %s: the %s attention backend is not registered "
-                     "(pip install 'paged-vllm[cpu]' or 'paged-vllm[cuda]' for a supported vLLM)",
-                     " and ".join(f"{v}.x" for v in SUPPORTED_VLLM), vllm.__version__, ENUM_NAME)
+                     "(%s, or 'paged-vllm[cuda]', for a supported vLLM)",
+                     " and ".join(f"{v}.x" for v in SUPPORTED_VLLM), vllm.__version__, ENUM_NAME,
+                     pip_install("'paged-vllm[cpu]'"))
         return
     slot = AttentionBackendEnum[ENUM_NAME]
     if slot.is_overridden() and slot.get_path() != _BACKEND_PATH:

@@ -6,7 +6,7 @@ imported only when used, so listing backends needs neither flash-attn nor CUDA.
 (flash-attn 2 needs ``block_size % 256 == 0``).
 """
 
-from paged_core.hookspecs import Register, hookimpl
+from paged_core.hookspecs import Register, hookimpl, pip_install
 
 from .bridge import (
     BridgedAllocator,
@@ -38,5 +38,5 @@ def register_backends(register: Register) -> None:
         "flash-attn2",
         "paged_flash_attn2.backend:FlashAttn2Backend",
         priority=10,
-        install="pip install 'paged-core[flash-attn]'",
+        install=pip_install("'paged-core[flash-attn]'"),
     )

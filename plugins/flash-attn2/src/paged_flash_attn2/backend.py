@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import torch
 from paged_core import AttentionSpec, Backend, BatchMeta, Capabilities, KVCache, to_flash_attn_args
+from paged_core.hookspecs import pip_install
 
 __all__ = [
     "BLOCK_SIZE_MULTIPLE",
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 #: What installs the backend and flash-attn (shown whenever it is unavailable).
-INSTALL = "pip install 'paged-core[flash-attn]'"
+INSTALL = pip_install("'paged-core[flash-attn]'")
 #: What that install costs where no prebuilt flash-attn wheel matches torch and CUDA.
 BUILD_COST = ("without a prebuilt wheel for this torch and CUDA, pip compiles flash-attn from source: "
               "tens of minutes; for Hopper, plugins/flash-attn2/build_sm90.sh builds only the paged "

@@ -5,7 +5,7 @@ path, and the backend module imports FlashInfer only when it plans a batch. So `
 works on a machine without a GPU and reports why the backend cannot run there.
 """
 
-from paged_core.hookspecs import Register, hookimpl
+from paged_core.hookspecs import Register, hookimpl, pip_install
 
 __version__ = "0.1.0"
 __all__ = ["register_backends"]
@@ -19,5 +19,5 @@ def register_backends(register: Register) -> None:
         "flashinfer",
         "paged_flashinfer.backend:FlashInferBackend",
         priority=30,
-        install="pip install 'paged-core[flashinfer]'",
+        install=pip_install("'paged-core[flashinfer]'"),
     )

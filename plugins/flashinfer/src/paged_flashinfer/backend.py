@@ -62,10 +62,11 @@ from paged_core import (
     shared_prefix_blocks,
     to_flashinfer_pages,
 )
+from paged_core.hookspecs import pip_install
 
 __all__ = ["FlashInferBackend", "FlashInferPlan"]
 
-INSTALL = "pip install 'paged-core[flashinfer]'"
+INSTALL = pip_install("'paged-core[flashinfer]'")
 #: FlashInfer's kernels write the log-sum-exp in base 2 (``math::ptx_log2(d) + m`` in
 #: include/flashinfer/attention/persistent.cuh and prefill.cuh; prefill.py's ``_finish_lse``
 #: docstring: "Kernels write base-2 LSE as [tokens, heads]"). Ours is natural log.

@@ -10,12 +10,16 @@ from typing import Any
 
 import torch
 from paged_core import AttentionSpec, Backend, BatchMeta
+from paged_core.hookspecs import pip_install
 
 from .direct import LayerTensors, Recording
 from .runtime import INTERPRET
 from .write import write_checked
 
 __all__ = ["TritonBackend", "TritonPlan", "interpreter_reasons"]
+
+#: What installs triton with the Triton backends (shown when triton is missing).
+_INSTALL = pip_install("'paged-core[triton]'")
 
 # torch.cuda.is_current_stream_capturing() without its Python wrapper (called per layer).
 _capture_query = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
@@ -127,7 +131,7 @@ class TritonBackend(Backend):
     @classmethod
     def unavailable(cls) -> list[str]:
         if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install 'paged-core[triton]')"]
+            return [f"triton is not installed ({_INSTALL})"]
         # No GPU and no interpreter: nothing here can run the kernels, whatever the spec.
         return [] if torch.cuda.is_available() else _interpreter_off()
 

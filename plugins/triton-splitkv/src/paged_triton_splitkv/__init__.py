@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from paged_core.hookspecs import hookimpl
+from paged_core.hookspecs import hookimpl, pip_install
 
 __version__ = "0.1.0"
 
@@ -34,5 +34,5 @@ def register_backends(register):
         "triton-splitkv",
         "paged_triton_splitkv.backend:TritonSplitKVBackend",
         priority=25,
-        install="pip install 'paged-core[triton]'",
+        install=pip_install("'paged-core[triton]'"),
     )

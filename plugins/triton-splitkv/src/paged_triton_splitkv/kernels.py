@@ -228,8 +228,7 @@ else:
 # follows the loop's length (NVIDIA H200, Triton 3.6, 2026-12-01: a choice tuned on 1 x 512 ran
 # 4 x 32,768 58 % slower than the best config), and how many programs each SM gets (occupancy,
 # 1, 2, 4 or 8+, as triton-unified's key): 1 x 4,096 and 2 x 4,096 both walk 256 keys a program,
-# on 128 and 256 programs, and the first to tune chose for both (NVIDIA H200, 2026-12-03: 2 x
-# 4,096 0.0296 -> 0.0329 ms with 1 x 4,096's choice). It leaves out every other batch-dependent
+# on 128 and 256 programs, and need different configs. It leaves out every other batch-dependent
 # value (num_reqs, num_splits): batch-invariant mode needs the same config for a request alone
 # and in any batch, so there a split's length is fixed (blocks_per_split) and occupancy is 0.
 # DIRECT_OUT (one split) is in it, but the launcher never uses it in that mode.

@@ -8,7 +8,7 @@ both Triton backends share is in the ``paged_triton_common`` distribution.
 
 from __future__ import annotations
 
-from paged_core.hookspecs import hookimpl
+from paged_core.hookspecs import hookimpl, pip_install
 
 __version__ = "0.1.0"
 
@@ -19,5 +19,5 @@ def register_backends(register):
         "triton-unified",
         "paged_triton_unified.backend:TritonUnifiedBackend",
         priority=20,
-        install="pip install 'paged-core[triton]'",
+        install=pip_install("'paged-core[triton]'"),
     )

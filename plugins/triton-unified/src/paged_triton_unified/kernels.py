@@ -431,11 +431,9 @@ def _attention_configs():
 # on the first call of every class. Decode tiles (16-32 rows) are bandwidth-bound: wide key steps
 # and deep pipelines keep enough bytes in flight (H200, decode 64 x 4096 bf16: 128/4w/2st 0.269 ms,
 # 64/2w/2st 0.276, 32/4w/2st 0.293). Prefill tiles (64-128 rows) are compute-bound: more warps
-# for the larger MMA, fewer stages because each stage holds larger K/V tiles.
-# (64 keys, 2 warps, 2 stages) won 64 x 4096 by 0.7 % (H200: 0.2595 vs 0.2612 ms) and lost
-# 24-41 % on batches with fewer programs (32 x 4096: 0.180 vs 0.145 ms; 16 x 8192: 0.297 vs
-# 0.210 ms) while the key had no notion of occupancy and the first batch's choice served all;
-# taking it out cost fp8 64 x 4096 7 % (0.2643 -> 0.2827 ms). The key now has an occupancy class
+# for the larger MMA, fewer stages because each stage holds larger K/V tiles. A config that wins
+# only some batch sizes (64 keys / 2 warps / 2 stages: best on 64 x 4096, 24-41 % slower on
+# batches of fewer programs) stays in the space: the autotune key holds the occupancy class
 # (programs per SM, see launch.py), so each batch size keeps its own choice.
 _DECODE_CONFIGS = {
     (32, 4, 3),
@@ -460,24 +458,16 @@ _PREFILL_CONFIGS = {
 
 
 # Register caps (maxnreg) that fit a second 8-warp CTA of the 128-row prefill tile on an SM,
-# (BLOCK_N, num_warps, num_stages, maxnreg), from the offline compile at head dim 128 (sm_90a,
-# Triton 3.9, scripts/kernel_resources.py --configs 32/8/3/128,...): 32/8/3 takes 154 registers
-# (one CTA per SM), at 128 it spills 24 bytes outside its loops (two CTAs); 64/8/2: 174, at 128
-# 24 local accesses in its loops. NVIDIA H200, Triton 3.6, autotuned, CUDA-graph replays,
-# 2026-12-02: prefill 8 x 2,048 causal 0.9451 -> 0.7759 ms (291 -> 354 TFLOP/s), the mixed batch
-# the same (0.2177 / 0.2179 ms). Only there: at other head dims, and for 8-bit caches, the capped
-# tiles spill in their loops. The same caps on the 8-bit decode tiles (64/4/3 at 168 registers,
-# 3 CTAs per SM; 32/4/3 at 128, 4 CTAs) left int8 and fp8 64 x 4,096 where they were (0.2077 /
-# 0.2081 ms, 0.2260 / 0.2274): that tile's time is not its occupancy.
+# (BLOCK_N, num_warps, num_stages, maxnreg). Only at head dim 128 with 16-bit K/V: elsewhere, and
+# for 8-bit caches, the capped tiles spill in their loops (scripts/kernel_resources.py --configs
+# 32/8/3/128,... shows it offline). NVIDIA H200, Triton 3.6, CUDA-graph replays: prefill
+# 8 x 2,048 causal 0.9451 ms without them, 0.7759 ms (354 TFLOP/s) with them.
 _PREFILL_CAPPED = {(32, 8, 3, 128), (64, 8, 2, 128)}
-# Where the capped configs are timed, they win, and most uncapped ones never do: every config of
-# every class timed on a new process (scripts/first_call.py --timings; NVIDIA H200, Triton 3.6,
-# 2026-12-03; head dims 128 and 80; prefill 4 x 1,024, 8 x 2,048, 1 x 8,192, the mixed batches):
-# 64/8/2/128 best in all ten 128-row classes, 32/8/3/128 next (1.03-1.18 x), the best uncapped
-# config 1.18-1.40 x. The 64-row tiles (a 512-token chunk after 16 K cached + 32 decodes): 64/4/2
-# best, 64/8/2/128 1.12 x, the rest 1.43-2.6 x. So that space times these four and keeps 64/8/2
-# (the default without autotuning) as the uncapped fallback; the first call of a prefill class
-# times 4 configs instead of 10 (it took 9.4-11.1 s cold with 10).
+# Where the capped configs run, a prefill class times them and two uncapped configs, 64/8/2 (the
+# default without autotuning) and 64/4/2 (the best of the 64-row tiles), and nothing else: a
+# config that never wins only lengthens every first call. NVIDIA H200, Triton 3.6, every config of
+# ten 128-row classes timed (scripts/first_call.py --timings): 64/8/2/128 fastest in all ten, the
+# best uncapped config 1.18-1.40 x its time.
 _PREFILL_WITH_CAPS = {(64, 4, 2), (64, 8, 2)}
 
 

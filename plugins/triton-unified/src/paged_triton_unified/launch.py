@@ -39,7 +39,7 @@ SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
 # tiles re-read the causal prefix once per few queries (NVIDIA H200, Triton 3.6: 61-71 TFLOP/s
-# for such designs; this kernel's 128-row tiles 232, docs/benchmarks.md run 6, 2026-11-29).
+# for such designs on prefill 8 x 2,048; this kernel's 128-row tiles run 349, docs/benchmarks.md).
 BLOCK_M_SMALL = 16
 BLOCK_M_LARGE = 128
 # Head dims padded to 256 double every register tile; 64 rows keep the accumulator in registers.
@@ -59,17 +59,16 @@ _tile_plan = DirectKernel(tile_plan_kernel)
 
 # Keys per step of the decode tiles inside a fused launch when the autotuner picks the config
 # (it tunes the large tiles' BLOCK_N; the small tiles are bandwidth-bound and like wide steps).
-# H200, mixed batch of 2 x 512-token chunks + 30 decodes, fused launch, 64-row large tiles:
-# 128 keys 0.167 ms, 64 keys 0.186 ms (scripts/gpu_tune.py, 2026-11-29).
+# H200, a mixed batch of 2 x 512-token chunks + 30 decodes, fused launch: 128 keys 0.167 ms,
+# 64 keys 0.186 ms (scripts/gpu_tune.py).
 FUSED_BLOCK_N_SMALL = 128
 # Large tiles shrink from 128 to 64 rows when 128-row tiles would give fewer programs than this
 # many per SM. Two register-capped 128-row tiles fit on an SM, so a wave is two per SM; under 1.5,
 # more than a quarter of its slots would stay empty, and 64-row tiles (twice the programs) fill
 # them. NVIDIA H200, Triton 3.6, 2026-12-03, CUDA-graph replays: paged bench's mixed batch (2
 # chunks of 512 + 30 decodes; 256 programs of 128 rows on 132 SMs) 0.1856 ms with 128-row tiles,
-# 0.2180 with 64 (its chunks alone 0.1302 vs 0.1534); one chunk of 512 after 15,872 cached
-# tokens + 32 decodes (136 programs) 0.5922 ms with 64-row tiles, 1.0839 with 128. The
-# threshold was 4 per SM (2026-11-29), before the 128-row tile's register cap.
+# 0.2180 with 64; one chunk of 512 after 15,872 cached tokens + 32 decodes (136 programs)
+# 0.5922 ms with 64-row tiles, 1.0839 with 128.
 MIN_LARGE_PROGRAMS_PER_SM = 1.5
 
 
