@@ -266,6 +266,30 @@ class SeqLensReadContiguous(Wrapping):
                                                             seq_lens_cpu=misread.cpu().clone()), **kw)
 
 
+class PrefixDeclarationTrusted(Wrapping):
+    """Takes ``plan(meta, shared_prefix_blocks=k)`` (a cascade's shared prefix) on trust: every
+    request reads its first ``k`` blocks through the first request's row, checked or not."""
+
+    name = "prefix-declaration-trusted"
+
+    @dataclasses.dataclass
+    class Plan:
+        meta: BatchMeta
+        prefix: int
+
+    def _plan(self, meta, *, shared_prefix_blocks=None, **layer):
+        return self.Plan(meta, int(shared_prefix_blocks or 0))
+
+    def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
+        meta = plan.meta if isinstance(plan, self.Plan) else plan
+        if isinstance(plan, self.Plan) and plan.prefix:
+            table = meta.block_table.clone()
+            table[:, :plan.prefix] = table[0, :plan.prefix]
+            meta = dataclasses.replace(meta, block_table=table)
+        super()._forward(q, cache, meta, out=out, lse=lse, scale=scale, window=window, softcap=softcap,
+                         sinks=sinks)
+
+
 class PaddingRowsUnwritten(Wrapping):
     """Skips padding requests entirely: their rows of ``out`` keep whatever was there."""
 
@@ -286,7 +310,7 @@ BROKEN: tuple[type[Backend], ...] = (
     CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
     RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
     WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored, LayerScalesReused,
-    SeqLensReadContiguous,
+    SeqLensReadContiguous, PrefixDeclarationTrusted,
 )
 
 

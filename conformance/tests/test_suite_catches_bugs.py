@@ -17,7 +17,7 @@ import torch
 from paged_conformance import runner
 from paged_conformance.backends import BackendPool
 from paged_conformance.cases import Case, cases
-from paged_conformance.checks import CHECKS, NotApplicable, check_random_batches, run
+from paged_conformance.checks import CHECKS, DECLARATION_CASES, NotApplicable, check_random_batches, run
 from paged_conformance.tolerances import ConformanceFailure
 from paged_core import Capabilities, ReferenceBackend
 
@@ -79,6 +79,9 @@ EXPOSED = [
     (bb.SinksReadContiguous, "matches_reference", lambda c: c.sinks_layout != "contiguous"),
     (bb.PaddingRowsUnwritten, "matches_reference", lambda c: bool(c.padding_requests)),
     (bb.SeqLensReadContiguous, "matches_reference", lambda c: c.meta_layout != "contiguous"),
+    # A plan keyword that declares a shared prefix the requests do not share, taken on trust.
+    (bb.PrefixDeclarationTrusted, "false_plan_declaration", lambda c: c.id in DECLARATION_CASES),
+    (bb.PrefixDeclarationTrusted, "matches_reference", nowhere),
     # Codes quantized with their own scales, read with the cache's static ones.
     (bb.StaticScalesIgnored, "write_then_read", lambda c: c.kv_scales != "per_slot"),
     (bb.StaticScalesIgnored, "matches_reference", lambda c: c.kv_scales != "per_slot"),

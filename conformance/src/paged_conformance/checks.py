@@ -38,6 +38,7 @@ random_batches             hypothesis draws batches, shapes and features within 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ from paged_core import (
     Q_MAX,
     Backend,
     Capabilities,
+    InputError,
     KVCache,
     UnsupportedSpecError,
     dequantize_kv,
@@ -385,6 +387,44 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
     return CheckResult(max_error=worst, note=f"{NUM_LAYERS} layers, one plan")
 
 
+#: The cases a false plan declaration is made on: several requests, each with blocks of its own.
+DECLARATION_CASES = frozenset({"mixed_prefill_and_decode-g4", "decode_only-long_and_short"})
+
+
+def _declaration_reasons(backend: Backend, case: Case, device: torch.device) -> list[str]:
+    params = inspect.signature(type(backend)._plan).parameters
+    if "shared_prefix_blocks" not in params:
+        return [f"{backend.name}'s plan takes no shared_prefix_blocks (nothing of the batch is declared to it)"]
+    return []
+
+
+def check_false_plan_declaration(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """A plan keyword that declares something of the batch (``shared_prefix_blocks=k``: the first
+    ``k`` block ids of every request with keys are the same) is a promise the batch can break.
+    With validation on (as the suite runs every backend), a false one is refused with an
+    ``InputError``, or, if accepted, changes nothing: the output still matches the reference."""
+    wl = build_workload(case, device)
+    rows = [r for r in range(wl.meta.num_reqs) if int(wl.seq_lens[r]) > 0]
+    firsts = {int(wl.meta.block_table[r, 0]) for r in rows}
+    if len(firsts) < 2:
+        raise NotApplicable([f"case {case.id} has no two requests with different first blocks"])
+    try:
+        plan = backend.plan(wl.meta, shared_prefix_blocks=1)
+    except InputError:
+        return CheckResult(max_error=0.0, note="a false shared_prefix_blocks=1 is refused")
+    cache = _step(backend, wl)
+    out = _poisoned(wl)
+    backend.forward(wl.q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap,
+                    sinks=wl.sinks, out=out)
+    name = f"{backend.name}, planned with a false shared_prefix_blocks=1 under validation"
+    _assert_rows_written(out, wl, name)
+    worst = assert_close_to_reference(
+        out, wl.ref_out, backend=name, case=case.id, tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows, query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=worst, note="a false shared_prefix_blocks=1 is accepted and changes nothing")
+
+
 def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -> CheckResult:
     """Each request alone (``meta.select([r])``) equals its rows in the whole batch."""
     wl = build_workload(case, device)
@@ -705,6 +745,8 @@ CHECKS: dict[str, Check] = {
               applies=lambda case: case.kv_dtype != "auto"),
         Check("write_then_read", check_write_then_read),
         Check("layers_share_a_plan", check_layers_share_a_plan, applies=lambda case: case.id in LAYER_CASES),
+        Check("false_plan_declaration", check_false_plan_declaration,
+              applies=lambda case: case.id in DECLARATION_CASES, reasons=_declaration_reasons),
         Check("batch_invariance", check_batch_invariance,
               applies=lambda case: len(case.real_requests) >= 2),
         Check("cuda_graph_replay", check_cuda_graph_replay,

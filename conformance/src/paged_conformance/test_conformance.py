@@ -36,6 +36,12 @@ def test_layers_share_a_plan(paged_backend, paged_case, conformance):
     conformance.check("layers_share_a_plan", paged_backend, paged_case)
 
 
+def test_false_plan_declaration(paged_backend, paged_case, conformance):
+    """With validation on, a plan keyword that declares something false of the batch (a shared
+    prefix the requests do not share) is refused, or changes nothing."""
+    conformance.check("false_plan_declaration", paged_backend, paged_case)
+
+
 def test_batch_invariance(paged_backend, paged_case, conformance):
     """Each request run alone equals its rows in the batch (bitwise if the backend promises it)."""
     conformance.check("batch_invariance", paged_backend, paged_case)
