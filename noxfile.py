@@ -12,9 +12,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 
 import nox
-import tomllib
 
 ROOT = pathlib.Path(__file__).parent
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())

@@ -63,7 +63,7 @@ def failed_case_record(case: Case, error: str) -> dict:
 def make_env(cfg: Config, bw: dict, mm: dict, backends: dict) -> dict:
     """The machine, the versions and the ceilings of this run (the JSON's ``env``)."""
     env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,

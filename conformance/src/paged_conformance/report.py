@@ -173,7 +173,7 @@ class Matrix:
     # ----------------------------------------------------------------------------- output
     def to_json(self) -> dict[str, Any]:
         return {
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "size": self.size,
             "device": self.device,
             "passed": not self.failed,

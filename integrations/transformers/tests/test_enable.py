@@ -95,8 +95,8 @@ def test_one_line_in_the_table_supports_a_release(monkeypatch):
 def test_the_distribution_requires_exactly_the_supported_releases():
     """pyproject.toml's transformers range admits the table's releases and no other."""
     import pathlib
-
     import tomllib
+
     from packaging.requirements import Requirement
     from paged_transformers import SUPPORTED
 
