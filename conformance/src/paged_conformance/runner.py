@@ -68,7 +68,7 @@ def run(
     if not selected and not with_random:
         ids = [c.id for c in all_cases(size)] + [checks.RANDOM_BATCHES]
         raise InputError(
-            f"no case id contains {' or '.join(map(repr, case_filter))}; case ids: {', '.join(ids)}"
+            f"no case id contains {' or '.join(map(repr, case_filter or ()))}; case ids: {', '.join(ids)}"
         )
     matrix = Matrix(size=size, device=str(device),
                     backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems(),
