@@ -162,6 +162,13 @@ def test_a_plain_forward_is_refused():
         model(torch.tensor([[1, 2, 3]]))
 
 
+def test_a_module_without_layer_idx_is_refused():
+    adapter = PagedAttention(registry.get("reference"), "paged|reference-no-layer-idx", hook="pool")
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(InputError, match=r"Module has layer_idx None; .* accepted: attention modules with an int"):
+        adapter(torch.nn.Module(), q, kv, kv, None, cache=object(), write_index=[0, 1, 2])
+
+
 @pytest.mark.parametrize("claims, says", [
     (dict(cuda_graphs=False), "does not claim to be safe in (capabilities.cuda_graphs is False)"),
     (dict(cuda_graphs=True, device_plan=False), "plans on the host (capabilities.device_plan is False"),
