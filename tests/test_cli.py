@@ -95,6 +95,39 @@ def test_list_with_nothing_registered(monkeypatch, capsys):
     assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
 
 
+def test_version_names_core_then_every_installed_paged_distribution(cli_registry, capsys):
+    import importlib.metadata
+
+    import paged_core
+
+    with pytest.raises(SystemExit) as exit:
+        _cli.main(["--version"])
+    assert exit.value.code == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["paged-core", paged_core.__version__]
+    listed = dict(rows[1:])
+    assert listed["paged-fixture-plugins"] == "0.3.1"  # installed on sys.path like any plugin
+    assert listed["paged-conformance"] == importlib.metadata.version("paged-conformance")
+    assert list(listed) == sorted(listed) and "paged-core" not in listed
+
+
+def test_version_lists_a_third_party_plugin_by_its_entry_points(monkeypatch):
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    def dist(name, version, *groups):
+        eps = [importlib.metadata.EntryPoint(name="x", value="x", group=g) for g in groups]
+        return SimpleNamespace(metadata={"Name": name}, version=version, entry_points=eps)
+
+    fakes = [dist("acme-attention", "2.0", "paged_core"), dist("numpy", "2.1", "console_scripts"),
+             dist("paged_extra", "0.9"), dist("paged-core", "9.9", "paged_core")]
+    monkeypatch.setattr(_cli.importlib.metadata, "distributions", lambda: fakes)
+    import paged_core
+
+    assert _cli.versions() == [("paged-core", paged_core.__version__), ("acme-attention", "2.0"),
+                               ("paged_extra", "0.9")]
+
+
 def test_unknown_command_exits_2(capsys):
     with pytest.raises(SystemExit) as exc:
         _cli.main(["frobnicate"])

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+
+from broken_backends import BackendsPlugin
+from paged_conformance import runner
+from paged_core import ReferenceBackend, Registry
 
 
 def _paged(*argv: str) -> subprocess.CompletedProcess:
@@ -43,3 +50,32 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
     err = capsys.readouterr().err
     assert "cannot be written" in err and str(blocker) in err, err
     assert blocker.read_text() == ""
+
+
+class _NotHere(ReferenceBackend):
+    name = "not-here"
+
+    @classmethod
+    def unavailable(cls) -> list[str]:
+        return ["libnothere is not installed (pip install libnothere)"]
+
+
+def test_progress_counts_from_one_over_the_cases_that_run(cpu):
+    """A backend that runs nothing here has one uncounted line first; the counter then counts
+    every (backend, case) that runs, from 1 to the total."""
+    registry = Registry(group="paged_conformance_tests", env_var="PAGED_CONFORMANCE_TESTS_PLUGINS")
+    registry.add_plugin(BackendsPlugin(ReferenceBackend, _NotHere), name="progress")
+    stream = io.StringIO()
+    matrix = runner.run(["reference", "not-here"], case_filter=["first_token", "random_batches"], device=cpu,
+                        registry=registry, progress=stream)
+    counters = [re.match(r"\[\s*(\S+)/(\d+)\] (\S+)", line).groups() for line in stream.getvalue().splitlines()]
+    cases, total = len(matrix.cases), str(len(matrix.cases))
+    assert cases >= 2
+    assert counters == [("-", total, "not-here")] + [(str(i), total, "reference") for i in range(1, cases + 1)]
+    assert list(matrix.backends) == ["reference", "not-here"]  # the columns keep the order asked for
+
+
+def test_check_takes_backends_as_the_pytest_option_is_spelled():
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    assert parser.parse_args(["--backends", "a,b", "--backend", "c"]).backend == ["a,b", "c"]

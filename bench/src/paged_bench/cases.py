@@ -10,6 +10,8 @@ import torch
 from paged_conformance import Batch
 
 if TYPE_CHECKING:
+    from paged_core import KVDtype
+
     from .config import Config
 
 __all__ = ["CASE_IDS", "CPU_CASES", "STATIC_SCALE", "Case", "build_cases"]
@@ -35,7 +37,7 @@ class Case:
     shape: str
     #: ``query_lens[r]`` new tokens of ``seq_lens[r]`` in all, and the blocks every request shares.
     lengths: Batch
-    kv_dtype: str = "auto"
+    kv_dtype: KVDtype = "auto"
     #: A quantized cache with one static scale per tensor (``STATIC_SCALE``), vLLM's fp8 format,
     #: instead of one scale per slot.
     static_scales: bool = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from paged_conformance import Batch, allocate_tables, blocks_needed
@@ -56,6 +57,7 @@ def _fill_cache(cache: KVCache, gen_seed: int) -> None:
     for dst, sdst in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
         for a in range(0, nb, step):
             b = min(nb, a + step)
+            assert sdst is not None  # a quantized cache has scales
             x = torch.randn((b - a, *dst.shape[1:]), dtype=cache.dtype, device=dst.device)
             # Static scales: codes of x / scale (one per KV head), the scales left as they are.
             codes, scales = quantize_kv(x, cache.kv_dtype, sdst[0, 0] if cache.static_scales else None)
@@ -73,7 +75,7 @@ def _index_blocks(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, idx)
 
 
-def pick_checked(qlens: list[int], limit_reqs: int = 8, limit_rows: int = 4096) -> list[int]:
+def pick_checked(qlens: Sequence[int], limit_reqs: int = 8, limit_rows: int = 4096) -> list[int]:
     """Requests checked against the reference: every prefill (within a row budget), spread decodes."""
     R = len(qlens)
     multi = [r for r in range(R) if qlens[r] > 1]
@@ -118,13 +120,13 @@ def _reference_subset(q, cache, meta, tables, reqs) -> tuple[torch.Tensor, torch
     return rows, ref
 
 
-def count_flops(qlens: list[int], slens: list[int], heads: int, head_dim: int) -> int:
+def count_flops(qlens: Sequence[int], slens: Sequence[int], heads: int, head_dim: int) -> int:
     """Exact causal count: each query sees (its position + 1) keys; QK^T and PV are 2 FLOPs each."""
     visible = sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
     return 4 * head_dim * heads * visible
 
 
-def unique_kv_tokens(tables: list[list[int]], slens: list[int], bs: int) -> int:
+def unique_kv_tokens(tables: list[list[int]], slens: Sequence[int], bs: int) -> int:
     """Tokens of K/V the batch must read at least once (a block shared by several requests counts once)."""
     used: dict[int, int] = {}
     for t, s in zip(tables, slens, strict=True):

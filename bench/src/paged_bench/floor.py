@@ -93,7 +93,7 @@ def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: floa
         except Exception as exc:  # the floor must not take the benchmark down
             err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     reads = {k: v for k, v in results.items() if not k.startswith("copy")}
-    best = max(reads, key=reads.get)
+    best = max(reads, key=reads.__getitem__)
     c = Ceiling(value=reads[best], method=best, bytes=n * 2,
                 all={k: round(v / 1e9, 1) for k, v in results.items()})
     if err:

@@ -28,16 +28,16 @@ def metrics(rows: list[Row], case_info: dict, bw: float, mm: float) -> None:
     floor_mm = case_info["flops"] / mm * 1000
     case_info.update(floor_ms_bw=floor_bw, floor_ms_mm=floor_mm, floor_ms=max(floor_bw, floor_mm),
                      bytes=total_bytes)
-    ok = [r for r in rows if r.status == "ok" and r.ms]
-    best = min((r.ms for r in ok), default=None)
-    for r in ok:
-        s = r.ms / 1000
+    ok = [(r, r.ms) for r in rows if r.status == "ok" and r.ms]
+    best = min((ms for _, ms in ok), default=None)
+    for r, ms in ok:
+        s = ms / 1000
         r.gbps = total_bytes / s / 1e9
-        r.pct_bw_floor = 100 * floor_bw / r.ms
+        r.pct_bw_floor = 100 * floor_bw / ms
         r.tflops = case_info["flops"] / s / 1e12
-        r.pct_mm_floor = 100 * floor_mm / r.ms
-        r.pct_floor = 100 * max(floor_bw, floor_mm) / r.ms
-        r.x_fastest = r.ms / best if best else None
+        r.pct_mm_floor = 100 * floor_mm / ms
+        r.pct_floor = 100 * max(floor_bw, floor_mm) / ms
+        r.x_fastest = ms / best if best else None
 
 
 def case_record(cfg: Config, case: Case, data: CaseData) -> dict:
@@ -63,7 +63,7 @@ def failed_case_record(case: Case, error: str) -> dict:
 def make_env(cfg: Config, bw: dict, mm: dict, backends: dict) -> dict:
     """The machine, the versions and the ceilings of this run (the JSON's ``env``)."""
     env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,

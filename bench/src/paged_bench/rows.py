@@ -140,6 +140,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
             for a, b in ((own.k, cache.k), (own.v, cache.v), (own.k_scale, cache.k_scale),
                          (own.v_scale, cache.v_scale)):
                 if a is not None and not (own.static_scales and a.dim() == 3):  # static: given above
+                    assert b is not None  # the same kv_dtype: the same scales
                     (a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a).copy_(
                         b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
             cache = own
@@ -217,6 +218,7 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         for a, b in ((cache16.k, old.k), (cache16.v, old.v), (cache16.k_scale, old.k_scale),
                      (cache16.v_scale, old.v_scale)):
             if a is not None and not (cache16.static_scales and a.dim() == 3):  # static: given above
+                assert b is not None  # the same kv_dtype: the same scales
                 a.view(-1, *a.shape[2:])[dst_i] = b.view(-1, *b.shape[2:])[src_i]
         bridged = dataclasses.replace(data, meta=bridge_meta(meta16), cache=bridge_cache(cache16), tables=[])
         row = run_backend(dataclasses.replace(cfg, block_size=256), case, bridged, name, backend, tol)

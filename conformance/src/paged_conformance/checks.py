@@ -285,6 +285,9 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
     # scales left as they were, and each dequantized element within one code of paged_core's own
     # quantization of the same row.
     ref = wl.cache_after
+    # A quantized cache has both scales (KVCache.check refuses one without).
+    assert cache.k_scale is not None and cache.v_scale is not None
+    assert ref.k_scale is not None and ref.v_scale is not None
     if wl.static_scales is not None:
         for name, fixed, want in (("k_scale", cache.k_scale, wl.static_scales[0]),
                                   ("v_scale", cache.v_scale, wl.static_scales[1])):
@@ -341,6 +344,7 @@ NUM_LAYERS = 2
 def _layer_inputs(wl: Workload, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Another layer's q and new K/V for the workload's batch: same shapes and layout, other values."""
     c = wl.case
+    assert c.seed is not None  # Case.__post_init__ derives it from the id
     g = torch.Generator().manual_seed(c.seed * 1000 + layer)
     n, hq, hkv, d = c.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
     if c.q_layout == "qkv_view":
@@ -606,6 +610,7 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
     torch.cuda.current_stream(device).wait_stream(side)
     graph = _captured(backend, case, lambda: backend.forward(static_q, cache, plan, out=static_out, **kw),
                       "forward", "cuda_graphs")
+    assert case.seed is not None  # Case.__post_init__ derives it from the id
     new_q = torch.randn(tuple(wl.q.shape), generator=torch.Generator().manual_seed(case.seed + 1))
     static_q.copy_(new_q.to(device=device, dtype=wl.q.dtype))
     static_out.fill_(math.nan)

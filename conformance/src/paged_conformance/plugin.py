@@ -176,7 +176,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         "check": getattr(item, "originalname", item.name).removeprefix("test_"),
     }
     for name, value in item.user_properties:
-        if name == _PROPERTY:
+        if name == _PROPERTY and isinstance(value, dict):
             info.update(value)
     if call.excinfo is not None and report.failed and "message" not in info:
         exc = call.excinfo.value  # a crash (or an error in setup)
@@ -196,7 +196,8 @@ class _Recorder:
         self.paths: tuple[Any, Any] | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        info = next((v for n, v in report.user_properties if n == _PROPERTY and "backend" in v), None)
+        info = next((v for n, v in report.user_properties
+                     if n == _PROPERTY and isinstance(v, dict) and "backend" in v), None)
         if info is None:
             return
         from .report import FAIL, PASS, SKIP, Outcome

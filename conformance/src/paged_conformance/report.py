@@ -173,7 +173,7 @@ class Matrix:
     # ----------------------------------------------------------------------------- output
     def to_json(self) -> dict[str, Any]:
         return {
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "size": self.size,
             "device": self.device,
             "passed": not self.failed,
@@ -223,14 +223,14 @@ class Matrix:
         if cell is None:
             return "-"
         if cell.status == PASS:
-            notes = []
+            said = []
             block = next((o.block_size for o in cell.outcomes if o.status == PASS and o.block_size), None)
             if block:
-                notes.append(f"block {block}")
+                said.append(f"block {block}")
             ran, expected = len({o.check for o in cell.outcomes}), self.expected_checks.get(case)
             if expected and ran < expected:
-                notes.append(f"{ran}/{expected} checks")
-            return f"pass ({', '.join(notes)})" if notes else "pass"
+                said.append(f"{ran}/{expected} checks")
+            return f"pass ({', '.join(said)})" if said else "pass"
         n = notes[(backend, case)]
         if cell.status == SKIP:
             return f"skip [{n}]"

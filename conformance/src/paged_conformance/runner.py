@@ -68,17 +68,20 @@ def run(
     if not selected and not with_random:
         ids = [c.id for c in all_cases(size)] + [checks.RANDOM_BATCHES]
         raise InputError(
-            f"no case id contains {' or '.join(map(repr, case_filter))}; case ids: {', '.join(ids)}"
+            f"no case id contains {' or '.join(map(repr, case_filter or ()))}; case ids: {', '.join(ids)}"
         )
     matrix = Matrix(size=size, device=str(device),
                     backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems(),
                     expected_checks=expected_checks(size))
-    total = len(pool.names) * (len(selected) + with_random)
+    # The counter counts the (backend, case) pairs that run. A backend that runs none (unavailable
+    # here) gets one line, first and uncounted ("-"), so the counter starts at 1.
+    idle = [b for b in pool.names if pool.unavailable(b)]
+    total = (len(pool.names) - len(idle)) * (len(selected) + with_random)
     done = 0
 
-    def say(backend: str, case_id: str, outs: list[Outcome]) -> None:
+    def say(backend: str, case_id: str, outs: list[Outcome], *, counted: bool = True) -> None:
         nonlocal done
-        done += 1
+        done += counted
         if stream is None:
             return
         statuses = {o.status for o in outs}
@@ -89,26 +92,27 @@ def run(
             detail = outs[0].message.splitlines()[0][:80]
         elif verdict == FAIL.upper():
             detail = "; ".join(f"{o.check}" for o in outs if o.status == FAIL)
-        print(f"[{done:>{len(str(total))}}/{total}] {backend:<16} {case_id:<34} {verdict:<4} "
+        counter = done if counted else "-"
+        print(f"[{counter:>{len(str(total))}}/{total}] {backend:<16} {case_id:<34} {verdict:<4} "
               f"{secs:6.2f}s  {detail}".rstrip(), file=stream, flush=True)
 
-    for backend in pool.names:
+    for backend in idle:
         unavailable = pool.unavailable(backend)
-        if unavailable:
-            # Every cell has the same outcome: one progress line, not one per case. Skipped for
-            # the backend's reasons, or failed when it was named and cannot even be imported.
-            refused = pool.refused(backend)
-            status = SKIP if refused is None else FAIL
-            for case in selected:
-                for check in checks.applicable_checks(case):
-                    message = "; ".join(unavailable) if refused is None else f"[{backend}/{case.id}] {refused}"
-                    matrix.add(Outcome(backend, case.id, check, status, message))
-            if with_random:
-                message = ("; ".join(unavailable) if refused is None
-                           else f"[{backend}/{checks.RANDOM_BATCHES}] {refused}")
-                matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, status, message))
-            done += len(selected) + with_random - 1
-            say(backend, "(every case)", [matrix.outcomes[-1]])
+        # Every cell has the same outcome: one progress line, not one per case. Skipped for the
+        # backend's reasons, or failed when it was named and cannot even be imported.
+        refused = pool.refused(backend)
+        status = SKIP if refused is None else FAIL
+        for case in selected:
+            for check in checks.applicable_checks(case):
+                message = "; ".join(unavailable) if refused is None else f"[{backend}/{case.id}] {refused}"
+                matrix.add(Outcome(backend, case.id, check, status, message))
+        if with_random:
+            message = ("; ".join(unavailable) if refused is None
+                       else f"[{backend}/{checks.RANDOM_BATCHES}] {refused}")
+            matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, status, message))
+        say(backend, "(every case)", [matrix.outcomes[-1]], counted=False)
+    for backend in pool.names:
+        if backend in idle:
             continue
         for case in selected:
             outs = [_one(pool, backend, check, case, device, size)
@@ -154,7 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``paged check``."""
     p.description = ("Run the conformance cases on every installed backend (or --backend A,B) now and "
                      "print the backend x case verdict table; writes the report as Markdown and JSON.")
-    p.add_argument("--backend", action="append", help="only this backend (repeatable or A,B)")
+    p.add_argument("--backend", "--backends", action="append",
+                   help="only this backend (repeatable or A,B; --backends as in pytest's option)")
     p.add_argument("--size", choices=["small", "full"], default=None,
                    help="case size: small (CPU default) or full (GPU default)")
     p.add_argument("--case", action="append", help="only cases whose id contains this text")

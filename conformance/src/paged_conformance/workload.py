@@ -86,7 +86,8 @@ class Workload:
 
     @property
     def query_start_loc(self) -> list[int]:
-        return self.meta.query_start_loc_cpu.tolist()
+        qsl = self.meta.query_start_loc_cpu
+        return (qsl if qsl is not None else self.meta.query_start_loc).tolist()
 
     @property
     def seq_lens(self) -> list[int]:
@@ -240,8 +241,8 @@ def strided_views(meta: BatchMeta) -> BatchMeta:
         block_size=meta.block_size,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
-        query_start_loc_cpu=_strided(meta.query_start_loc_cpu, 0),
-        seq_lens_cpu=_strided(meta.seq_lens_cpu, longest),
+        query_start_loc_cpu=None if meta.query_start_loc_cpu is None else _strided(meta.query_start_loc_cpu, 0),
+        seq_lens_cpu=None if meta.seq_lens_cpu is None else _strided(meta.seq_lens_cpu, longest),
     )
 
 
@@ -301,6 +302,7 @@ def build_workload(case: Case, device: torch.device | str) -> Workload:
 
 
 def _draw(case: Case, device: torch.device) -> Workload:
+    assert case.seed is not None  # Case.__post_init__ derives it from the id
     g = torch.Generator().manual_seed(case.seed)
     hq, hkv, d, dt = case.num_heads, case.num_kv_heads, case.head_dim, case.dtype
     n = case.num_tokens

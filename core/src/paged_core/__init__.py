@@ -36,7 +36,7 @@ from ._errors import (
 from ._merge import merge_states
 from ._reference import ReferenceBackend, reference_attention
 from ._registry import Problem, Registration, Registry, registry
-from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities
+from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype
 from .hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
@@ -57,6 +57,7 @@ __all__ = [
     "KVCache",
     "KV_DTYPES",
     "KV_SCALES",
+    "KVDtype",
     "PagedError",
     "PluginError",
     "Problem",

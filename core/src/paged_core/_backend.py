@@ -12,7 +12,7 @@ calls are the custom ops of ``_ops``.
 from __future__ import annotations
 
 import collections
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Literal, cast, overload
 
 import torch
 
@@ -68,8 +68,9 @@ class Backend:
 
     #: The registry key (``registry.get(name)``).
     name: ClassVar[str] = ""
-    #: What the backend promises to compute exactly; conformance holds it to that.
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: What the backend promises to compute exactly; conformance holds it to that. Set on the
+    #: class; an instance may narrow it for its options (triton-splitkv's ``cascade``).
+    capabilities: Capabilities = Capabilities()
 
     def __init__(self, *, validate: bool | None = None) -> None:
         #: Run the host-syncing checks of :meth:`BatchMeta.validate` on each call.
@@ -185,6 +186,19 @@ class Backend:
         """
         return meta
 
+    # The result's type follows ``return_lse``: ``out``, or ``(out, lse)``.
+    @overload
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
+                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
+                return_lse: Literal[False] = ...) -> torch.Tensor: ...
+    @overload
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
+                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
+                return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
+                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
+                return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def forward(
         self,
         q: torch.Tensor,

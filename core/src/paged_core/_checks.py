@@ -52,7 +52,7 @@ class _Checked(Protocol):
     """What the checks read of a backend (:class:`paged_core.Backend`)."""
 
     name: ClassVar[str]
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities
 
     def reasons(self, spec: AttentionSpec) -> list[str]: ...
 
@@ -228,13 +228,13 @@ def _check_scalars(window, softcap, scale) -> None:
             "at least as long as the longest sequence is no window: pass 0)"
         )
     if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not (
-            softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX):
+            softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX):  # type: ignore[operator]  # typeshed: Real has no __ge__
         raise InputError(
             f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 from {_F32_TINY:.4g} to "
             f"{SOFTCAP_MAX:.4g} (the kernels compute in float32; a cap that large is no cap)"
         )
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not -_F32_MAX <= scale <= _F32_MAX):
+                              or not -_F32_MAX <= scale <= _F32_MAX):  # type: ignore[operator]  # typeshed: Real has no __ge__
         raise InputError(
             f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float32 (magnitude at "
             f"most {_F32_MAX:.4g}: the kernels compute in float32)"

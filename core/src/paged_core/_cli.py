@@ -9,12 +9,12 @@ import importlib.metadata
 import json
 import os
 import sys
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from ._registry import FIRST_PARTY, registry
 from .hookspecs import pip_install
 
-__all__ = ["main", "build_parser", "PROVIDERS"]
+__all__ = ["main", "build_parser", "versions", "PROVIDERS"]
 
 #: Commands that this project's other distributions provide, and which one: when a command is
 #: missing, ``paged`` says what to install instead of "invalid choice".
@@ -71,8 +71,40 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def versions() -> list[tuple[str, str]]:
+    """(distribution, version): paged-core first, then every other installed distribution named
+    ``paged-*`` or registering a plugin in the registry's entry-point group, by name."""
+    from . import __version__
+
+    found: dict[str, tuple[str, str]] = {}
+    for d in importlib.metadata.distributions():
+        name = d.metadata["Name"] or ""
+        key = name.lower().replace("_", "-")
+        if key == "paged-core" or key in found:
+            continue
+        if key.startswith("paged-") or any(ep.group == registry.group for ep in d.entry_points):
+            found[key] = (name, d.version)
+    return [("paged-core", __version__), *(found[k] for k in sorted(found))]
+
+
+class _VersionAction(argparse.Action):
+    """``paged --version``: read the installed distributions only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        rows = versions()
+        width = max(len(name) for name, _ in rows)
+        print("\n".join(f"{name:<{width}}  {version}" for name, version in rows))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged", description="Paged-attention backends behind one contract.")
+    p.add_argument("--version", action=_VersionAction,
+                   help="print the versions of paged-core and every installed paged distribution and plugin")
     sub = p.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("list", help="installed backends, their capabilities and problems")

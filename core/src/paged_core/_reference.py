@@ -9,7 +9,7 @@ promise for bad metadata, so every backend agrees even on garbage.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -22,6 +22,21 @@ from ._spec import KV_DTYPES, KV_SCALES, Capabilities
 __all__ = ["ReferenceBackend", "reference_attention"]
 
 
+@overload
+def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
+                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
+                        compute_dtype: torch.dtype = ...,
+                        return_lse: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
+                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
+                        compute_dtype: torch.dtype = ...,
+                        return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
+                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
+                        compute_dtype: torch.dtype = ...,
+                        return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def reference_attention(
     q: torch.Tensor,
     cache: KVCache,

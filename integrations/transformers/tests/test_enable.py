@@ -95,8 +95,8 @@ def test_one_line_in_the_table_supports_a_release(monkeypatch):
 def test_the_distribution_requires_exactly_the_supported_releases():
     """pyproject.toml's transformers range admits the table's releases and no other."""
     import pathlib
-
     import tomllib
+
     from packaging.requirements import Requirement
     from paged_transformers import SUPPORTED
 
@@ -160,6 +160,13 @@ def test_a_plain_forward_is_refused():
     model.set_attn_implementation(paged_transformers.enable("reference"))
     with pytest.raises(InputError, match="it serves continuous batching only"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_module_without_layer_idx_is_refused():
+    adapter = PagedAttention(registry.get("reference"), "paged|reference-no-layer-idx", hook="pool")
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(InputError, match=r"Module has layer_idx None; .* accepted: attention modules with an int"):
+        adapter(torch.nn.Module(), q, kv, kv, None, cache=object(), write_index=[0, 1, 2])
 
 
 @pytest.mark.parametrize("claims, says", [

@@ -399,8 +399,7 @@ def test_choose_num_splits_gives_two_programs_per_sm_three_on_long_splits_of_man
 )
 def test_single_split_writes_output_directly(dtype, kv_dtype, kw):
     """One split: the kernel's own epilogue (sinks, lse, padding rows) equals the merge path."""
-    q, kc, vc, ks, vs, sl, bt = decode_case([150, 30, 0, 255], hq=6, hkv=2, dtype=dtype, kv_dtype=kv_dtype,
-                                            seed=23)  # fmt: skip
+    q, kc, vc, ks, vs, sl, bt = decode_case([150, 30, 0, 255], hq=6, hkv=2, dtype=dtype, kv_dtype=kv_dtype, seed=23)
     kw = dict(kw)
     if kw.pop("sinks", False):
         kw["sinks"] = torch.linspace(-1.0, 3.0, 6, dtype=torch.float32)

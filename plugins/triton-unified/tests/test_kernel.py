@@ -202,21 +202,24 @@ def assert_close_to_reference(batch, dtype, config=None, *, relative=False, **kw
     ],
 )
 def test_mixed_batch(num_q_heads, num_kv_heads, head_dim, block_size, dtype):
-    batch = make_batch(MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       block_size=block_size, dtype=dtype)  # fmt: skip
+    batch = make_batch(
+        MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
     assert_close_to_reference(batch, dtype, scale=head_dim**-0.5)
 
 
 def test_decode_only_small_blocks():
-    batch = make_batch([(1, 33), (1, 1), (1, 90)], num_q_heads=3, num_kv_heads=1, head_dim=64,
-                       block_size=8, dtype=torch.float32)  # fmt: skip
+    batch = make_batch(
+        [(1, 33), (1, 1), (1, 90)], num_q_heads=3, num_kv_heads=1, head_dim=64, block_size=8, dtype=torch.float32
+    )
     assert_close_to_reference(batch, torch.float32, scale=0.125)
 
 
 def test_prefill_spans_several_large_tiles():
     # Small tiles force several query tiles per request in both launches (and multi-step keys).
-    batch = make_batch([(40, 50), (3, 3), (1, 20)], num_q_heads=2, num_kv_heads=1, head_dim=64,
-                       block_size=16, dtype=torch.float32)  # fmt: skip
+    batch = make_batch(
+        [(40, 50), (3, 3), (1, 20)], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32
+    )
     config = LaunchConfig(block_q_small=8, block_q_large=8, block_n=16, num_warps=4, num_stages=1)
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config)
 
@@ -237,17 +240,21 @@ def test_softcap_sinks_and_window():
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_cache(kv_dtype, dtype):
-    batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
-                       kv_dtype=kv_dtype)  # fmt: skip
+    batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_dtype=kv_dtype)
     assert_close_to_reference(batch, dtype, scale=0.125)
 
 
 def test_mixed_batch_with_separate_large_config():
     # Several large and small tiles per class, different key steps per class, padding requests.
-    batch = make_batch([(40, 50), (1, 0), (3, 3), (1, 20), (17, 90)], num_q_heads=4, num_kv_heads=2,
-                       head_dim=64, block_size=16, dtype=torch.float32)  # fmt: skip
-    config = LaunchConfig(block_q_small=8, block_q_large=16, block_n=16, num_warps=4, num_stages=1,
-                          large_block_n=32)  # fmt: skip
+    batch = make_batch(
+        [(40, 50), (1, 0), (3, 3), (1, 20), (17, 90)],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+    )
+    config = LaunchConfig(block_q_small=8, block_q_large=16, block_n=16, num_warps=4, num_stages=1, large_block_n=32)
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
 
 
@@ -257,8 +264,7 @@ def test_quantized_cache_edge_ranges(dtype, kv_dtype):
     """fp8 runs fp16 dots on its codes: q beyond fp16's range (bf16) is shifted by a power of
     two, and V scales far below fp16's normal range still give exact results; int8 converts its
     codes to q's dtype and must hold the same ranges."""
-    batch = make_batch(MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
-                       kv_dtype=kv_dtype)  # fmt: skip
+    batch = make_batch(MIXED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_dtype=kv_dtype)
     # p * scale would be fp16 subnormals (fp16 outputs themselves must stay normal).
     batch["v_scale"] = batch["v_scale"] * (1e-6 if dtype == torch.bfloat16 else 1e-3)
     big = 1e6 if dtype == torch.bfloat16 else 1e3
@@ -318,8 +324,15 @@ def test_random_batches(data, group, block_size, window):
     requests = [(t, t + data.draw(st.integers(0, 50), label="context")) for t in q_lens]
     if sum(q_lens) == 0:
         requests[0] = (1, 1)
-    batch = make_batch(requests, num_q_heads=group, num_kv_heads=1, head_dim=64, block_size=block_size,
-                       dtype=torch.float32, seed=len(requests))  # fmt: skip
+    batch = make_batch(
+        requests,
+        num_q_heads=group,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=len(requests),
+    )
     assert_close_to_reference(batch, torch.float32, scale=0.125, window=window)
 
 

@@ -153,7 +153,8 @@ def register(adapter: PagedAttention) -> str:
                 "set_attn_implementation would look the name up as a flash-attention package; accepted: "
                 f"transformers {_supported_releases()}"
             ])
-        loader._loaded_implementation = adapter.name
+        # transformers leaves the module global unannotated at None, so mypy infers it as None.
+        loader._loaded_implementation = adapter.name  # type: ignore[assignment]
     return adapter.name
 
 
@@ -207,6 +208,12 @@ class PagedAttention:
                 f"{self.name!r} was called without transformers' paged cache (layer {layer}); it serves "
                 "continuous batching only: call model.generate_batch(...), or switch the model back "
                 "with model.set_attn_implementation('sdpa') for a plain forward"
+            )
+        if not isinstance(layer, int):
+            raise InputError(
+                f"{type(module).__name__} has layer_idx {layer!r}; transformers' paged cache keeps one pool per "
+                "layer index, so the layer's pool cannot be found; accepted: attention modules with an int "
+                "layer_idx (every transformers decoder layer's attention sets it)"
             )
         if dropout:
             raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "

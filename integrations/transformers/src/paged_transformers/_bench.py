@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import platform
+from typing import Any
 
 __all__ = ["describe_environment", "qwen3_shaped_model"]
 
@@ -47,6 +48,7 @@ def qwen3_shaped_model(layers: int, *, small: bool = False, dtype=None, device="
     import torch
     import transformers
 
+    dims: dict[str, Any]
     if small:
         dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=32, vocab_size=128)

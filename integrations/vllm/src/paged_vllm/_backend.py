@@ -38,6 +38,7 @@ from paged_core import (
     BatchMeta,
     InputError,
     KVCache,
+    KVDtype,
     PagedError,
     UnsupportedSpecError,
     registry,
@@ -128,7 +129,7 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 #: vLLM's caches with one scale per (token, KV head), stored inline after each head's codes:
 #: paged's per-slot scales. vLLM name -> paged kv_dtype.
-PER_TOKEN_HEAD_DTYPES = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
+PER_TOKEN_HEAD_DTYPES: dict[str, KVDtype] = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
 #: Bytes of one inline scale (float32), after the codes of each (slot, head) and side.
 _SCALE_BYTES = 4
 
@@ -275,7 +276,7 @@ def _paged_kv_scales(kv_cache_dtype: Any) -> str:
     return "per_tensor" if kv_cache_dtype in FP8_CACHE_DTYPES else "per_slot"
 
 
-def _paged_kv_dtype(kv_cache_dtype: Any) -> str:
+def _paged_kv_dtype(kv_cache_dtype: Any) -> KVDtype:
     """paged's ``kv_dtype`` for vLLM's ``kv_cache_dtype`` (an unsupported one: "auto", with the
     reason from :func:`_vllm_reasons`)."""
     if kv_cache_dtype in FP8_CACHE_DTYPES:
