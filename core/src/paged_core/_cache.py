@@ -479,9 +479,10 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
 
     ``cache`` a :class:`KVCache` whose :meth:`~KVCache.check` passes; ``slot_mapping`` int64 or
     int32 ``[num_tokens]``; ``k`` ``[num_tokens, num_kv_heads, head_dim]`` and ``v`` the same
-    with the cache's ``head_dim_v``, of the cache's model dtype, on its device (any strides). Host-only (slot values are not read);
-    raises :class:`InputError` saying what is wrong. A backend that writes with its own kernel
-    calls this, so every write path refuses the same inputs with the same messages.
+    with the cache's ``head_dim_v``, of the cache's model dtype, on its device (any strides).
+    Host-only (slot values are not read); raises :class:`InputError` saying what is wrong. A
+    backend that writes with its own kernel calls this, so every write path refuses the same
+    inputs with the same messages.
 
     >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
     >>> check_write_inputs(cache, torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 1, -1]))

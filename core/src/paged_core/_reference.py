@@ -36,8 +36,9 @@ def reference_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention computed request by request in ``compute_dtype``.
 
-    Returns ``out [num_tokens, num_heads, cache.head_dim_v]`` in ``compute_dtype`` (cast it yourself; the backend casts to ``q.dtype``),
-    plus ``lse [num_tokens, num_heads]`` (natural log, ``compute_dtype``) with ``return_lse``.
+    Returns ``out [num_tokens, num_heads, cache.head_dim_v]`` in ``compute_dtype`` (cast it
+    yourself; the backend casts to ``q.dtype``), plus ``lse [num_tokens, num_heads]``
+    (natural log, ``compute_dtype``) with ``return_lse``.
 
     Metadata that validation would refuse is masked the way the Triton kernels mask it, from
     the device tensors (never the host mirrors, which the kernels do not read): a request whose
