@@ -198,7 +198,8 @@ def main() -> None:
     group_pad = 1 << max(0, args.group - 1).bit_length()
     head_dim_pad = max(16, 1 << max(0, args.head_dim - 1).bit_length())
     base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
+                HEAD_DIM_V=args.head_dim, HEAD_DIM_V_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
+                BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
                 BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
                 FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
                 HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
@@ -211,7 +212,8 @@ def main() -> None:
     }
     if split_kernels is not None:
         split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
-                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
+                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=args.head_dim,
+                          HEAD_DIM_V_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
                           HAS_QSL=False, FIXED_SPLITS=False,
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
                           DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
