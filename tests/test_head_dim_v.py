@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -101,6 +102,11 @@ def test_capabilities_name_the_pairs():
         "(accepted (head_dim, head_dim_v): (192, 128) or head_dim_v == head_dim)"
     ]
     assert "head_dim_v 192/128;" in pairs.summary()
+    # A named pair is a claim of its own: 192 need not be a head_dim served with V of 192.
+    narrow = Capabilities(head_dims=frozenset({64, 128}), head_dim_pairs=frozenset({(192, 128)}))
+    assert narrow.reasons(spec) == []
+    assert narrow.reasons(dataclasses.replace(spec, head_dim_v=192)) == [
+        "head_dim 192 is not supported (accepted: 64, 128)"]
     assert "head_dim_v" not in Capabilities().summary()
     dims = Capabilities(head_dims=frozenset({64, 192}), head_dim_pairs=None)
     assert dims.reasons(spec) == ["head_dim_v 128 is not supported (accepted: 64, 192)"]

@@ -149,8 +149,9 @@ class Capabilities:
 
     head_dims: frozenset[int] | None = ANY
     #: The ``(head_dim, head_dim_v)`` pairs with a V/output head dim other than the QK head dim
-    #: that it serves (MLA-shaped layers). Empty (the default): V's head dim must be ``head_dim``;
-    #: ``None``: any pair of head dims that ``head_dims`` accepts.
+    #: that it serves (MLA-shaped layers), each a claim of its own (its head_dim need not be in
+    #: ``head_dims``). Empty (the default): V's head dim must be ``head_dim``; ``None``: any pair
+    #: of head dims that ``head_dims`` accepts.
     head_dim_pairs: frozenset[tuple[int, int]] | None = frozenset()
     block_sizes: frozenset[int] | None = ANY
     group_sizes: frozenset[int] | None = ANY
@@ -183,7 +184,9 @@ class Capabilities:
             )
         if spec.device_type not in self.devices:
             out.append(f"device {spec.device_type!r} is not supported (accepted: {_fmt(self.devices)})")
-        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+        # A pair named in head_dim_pairs is a claim of its own, whatever head_dims holds.
+        paired = self.head_dim_pairs is not None and (spec.head_dim, spec.head_dim_v) in self.head_dim_pairs
+        if self.head_dims is not None and spec.head_dim not in self.head_dims and not paired:
             out.append(f"head_dim {spec.head_dim} is not supported (accepted: {_fmt(self.head_dims)})")
         out.extend(self.head_dim_v_reasons(spec.head_dim, cast(int, spec.head_dim_v)))
         if not self.accepts_block_size(spec.block_size):
