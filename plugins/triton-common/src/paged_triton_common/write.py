@@ -148,8 +148,12 @@ def write_kv_kernel(
     # Triton 3.9 turns a scalar bool & a bool vector into int64, which it refuses as a mask.)
     mask_h = heads < tl.where(valid, NUM_KV_HEADS, 0)  # [BLOCK_H]
     mask = mask_h[:, None] & (dims < HEAD_DIM)[None, :]  # [BLOCK_H, HEAD_DIM_PAD]
-    dims_v = tl.arange(0, HEAD_DIM_V_PAD)  # the same lanes as dims when the head dims are equal
-    mask_v = mask_h[:, None] & (dims_v < HEAD_DIM_V)[None, :]  # [BLOCK_H, HEAD_DIM_V_PAD]
+    if HEAD_DIM_V == HEAD_DIM:  # V's lanes: k's, or its own head dim's (MLA-shaped layers)
+        dims_v = dims
+        mask_v = mask
+    else:
+        dims_v = tl.arange(0, HEAD_DIM_V_PAD)
+        mask_v = mask_h[:, None] & (dims_v < HEAD_DIM_V)[None, :]  # [BLOCK_H, HEAD_DIM_V_PAD]
     _write_rows(
         k_ptr, k_cache_ptr, k_scale_ptr,
         token * stride_k_t + heads[:, None] * stride_k_h + dims[None, :] * stride_k_d,

@@ -354,8 +354,12 @@ def split_kv_attention_kernel(
     pos = seq_len - q_len + q_idx  # [BLOCK_M] position of each row's query
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # V, the accumulator and the output
-    dv_mask = offs_dv < HEAD_DIM_V
+    if HEAD_DIM_V == HEAD_DIM:  # V, the accumulator and the output: q's lanes, or V's own
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
 
     q = tl.load(
         q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
@@ -565,8 +569,12 @@ def cascade_prefix_kernel(
     token64 = token.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)  # V, the accumulator and the partial output
-    dv_mask = offs_dv < HEAD_DIM_V
+    if HEAD_DIM_V == HEAD_DIM:  # V, the accumulator and the partial output: q's lanes, or V's own
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
     q = tl.load(
         q_ptr + token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
         mask=row_valid[:, None] & d_mask[None, :],

@@ -305,10 +305,14 @@ def _tile_program(
 
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    # V, the accumulator and the output have V's head dim (MLA-shaped layers); the same lanes
-    # as q's when the dims are equal.
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    dv_mask = offs_dv < HEAD_DIM_V
+    # V, the accumulator and the output have V's head dim (MLA-shaped layers): q's lanes
+    # themselves when the dims are equal.
+    if HEAD_DIM_V == HEAD_DIM:
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
     token64 = token.to(tl.int64)
     q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
     q = upcast(tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0), UPCAST)
