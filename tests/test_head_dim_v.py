@@ -138,3 +138,12 @@ def test_cache_v_must_match_k_but_for_its_head_dim():
 def test_kv_bytes_count_each_width():
     assert kv_bytes_per_token(2, 192, head_dim_v=128, dtype=torch.float16) == 2 * (192 + 128) * 2
     assert kv_bytes_per_token(2, 64) == kv_bytes_per_token(2, 64, head_dim_v=64)
+
+
+def test_a_context_parallel_shard_keeps_v_width():
+    from paged_core.distributed import shard_kv_cache
+
+    meta, cache, _ = _filled(48, 32)
+    pool = shard_kv_cache(cache, BatchMeta.from_lists([1], [40], [[7, 3, 5]], block_size=16), 0, 1)
+    assert pool.head_dim == 48 and pool.head_dim_v == 32
+    assert torch.equal(pool.v, cache.v[[7, 3, 5]])
