@@ -5,6 +5,7 @@ the resource usage and the SASS. It answers "does this config spill?" and "how m
 does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py              # Qwen3-8B shape: bf16, d 128, group 4, block 16
     python scripts/kernel_resources.py --head-dim 256 --group 8
+    python scripts/kernel_resources.py --head-dim 192 --head-dim-v 128 --group 1   # DeepSeek-V3's MLA shape
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
     python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
     python scripts/kernel_resources.py --kv bf16,int8,fp8 --configs 128/4/2   # quantized caches, bf16 q
@@ -181,6 +182,7 @@ HEADER = (f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim-v", type=int, default=None, help="V's head dim (default: --head-dim)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
@@ -197,8 +199,11 @@ def main() -> None:
                  "(integers)")
     group_pad = 1 << max(0, args.group - 1).bit_length()
     head_dim_pad = max(16, 1 << max(0, args.head_dim - 1).bit_length())
+    head_dim_v = args.head_dim_v or args.head_dim
+    head_dim_v_pad = max(16, 1 << max(0, head_dim_v - 1).bit_length())
     base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_SIZE=args.block_size, BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
+                HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_SIZE=args.block_size,
+                BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
                 BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
                 FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
                 HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
@@ -211,7 +216,8 @@ def main() -> None:
     }
     if split_kernels is not None:
         split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
-                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=args.block_size,
+                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
+                          HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_SIZE=args.block_size,
                           HAS_QSL=False, FIXED_SPLITS=False,
                           USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
                           DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
@@ -225,7 +231,8 @@ def main() -> None:
     kvs = args.kv.split(",")
     if set(kvs) - set(KV_FLAGS):
         ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
-    print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
+    dims = f"head_dim {args.head_dim}" + (f"/v {head_dim_v}" if head_dim_v != args.head_dim else "")
+    print(f"sm_90a, triton {triton.__version__}, {dims}, group {args.group}, "
           f"block {args.block_size}, bf16 q")
     print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
     for key in args.tiles.split(","):

@@ -361,7 +361,7 @@ def test_plan_refuses_a_spec_before_the_backend_plans():
     ("layer", "needle"),
     [
         (dict(num_head=8), "planner.plan() got unknown keyword(s) num_head; accepted: num_heads, num_kv_heads, "
-                           "head_dim, dtype, kv_dtype, kv_scales, window, softcap, scale, sinks, chunk"),
+                           "head_dim, head_dim_v, dtype, kv_dtype, kv_scales, window, softcap, scale, sinks, chunk"),
         (dict(num_heads=0), "num_heads is 0; accepted: a positive int"),
         (dict(dtype="bf16"), "dtype is 'bf16'; accepted: a torch.dtype"),
         (dict(kv_dtype="int4"), "kv_dtype is 'int4'; accepted: auto, int8, fp8"),

@@ -314,6 +314,8 @@ def test_bad_options_exit_2(fake_registry, capsys):
 def test_flop_and_byte_counts():
     # One prompt of 3 tokens sees 1 + 2 + 3 keys; a decode at 10 tokens sees 10.
     assert _data.count_flops([3, 1], [3, 10], heads=2, head_dim=8) == 4 * 8 * 2 * (6 + 10)
+    # MLA-shaped: QK^T over 8 elements, PV over 4.
+    assert _data.count_flops([3, 1], [3, 10], heads=2, head_dim=8, head_dim_v=4) == 2 * (8 + 4) * 2 * (6 + 10)
     # A 2-block prefix shared by two requests is read once.
     tables = [[5, 6, 7], [5, 6, 9]]
     assert _data.unique_kv_tokens(tables, [40, 36], 16) == 32 + 8 + 4
@@ -427,3 +429,17 @@ def test_a_256_token_block_backend_runs_on_16_token_blocks_through_the_bridge(tm
         # Checked against the reference of the original placement: K/V moved right, every row.
         bridged = by_label[(case, "fake-big-blocks (bridge)")]
         assert bridged["status"] == "ok" and bridged["plan_ms"] is not None
+
+
+def test_mla_shaped_heads_run_with_v_of_its_own_head_dim(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "b.json"
+    argv = ["bench", "--device", "cpu", "--backend", "reference,triton-unified,sdpa-flash", "--cases", "decode",
+            "--head-dim", "64", "--head-dim-v", "32", "--json", str(out)]
+    assert _cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["head_dim_v"] == 32
+    status = {r["backend"]: r["status"] for r in data["rows"]}
+    assert status["reference"] == "ok" and status["triton-unified"] == "ok", status
+    assert status["sdpa-flash"] == "skip: sdpa-flash needs V of the QK head dim (64), not 32"
+    assert "heads x 64 (V 32)" in capsys.readouterr().out

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="query heads (default 32; CPU 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; CPU 1)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; CPU 64)")
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="V's and the output's head dim when it differs (MLA-shaped: --head-dim 192 --head-dim-v 128)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="model dtype (default bfloat16)")
@@ -104,6 +106,12 @@ class Config:
     cuda_graph: bool
     seed: int
     min_pool_bytes: int
+    #: V's and the output's head dim; None: ``head_dim``.
+    head_dim_v: int | None = None
+
+    @property
+    def dim_v(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def public(self) -> dict:
         d = dataclasses.asdict(self)
@@ -128,7 +136,7 @@ def make_config(args: argparse.Namespace) -> Config:
         raise PagedError(f"unknown case(s) {', '.join(unknown)}; accepted: {', '.join(CASE_IDS)}, all")
     if "all" in cases:
         cases = list(CASE_IDS)
-    for opt in ("heads", "kv_heads", "head_dim", "block_size"):
+    for opt in ("heads", "kv_heads", "head_dim", "head_dim_v", "block_size"):
         val = getattr(args, opt, None)
         if val is not None and val < 1:
             raise PagedError(f"--{opt.replace('_', '-')} is {val}; accepted: a positive int")
@@ -166,6 +174,7 @@ def make_config(args: argparse.Namespace) -> Config:
         seed=args.seed,
         # Random blocks spread over at least this much memory (well past H200's 50 MB of L2).
         min_pool_bytes=0 if tiny else 256 * 1024 * 1024,
+        head_dim_v=getattr(args, "head_dim_v", None),
     )
 
 

@@ -120,10 +120,12 @@ def _reference_subset(q, cache, meta, tables, reqs) -> tuple[torch.Tensor, torch
     return rows, ref
 
 
-def count_flops(qlens: Sequence[int], slens: Sequence[int], heads: int, head_dim: int) -> int:
-    """Exact causal count: each query sees (its position + 1) keys; QK^T and PV are 2 FLOPs each."""
+def count_flops(qlens: Sequence[int], slens: Sequence[int], heads: int, head_dim: int,
+                head_dim_v: int | None = None) -> int:
+    """Exact causal count: each query sees (its position + 1) keys; QK^T and PV are 2 FLOPs per
+    element of their head dims (V's own when given)."""
     visible = sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
-    return 4 * head_dim * heads * visible
+    return 2 * (head_dim + (head_dim if head_dim_v is None else head_dim_v)) * heads * visible
 
 
 def unique_kv_tokens(tables: list[list[int]], slens: Sequence[int], bs: int) -> int:
@@ -149,7 +151,8 @@ def build_pool(cfg: Config, case: Case, seed: int):
     meta = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
                                 device=cfg.device)
     cache = allocate_kv_cache(num_blocks, bs, cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype,
-                              kv_dtype=case.kv_dtype, device=cfg.device, **case.allocate_kwargs())
+                              kv_dtype=case.kv_dtype, device=cfg.device, head_dim_v=cfg.dim_v,
+                              **case.allocate_kwargs())
     _fill_cache(cache, seed)
     return meta, cache, tables
 
@@ -157,7 +160,8 @@ def build_pool(cfg: Config, case: Case, seed: int):
 def _bytes_per_token(cfg: Config, case: Case) -> int:
     """K/V bytes a token of ``case``'s cache takes (per-slot scales included; static ones are
     one value for the whole cache)."""
-    per_tok = kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype)
+    per_tok = kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype,
+                                 head_dim_v=cfg.dim_v)
     return per_tok - (2 * cfg.kv_heads * 4 if case.static_scales else 0)
 
 
@@ -174,8 +178,8 @@ def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables,
         meta=meta, cache=cache, tables=tables, q=q, rows=rows, ref=ref, checked_reqs=reqs,
         kv_bytes=unique_kv_tokens(tables, slens, cfg.block_size) * per_tok,
         kv_bytes_logical=sum(slens) * per_tok,
-        qo_bytes=2 * n * cfg.heads * cfg.head_dim * elem,
-        flops=count_flops(qlens, slens, cfg.heads, cfg.head_dim),
+        qo_bytes=n * cfg.heads * (cfg.head_dim + cfg.dim_v) * elem,
+        flops=count_flops(qlens, slens, cfg.heads, cfg.head_dim, cfg.dim_v),
     )
 
 

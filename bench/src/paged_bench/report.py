@@ -129,7 +129,8 @@ def print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_
       + f" · triton {env['triton'] or 'absent'} · {env['date']}\n")
     w(f"floor: read {env['read_bandwidth_Bps'] / 1e12:.3f} TB/s ({env['read_bandwidth_method']}) · "
       f"matmul {env['matmul_flops'] / 1e12:.1f} TFLOP/s ({env['matmul_method']})\n")
-    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {cfg.head_dim}, {dtype_name(cfg.dtype)}, "
+    dims = f"{cfg.head_dim}" + ("" if cfg.dim_v == cfg.head_dim else f" (V {cfg.dim_v})")
+    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {dims}, {dtype_name(cfg.dtype)}, "
       f"block {cfg.block_size}"
       + ("  (tiny CPU sizes)" if cfg.tiny else "") + "\n")
     if cfg.device.type != "cuda":

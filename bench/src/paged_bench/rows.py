@@ -116,7 +116,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
     spec = AttentionSpec(
         num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=cfg.block_size,
         dtype=cfg.dtype, kv_dtype=case.kv_dtype, kv_scales="per_tensor" if case.static_scales else "per_slot",
-        device=cfg.device.type, decode_only=data.meta.decode_only,
+        device=cfg.device.type, decode_only=data.meta.decode_only, head_dim_v=cfg.dim_v,
     )
     try:
         reasons = backend.reasons(spec)
@@ -132,8 +132,8 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         try:
             own = backend.allocate(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
                                    dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cfg.device,
-                                   **case.allocate_kwargs())
-            if own.k.shape != cache.k.shape or own.k.dtype != cache.k.dtype:
+                                   head_dim_v=cache.head_dim_v, **case.allocate_kwargs())
+            if own.k.shape != cache.k.shape or own.v.shape != cache.v.shape or own.k.dtype != cache.k.dtype:
                 row.status = (f"skip: {name} allocates its cache as {list(own.k.shape)} {own.k.dtype}; "
                               "paged bench fills NHD caches only")
                 return row
@@ -150,7 +150,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
     q, meta = data.q, data.meta
     try:
         plan = backend.plan(meta)
-        out = torch.full_like(q, float("nan"))
+        out = q.new_full((q.shape[0], q.shape[1], cache.head_dim_v), float("nan"))
         backend.forward(q, cache, plan, out=out)  # first call: compiles / autotunes here
         sync(cfg.device)
         ok, err, status = _check(out.index_select(0, data.rows), data.ref, tol)
@@ -207,7 +207,8 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         meta16 = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
                                       device=cfg.device)
         cache16 = allocate_kv_cache(need + ratio, bs, old.num_kv_heads, old.head_dim, dtype=old.dtype,
-                                    kv_dtype=old.kv_dtype, device=cfg.device, **case.allocate_kwargs())
+                                    kv_dtype=old.kv_dtype, device=cfg.device, head_dim_v=old.head_dim_v,
+                                    **case.allocate_kwargs())
         # Every request's tokens, moved from the workload's random blocks to their aligned runs.
         src, dst = [], []
         for s, t_old, t_new in zip(case.seq_lens, data.tables, tables, strict=True):
@@ -252,6 +253,10 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     lq = case.query_lens[0]
     causal = lq > 1
     rows = []
+    if cfg.dim_v != cfg.head_dim:
+        return [Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
+                    status=f"skip: {b} needs V of the QK head dim ({cfg.head_dim}), not {cfg.dim_v}")
+                for b in wanted]
     elem = data.cache.k.element_size()
     need = 2 * B * cfg.kv_heads * n * cfg.head_dim * elem * (1 + cfg.heads // cfg.kv_heads)
     if cfg.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(cfg.device)[0]:

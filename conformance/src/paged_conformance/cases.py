@@ -134,6 +134,8 @@ class Case:
     #: "random" sinks around e^2, or "extreme": the limits, +inf for one head (the sink takes all
     #: the mass: exact zeros) and -inf for another (no sink), random for the rest.
     sinks_values: str = "random"
+    #: V's and the output's head dim (MLA-shaped layers: 192/128 in DeepSeek-V3); None: ``head_dim``.
+    head_dim_v: int | None = None
     #: Seed of the random data; derived from the id when left at None.
     seed: int | None = None
     #: One sentence: what the case is about (shown in reports).
@@ -184,6 +186,11 @@ class Case:
         return [r for r, s in enumerate(self.seq_lens) if s > 0]
 
     @property
+    def dim_v(self) -> int:
+        """V's head dim: ``head_dim_v``, or ``head_dim`` when that is None."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def options_dict(self) -> dict[str, Any]:
         return dict(self.options)
 
@@ -203,6 +210,7 @@ class Case:
             device=torch.device(device).type,
             decode_only=self.decode_only,
             return_lse=return_lse,
+            head_dim_v=self.dim_v,
         )
 
     def describe(self) -> str:
@@ -210,7 +218,7 @@ class Case:
         parts = [
             f"{self.num_reqs} reqs / {self.num_tokens} tokens",
             f"heads {self.num_heads}/{self.num_kv_heads}",
-            f"head_dim {self.head_dim}",
+            f"head_dim {self.head_dim}" + ("" if self.dim_v == self.head_dim else f"/v {self.dim_v}"),
             f"block {self.block_size}",
             _DTYPE_IDS[self.dtype],
         ]
@@ -332,6 +340,8 @@ class Row:
     about: str
     group: int = 4
     head_dim: int | None = None  # None: the size's default
+    #: (head_dim, head_dim_v) per size when V's head dim differs (MLA-shaped); overrides head_dim.
+    mla: Mapping[str, tuple[int, int]] | None = None
     block_size: int = 16
     block_size_fixed: bool = False
     dtype: torch.dtype = torch.float16
@@ -351,13 +361,15 @@ class Row:
     def build(self, size: str) -> Case:
         batch = BATCHES[self.batch][size]
         num_heads, num_kv_heads = HEADS[size][self.group]
+        head_dim, head_dim_v = self.mla[size] if self.mla else (self.head_dim or DEFAULT_HEAD_DIM[size], None)
         return Case(
             id=self.id,
             query_lens=batch.query_lens,
             seq_lens=batch.seq_lens,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=self.head_dim or DEFAULT_HEAD_DIM[size],
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
             block_size=self.block_size,
             block_size_fixed=self.block_size_fixed,
             dtype=self.dtype,
@@ -445,6 +457,27 @@ TABLE: tuple[Row, ...] = (
         dtype=torch.bfloat16, options=(("cascade", True), ("min_prefix_tokens", 16))),
     Row("shared_prefix", "shared_prefix", "requests sharing a cached prefix (same physical blocks)",
         dtype=torch.bfloat16),
+    # MLA-shaped heads: V (and the output) narrower than Q/K, DeepSeek-V3's 192/128 and 96/64 at
+    # both sizes; the feature rows use 64/32 on a CPU, where the interpreter's time grows with
+    # the head dims.
+    *(Row(f"mla_{d}_{dv}", "mixed", f"V head dim {dv} under QK head dim {d} (MLA-shaped)",
+          mla={"small": (d, dv), "full": (d, dv)}) for d, dv in ((192, 128), (96, 64))),
+    Row("mla-small_pair", "mixed", "V head dim 32 under QK head dim 64, float32", mla={"small": (64, 32),
+        "full": (64, 32)}, dtype=torch.float32),
+    Row("mla-wider_v", "mixed", "V head dim 64 over QK head dim 32", mla={"small": (32, 64), "full": (128, 256)}),
+    Row("mla-decode_only", "decode", "MLA-shaped heads, decode only", mla={"small": (64, 32), "full": (192, 128)},
+        dtype=torch.bfloat16),
+    Row("mla-kv_int8", "mixed", "MLA-shaped heads on an int8 cache", mla={"small": (64, 32), "full": (192, 128)},
+        kv_dtype="int8"),
+    Row("mla-kv_fp8-decode_only", "decode", "MLA-shaped heads on an fp8 cache, decode only",
+        mla={"small": (64, 32), "full": (192, 128)}, kv_dtype="fp8", dtype=torch.bfloat16),
+    Row("mla-all_features", "mixed", "MLA-shaped heads with window, soft-cap and sinks",
+        mla={"small": (64, 32), "full": (192, 128)}, window=True, softcap=True, sinks=True),
+    *(Row(f"mla-split_{n}", "decode", f"MLA-shaped decode split into {n} KV partitions",
+          mla={"small": (64, 32), "full": (192, 128)}, options=(("num_splits", n),)) for n in (1, 3)),
+    Row("mla-cascade-shared_prefix", "shared_prefix", "MLA-shaped heads, shared prefix, cascade on",
+        mla={"small": (64, 32), "full": (192, 128)}, dtype=torch.bfloat16,
+        options=(("cascade", True), ("min_prefix_tokens", 16))),
 )
 
 

@@ -125,7 +125,9 @@ def _step(backend: Backend, wl: Workload) -> KVCache:
 
 
 def _poisoned(wl: Workload) -> torch.Tensor:
-    return torch.full(tuple(wl.q.shape), math.nan, dtype=wl.q.dtype, device=wl.device)
+    """An ``out=`` of the call's output shape (V's head dim), all NaN."""
+    n, hq, _ = wl.q.shape
+    return torch.full((n, hq, wl.case.dim_v), math.nan, dtype=wl.q.dtype, device=wl.device)
 
 
 def _where(wl: Workload, row: int, head: int) -> str:
@@ -352,7 +354,7 @@ def _layer_inputs(wl: Workload, layer: int) -> tuple[torch.Tensor, torch.Tensor,
     else:
         q = torch.randn(n, hq, d, generator=g).to(device=wl.device, dtype=c.dtype)
     k = torch.randn(n, hkv, d, generator=g).to(device=wl.device, dtype=c.dtype)
-    v = torch.randn(n, hkv, d, generator=g).to(device=wl.device, dtype=c.dtype)
+    v = torch.randn(n, hkv, c.dim_v, generator=g).to(device=wl.device, dtype=c.dtype)
     return q, k, v
 
 

@@ -117,9 +117,11 @@ class Workload:
         if c.cache_layout != "nhd":
             cache = laid_out_cache(c.cache_layout, self.num_blocks, c.block_size, c.num_kv_heads,
                                    c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
-                                   k_scale=ks, v_scale=vs)
+                                   k_scale=ks, v_scale=vs, head_dim_v=c.dim_v)
         else:
             static = {} if ks is None else {"k_scale": ks, "v_scale": vs}
+            if c.dim_v != c.head_dim:
+                static["head_dim_v"] = c.dim_v
             cache = backend.allocate(
                 self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
                 dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device, **static,
@@ -182,7 +184,8 @@ def with_stale_ids(tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Ge
 
 def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                    dtype: torch.dtype, kv_dtype: str = "auto", device: torch.device | str = "cpu",
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> KVCache:
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                   head_dim_v: int | None = None) -> KVCache:
     """A cache whose ``k``/``v`` (and per-slot scales) are NHD views of storage laid out as ``layout``:
 
     - ``"kv_interleaved"``: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` pool,
@@ -192,16 +195,20 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
 
     No spill block: as with an engine's own tensors, a backend must write through the strides.
     With ``k_scale``/``v_scale`` the scales are static (``paged_core.static_scale`` of them).
+    ``head_dim_v`` (V's own head dim) is for ``"hnd_view"`` only: one pool holds one head dim.
     """
     store = dtype if kv_dtype == "auto" else {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
     nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_dim
+    dv = d if head_dim_v is None else head_dim_v
+    if layout == "kv_interleaved" and dv != d:
+        raise ValueError(f"cache layout kv_interleaved holds one head dim; head_dim {d}, head_dim_v {dv}")
     if layout == "kv_interleaved":
         pool = torch.zeros(nb, 2, bs, h, d, dtype=store, device=device)
         k, v = pool[:, 0], pool[:, 1]
         scales = torch.zeros(nb, 2, bs, h, dtype=torch.float32, device=device)
         ks, vs = scales[:, 0], scales[:, 1]
     elif layout == "hnd_view":
-        k, v = (torch.zeros(nb, h, bs, d, dtype=store, device=device).permute(0, 2, 1, 3) for _ in "kv")
+        k, v = (torch.zeros(nb, h, bs, w, dtype=store, device=device).permute(0, 2, 1, 3) for w in (d, dv))
         ks, vs = (torch.zeros(nb, h, bs, dtype=torch.float32, device=device).permute(0, 2, 1) for _ in "kv")
     else:
         raise ValueError(f"cache layout {layout!r}; accepted: kv_interleaved, hnd_view")
@@ -305,6 +312,7 @@ def _draw(case: Case, device: torch.device) -> Workload:
     assert case.seed is not None  # Case.__post_init__ derives it from the id
     g = torch.Generator().manual_seed(case.seed)
     hq, hkv, d, dt = case.num_heads, case.num_kv_heads, case.head_dim, case.dtype
+    dv = case.dim_v
     n = case.num_tokens
 
     shared = case.shared_prefix_blocks
@@ -330,9 +338,9 @@ def _draw(case: Case, device: torch.device) -> Workload:
         raise ValueError(f"case {case.id}: q_layout {case.q_layout!r}; accepted: contiguous, qkv_view")
     context_lens = [max(s - q_, 0) for q_, s in zip(case.query_lens, case.seq_lens, strict=True)]
     k_ctx = [torch.randn(c, hkv, d, generator=g) for c in context_lens]
-    v_ctx = [torch.randn(c, hkv, d, generator=g) for c in context_lens]
+    v_ctx = [torch.randn(c, hkv, dv, generator=g) for c in context_lens]
     k_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
-    v_new = torch.randn(n, hkv, d, generator=g).to(device=device, dtype=dt)
+    v_new = torch.randn(n, hkv, dv, generator=g).to(device=device, dtype=dt)
     # Sinks around e^2 ~ 7: comparable to the softmax mass of short contexts, so ignoring them shows.
     sinks = (torch.randn(hq, generator=g) + 2.0).to(device) if case.sinks else None
     if sinks is not None and case.sinks_values == "extreme":
@@ -346,14 +354,14 @@ def _draw(case: Case, device: torch.device) -> Workload:
     static = _static_scales(case, device)
     fixed = {} if static is None else {"k_scale": static[0], "v_scale": static[1]}
     cache_before = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                     kv_dtype=case.kv_dtype, device=device, **fixed)
+                                     kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed)
     _garbage_(cache_before, g)
     slots = torch.tensor(_context_slots(meta, case), dtype=torch.int64, device=device)
     write_kv(cache_before, torch.cat(k_ctx).to(device=device, dtype=dt),
              torch.cat(v_ctx).to(device=device, dtype=dt), slots)
 
     cache_after = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                    kv_dtype=case.kv_dtype, device=device, **fixed)
+                                    kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed)
     for name, t in storage(cache_before).items():
         storage(cache_after)[name].copy_(t)
     write_kv(cache_after, k_new, v_new, meta.slot_mapping)

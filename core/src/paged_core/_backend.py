@@ -124,12 +124,14 @@ class Backend:
         device: torch.device | str = "cpu",
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
+        head_dim_v: int | None = None,
     ) -> KVCache:
         """Allocate one layer's cache in the layout this backend reads (NHD for all of ours);
-        ``k_scale``/``v_scale`` give a quantized cache static scales (``allocate_kv_cache``)."""
+        ``k_scale``/``v_scale`` give a quantized cache static scales, ``head_dim_v`` V's own head
+        dim (``allocate_kv_cache``)."""
         return allocate_kv_cache(
             num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, kv_dtype=kv_dtype, device=device,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, head_dim_v=head_dim_v,
         )
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
@@ -165,7 +167,8 @@ class Backend:
         any backend code runs: an unknown keyword is an :class:`InputError` listing the accepted
         ones, and with ``num_heads``, ``num_kv_heads`` and ``head_dim`` given, a layer outside
         the capabilities is an :class:`UnsupportedSpecError` with the reasons (``dtype`` and
-        ``kv_dtype`` and ``kv_scales``, when given, are part of that check). A backend that plans on the host
+        ``kv_dtype`` and ``kv_scales``, when given, are part of that check; so is ``head_dim_v``,
+        V's and the output's head dim when it differs from ``head_dim``). A backend that plans on the host
         (FlashInfer) plans with them at once, which a CUDA-graph replay needs (it runs no
         Python); the others ignore them, so one call serves every backend. The default plan is
         the ``BatchMeta`` itself; planning backends return an object with a ``meta`` attribute.
@@ -212,7 +215,9 @@ class Backend:
         out: torch.Tensor | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Paged attention of ``q [num_tokens, num_heads, head_dim]`` over ``cache``.
+        """Paged attention of ``q [num_tokens, num_heads, head_dim]`` over ``cache``; the result
+        is ``[num_tokens, num_heads, head_dim_v]`` (``cache.head_dim_v``, ``head_dim`` unless the
+        cache's V has its own head dim, which the capabilities must claim: ``head_dim_pairs``).
 
         ``meta`` is a :class:`BatchMeta` or what :meth:`plan` returned for it. ``scale``
         defaults to ``head_dim ** -0.5``; ``window > 0`` limits each query to its last
@@ -244,7 +249,8 @@ class Backend:
         if validating:
             validate_call(batch, cache, sinks)
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if cache.head_dim_v == q.shape[2] else q.new_empty(
+                q.shape[0], q.shape[1], cache.head_dim_v)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         if validating:
             # Outputs start as NaN: a row a backend leaves unwritten shows, instead of passing

@@ -1,6 +1,7 @@
 """The paged KV cache of one layer, in vLLM's NHD layout, and its int8/fp8 quantization.
 
-``k, v: [num_blocks, block_size, num_kv_heads, head_dim]``. A quantized cache holds codes
+``k: [num_blocks, block_size, num_kv_heads, head_dim]``, ``v`` the same with its own last
+dimension ``head_dim_v`` (``head_dim`` except in MLA-shaped layers). A quantized cache holds codes
 (``int8`` or ``float8_e4m3fn``) and float32 scales ``k_scale, v_scale: [num_blocks, block_size,
 num_kv_heads]``, value = code * scale. The scales are either
 
@@ -53,7 +54,7 @@ class KVCache:
 
     #: [num_blocks, block_size, num_kv_heads, head_dim], model dtype or int8/float8_e4m3fn codes.
     k: torch.Tensor
-    #: [num_blocks, block_size, num_kv_heads, head_dim], like ``k``.
+    #: [num_blocks, block_size, num_kv_heads, head_dim_v], like ``k`` but for its last dimension.
     v: torch.Tensor
     #: "auto" (the model dtype), "int8" or "fp8".
     kv_dtype: str = "auto"
@@ -96,6 +97,11 @@ class KVCache:
         return int(self.k.shape[3])
 
     @property
+    def head_dim_v(self) -> int:
+        """V's head dim, the output's: ``head_dim`` except in MLA-shaped layers."""
+        return int(self.v.shape[3])
+
+    @property
     def device(self) -> torch.device:
         return self.k.device
 
@@ -127,7 +133,9 @@ class KVCache:
         """Check the structure of the cache; raise :class:`InputError` saying what is wrong.
 
         Host-only (reads no tensor value): ``k`` and ``v`` 4-D ``[num_blocks, block_size,
-        num_kv_heads, head_dim]`` of one shape, dtype and device, last dimension contiguous, of
+        num_kv_heads, head_dim]`` of one dtype and device and one shape but for the last dimension
+        (V's head dim may differ: whether a backend serves that is its capabilities'), last
+        dimension contiguous, of
         the dtype ``kv_dtype`` stores; quantized caches have float32 ``k_scale``/``v_scale`` of
         shape ``[num_blocks, block_size, num_kv_heads]`` on that device. The result is cached
         per object (the fields themselves are compared by identity), so the per-layer call costs
@@ -169,10 +177,11 @@ class KVCache:
                     f"cache.{name}'s last dimension has stride {t.stride(-1)}; accepted: stride 1 "
                     "(head_dim contiguous; any strides for the other dimensions)"
                 )
-        if self.v.shape != self.k.shape or self.v.device != self.k.device:
+        if self.v.shape[:3] != self.k.shape[:3] or self.v.device != self.k.device:
             raise InputError(
                 f"cache.v is {_desc(self.v)} on {self.v.device} but cache.k is {_desc(self.k)} on "
-                f"{self.k.device}; accepted: v of k's shape, dtype and device"
+                f"{self.k.device}; accepted: v of k's [num_blocks, block_size, num_kv_heads], dtype and "
+                "device (its head dim may differ from k's)"
             )
         want = tuple(self.k.shape[:3])
         for name in ("k_scale", "v_scale"):
@@ -261,8 +270,10 @@ def allocate_kv_cache(
     device: torch.device | str = "cpu",
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    head_dim_v: int | None = None,
 ) -> KVCache:
-    """Allocate an empty (zeroed) cache of ``num_blocks`` blocks.
+    """Allocate an empty (zeroed) cache of ``num_blocks`` blocks; ``head_dim_v`` (default
+    ``head_dim``) is V's head dim, for MLA-shaped layers.
 
     A quantized cache gets per-slot scales, set by each write; with ``k_scale`` and ``v_scale``
     (a positive float, or a float32 tensor of one value or one per KV head) it gets those as
@@ -279,6 +290,9 @@ def allocate_kv_cache(
     for name, val in (("num_blocks", num_blocks), ("block_size", block_size),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         _check_size(name, val)
+    if head_dim_v is None:
+        head_dim_v = head_dim
+    _check_size("head_dim_v", head_dim_v)
     device = check_device(device)
     if (k_scale is None) != (v_scale is None):
         raise InputError("k_scale is given but v_scale is not (or the other way); accepted: both static "
@@ -289,7 +303,7 @@ def allocate_kv_cache(
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
-    v = torch.zeros(shape, dtype=store_dtype, device=device)
+    v = torch.zeros((*shape[:3], head_dim_v), dtype=store_dtype, device=device)
     spill: tuple[torch.Tensor, ...] = (k, v)
     ks = vs = None
     if k_scale is not None:
@@ -464,10 +478,11 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
     """The checks of :func:`write_kv`, before it writes anything; returns ``num_tokens``.
 
     ``cache`` a :class:`KVCache` whose :meth:`~KVCache.check` passes; ``slot_mapping`` int64 or
-    int32 ``[num_tokens]``; ``k`` and ``v`` ``[num_tokens, num_kv_heads, head_dim]`` of the
-    cache's model dtype, on its device (any strides). Host-only (slot values are not read);
-    raises :class:`InputError` saying what is wrong. A backend that writes with its own kernel
-    calls this, so every write path refuses the same inputs with the same messages.
+    int32 ``[num_tokens]``; ``k`` ``[num_tokens, num_kv_heads, head_dim]`` and ``v`` the same
+    with the cache's ``head_dim_v``, of the cache's model dtype, on its device (any strides).
+    Host-only (slot values are not read); raises :class:`InputError` saying what is wrong. A
+    backend that writes with its own kernel calls this, so every write path refuses the same
+    inputs with the same messages.
 
     >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
     >>> check_write_inputs(cache, torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 1, -1]))
@@ -482,17 +497,17 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
                  if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
         raise InputError(f"slot_mapping is {found}; accepted: int64 or int32 [num_tokens]")
     n = slot_mapping.shape[0]
-    want = (n, cache.num_kv_heads, cache.head_dim)
-    for name, t in (("k", k), ("v", v)):
+    for name, t, dim in (("k", k, cache.head_dim), ("v", v, cache.head_dim_v)):
+        dim_name = "head_dim" if name == "k" or cache.head_dim_v == cache.head_dim else "head_dim_v"
         if not isinstance(t, torch.Tensor):
             raise InputError(
                 f"{name} is a {type(t).__name__}; accepted: a tensor [num_tokens={n}, "
-                f"num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}]"
+                f"num_kv_heads={cache.num_kv_heads}, {dim_name}={dim}]"
             )
-        if tuple(t.shape) != want:
+        if tuple(t.shape) != (n, cache.num_kv_heads, dim):
             raise InputError(
                 f"{name} has shape {list(t.shape)}; accepted: [num_tokens={n}, "
-                f"num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}] (one row per slot_mapping entry)"
+                f"num_kv_heads={cache.num_kv_heads}, {dim_name}={dim}] (one row per slot_mapping entry)"
             )
         if t.dtype != cache.dtype:
             raise InputError(
@@ -509,7 +524,8 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
 
 
 def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' ``k, v [num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping``.
+    """Write new tokens' ``k [num_tokens, num_kv_heads, head_dim]`` and ``v [num_tokens,
+    num_kv_heads, head_dim_v]`` at ``slot_mapping``.
 
     Slot -1 (a padding row) writes nothing. Quantized caches quantize on write (with static
     scales: with those, which stay as they are; otherwise each slot gets its own). The write never
@@ -565,16 +581,20 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
 
 def kv_bytes_per_token(
     num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: str = "auto", num_layers: int = 1,
+    kv_dtype: str = "auto", num_layers: int = 1, head_dim_v: int | None = None,
 ) -> int:
-    """Bytes of K and V cache one token takes, over ``num_layers`` layers (scales included).
+    """Bytes of K and V cache one token takes, over ``num_layers`` layers (scales included);
+    ``head_dim_v`` (default ``head_dim``) is V's head dim.
 
     >>> kv_bytes_per_token(8, 128, num_layers=36)   # Qwen3-8B in bf16
     147456
     """
     _check_dtypes(dtype, kv_dtype)
-    for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers)):
+    if head_dim_v is None:
+        head_dim_v = head_dim
+    for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers),
+                      ("head_dim_v", head_dim_v)):
         _check_size(name, val)
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4
-    return num_layers * (2 * num_kv_heads * head_dim * elem + scales)
+    return num_layers * (num_kv_heads * (head_dim + head_dim_v) * elem + scales)

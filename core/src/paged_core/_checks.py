@@ -35,8 +35,8 @@ __all__ = [
 
 #: The layer keywords every backend's ``plan`` accepts: the description of the layers that will
 #: run the plan (the same for every layer of a step).
-PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "dtype", "kv_dtype", "kv_scales", "window",
-                 "softcap", "scale", "sinks")
+PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype", "kv_dtype", "kv_scales",
+                 "window", "softcap", "scale", "sinks")
 
 # Entries of a backend's memo before it is emptied: layers x shapes of a few live steps.
 CHECKED_CALLS_MAX = 4096
@@ -178,7 +178,7 @@ def check_plan(backend: _Checked, meta: Any, layer: dict[str, Any]) -> dict[str,
 
 def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> None:
     """The layer keywords of ``plan``: their types, then the spec they describe."""
-    for name in ("num_heads", "num_kv_heads", "head_dim"):
+    for name in ("num_heads", "num_kv_heads", "head_dim", "head_dim_v"):
         v = layer.get(name)
         if v is not None and (not _is_int(v) or v < 1):
             raise InputError(f"{name} is {v!r}; accepted: a positive int (or leave it out)")
@@ -206,7 +206,7 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
         kv_dtype=kv_dtype if kv_dtype is not None else ("auto" if "auto" in caps.kv_dtypes
                                                         else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
         kv_scales=kv_scales, window=int(window), softcap=float(softcap), sinks=sinks,
-        device=meta.device.type, decode_only=meta.decode_only,
+        device=meta.device.type, decode_only=meta.decode_only, head_dim_v=layer.get("head_dim_v"),
     )
     reasons = backend.reasons(spec)
     if reasons:
@@ -358,11 +358,13 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
     _check_scalars(window, softcap, scale)
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or _wrong_sinks(tensor_facts(sinks), hq, dev)):
         raise InputError(f"sinks is {_described(sinks)}; accepted: float32 [num_heads={hq}] on {dev}")
-    if out is not None and (not isinstance(out, torch.Tensor) or _wrong_out(tensor_facts(out), tensor_facts(q))):
+    dv = cache.head_dim_v
+    if out is not None and (not isinstance(out, torch.Tensor) or _wrong_out(tensor_facts(out), tensor_facts(q), dv)):
         found = (f"{_described(out)} with last-dimension stride {tensor_facts(out)[3][-1]}"
                  if isinstance(out, torch.Tensor) else f"a {type(out).__name__}")
+        shape = "the shape," if dv == d else f"the shape [num_tokens={n}, num_heads={hq}, head_dim_v={dv}] and"
         raise InputError(
-            f"out is {found}; accepted: the shape, dtype and device of q ({_described(q)}), "
+            f"out is {found}; accepted: {shape} dtype and device of q ({_described(q)}), "
             "last-dimension stride 1"
         )
     if out is not None and _overlaps_itself(tensor_facts(out)[0], tensor_facts(out)[3]):
@@ -378,6 +380,7 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
         num_heads=hq, num_kv_heads=cache.num_kv_heads, head_dim=d, block_size=cache.block_size, dtype=q_dtype,
         kv_dtype=cast(KVDtype, cache.kv_dtype), kv_scales=cache.kv_scales, window=int(window), softcap=float(softcap),
         sinks=sinks is not None, device=dev.type, decode_only=meta.decode_only, return_lse=return_lse,
+        head_dim_v=dv,
     )
     reasons = backend.reasons(spec)
     if reasons:
@@ -389,9 +392,11 @@ def _wrong_sinks(facts: tuple, num_heads: int, device: torch.device) -> bool:
     return tuple(shape) != (num_heads,) or dtype != torch.float32 or dev != device
 
 
-def _wrong_out(facts: tuple, q_facts: tuple) -> bool:
+def _wrong_out(facts: tuple, q_facts: tuple, head_dim_v: int) -> bool:
     shape, dtype, dev, strides = facts
-    return shape != q_facts[0] or dtype != q_facts[1] or dev != q_facts[2] or strides[-1] != 1
+    q_shape = q_facts[0]
+    want = q_shape if q_shape[2] == head_dim_v else (q_shape[0], q_shape[1], head_dim_v)
+    return tuple(shape) != tuple(want) or dtype != q_facts[1] or dev != q_facts[2] or strides[-1] != 1
 
 
 def validate_call(batch: BatchMeta, cache: KVCache, sinks: torch.Tensor | None) -> None:

@@ -125,7 +125,8 @@ def forward(
     """What :meth:`Backend.forward` does under ``torch.compile``: one ``paged::forward`` call."""
     batch = meta if isinstance(meta, BatchMeta) else meta.meta
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if cache.head_dim_v == q.shape[2] else q.new_empty(
+            q.shape[0], q.shape[1], cache.head_dim_v)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     forward_op(
         backend._op_handle, q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kv_dtype,

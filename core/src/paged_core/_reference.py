@@ -51,8 +51,9 @@ def reference_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention computed request by request in ``compute_dtype``.
 
-    Returns ``out`` in ``compute_dtype`` (cast it yourself; the backend casts to ``q.dtype``),
-    plus ``lse [num_tokens, num_heads]`` (natural log, ``compute_dtype``) with ``return_lse``.
+    Returns ``out [num_tokens, num_heads, cache.head_dim_v]`` in ``compute_dtype`` (cast it
+    yourself; the backend casts to ``q.dtype``), plus ``lse [num_tokens, num_heads]``
+    (natural log, ``compute_dtype``) with ``return_lse``.
 
     Metadata that validation would refuse is masked the way the Triton kernels mask it, from
     the device tensors (never the host mirrors, which the kernels do not read): a request whose
@@ -67,6 +68,7 @@ def reference_attention(
         raise InputError(f"meta is a {type(meta).__name__}; accepted: a paged_core.BatchMeta")
     meta._structure(mirrors=False)  # the oracle reads no host int (max_*), so holds none to account
     n, hq, d = q.shape
+    dv = cache.head_dim_v
     hkv, bs = cache.num_kv_heads, cache.block_size
     group = hq // hkv
     scale = d**-0.5 if scale is None else scale
@@ -78,7 +80,7 @@ def reference_attention(
         vf = cache.v.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
     else:
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
-    out = torch.zeros(n, hq, d, dtype=compute_dtype, device=q.device)
+    out = torch.zeros(n, hq, dv, dtype=compute_dtype, device=q.device)
     lse = torch.full((n, hq), -math.inf, dtype=compute_dtype, device=q.device)
     qsl = meta.query_start_loc.tolist()
     slens = meta.seq_lens.tolist()
@@ -92,7 +94,7 @@ def reference_attention(
         bad = (blocks < 0) | (blocks >= cache.num_blocks)
         blocks = blocks.clamp(0, cache.num_blocks - 1)
         keys = kf[blocks].reshape(nblk * bs, hkv, d)[:s]
-        vals = vf[blocks].reshape(nblk * bs, hkv, d)[:s]
+        vals = vf[blocks].reshape(nblk * bs, hkv, dv)[:s]
         key_ok = (~bad).repeat_interleave(bs)[:s]  # [s]; keys past the table are absent too
         keys = keys.repeat_interleave(group, dim=1)  # [s, hq, d]
         vals = vals.repeat_interleave(group, dim=1)
@@ -152,6 +154,7 @@ class ReferenceBackend(Backend):
         softcap=True,
         sinks=True,
         returns_lse=True,
+        head_dim_pairs=None,
         # plan() is the batch itself.
         device_plan=True,
         batch_invariant=True,

@@ -100,10 +100,15 @@ class AttentionSpec:
     return_lse: bool = False
     #: A quantized cache's scales (one of ``KV_SCALES``); ignored for ``kv_dtype="auto"``.
     kv_scales: str = "per_slot"
+    #: The head dim of V and of the output (MLA-shaped layers: DeepSeek-V3 has head_dim 192,
+    #: head_dim_v 128); None: ``head_dim``, which it is set to.
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         # Sizes below 1 are refused here, so registry.explain()/select() never divide by zero.
-        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size", "head_dim_v"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise InputError(f"AttentionSpec.{name} is {v!r}; accepted: a positive int")
@@ -121,7 +126,8 @@ class AttentionSpec:
     def describe(self) -> str:
         """A compact one-line description used in case ids and reports."""
         parts = [
-            f"{self.num_heads}/{self.num_kv_heads}x{self.head_dim}",
+            f"{self.num_heads}/{self.num_kv_heads}x{self.head_dim}"
+            + ("" if self.head_dim_v == self.head_dim else f" v{self.head_dim_v}"),
             f"bs{self.block_size}",
             dtype_name(self.dtype),
         ]
@@ -142,6 +148,11 @@ class Capabilities:
     """What a backend promises to compute exactly. ``None`` in a set-valued field means any."""
 
     head_dims: frozenset[int] | None = ANY
+    #: The ``(head_dim, head_dim_v)`` pairs with a V/output head dim other than the QK head dim
+    #: that it serves (MLA-shaped layers), each a claim of its own (its head_dim need not be in
+    #: ``head_dims``). Empty (the default): V's head dim must be ``head_dim``; ``None``: any pair
+    #: of head dims that ``head_dims`` accepts.
+    head_dim_pairs: frozenset[tuple[int, int]] | None = frozenset()
     block_sizes: frozenset[int] | None = ANY
     group_sizes: frozenset[int] | None = ANY
     dtypes: frozenset[torch.dtype] = frozenset(_DTYPE_NAMES)
@@ -173,8 +184,11 @@ class Capabilities:
             )
         if spec.device_type not in self.devices:
             out.append(f"device {spec.device_type!r} is not supported (accepted: {_fmt(self.devices)})")
-        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+        # A pair named in head_dim_pairs is a claim of its own, whatever head_dims holds.
+        paired = self.head_dim_pairs is not None and (spec.head_dim, spec.head_dim_v) in self.head_dim_pairs
+        if self.head_dims is not None and spec.head_dim not in self.head_dims and not paired:
             out.append(f"head_dim {spec.head_dim} is not supported (accepted: {_fmt(self.head_dims)})")
+        out.extend(self.head_dim_v_reasons(spec.head_dim, cast(int, spec.head_dim_v)))
         if not self.accepts_block_size(spec.block_size):
             out.append(self.block_size_reason(spec.block_size))
         if self.group_sizes is not None and spec.group_size not in self.group_sizes:
@@ -207,6 +221,31 @@ class Capabilities:
         if spec.return_lse and not self.returns_lse:
             out.append("returning the log-sum-exp is not supported")
         return out
+
+    def head_dim_v_reasons(self, head_dim: int, head_dim_v: int) -> list[str]:
+        """Why a V/output head dim of ``head_dim_v`` with QK head dim ``head_dim`` is refused
+        (``reasons`` asks this); empty when it is served or the dims are equal."""
+        if head_dim_v == head_dim:
+            return []
+        pairs = self.head_dim_pairs
+        if pairs is None:
+            if self.head_dims is None or head_dim_v in self.head_dims:
+                return []
+            return [f"head_dim_v {head_dim_v} is not supported (accepted: {_fmt(self.head_dims)})"]
+        if (head_dim, head_dim_v) in pairs:
+            return []
+        accepted = ", ".join(f"({d}, {dv})" for d, dv in sorted(pairs)) + " or " if pairs else ""
+        return [
+            f"head_dim_v {head_dim_v} other than head_dim {head_dim} (MLA-shaped heads) is not supported "
+            f"(accepted (head_dim, head_dim_v): {accepted}head_dim_v == head_dim)"
+        ]
+
+    def pairs_summary(self) -> str:
+        """The ``head_dim_pairs`` of ``summary`` (shown when not empty): "any", or the pairs
+        ``(head_dim, head_dim_v)`` as ``192/128``."""
+        if self.head_dim_pairs is None:
+            return "any"
+        return ",".join(f"{d}/{dv}" for d, dv in sorted(self.head_dim_pairs))
 
     def accepts_block_size(self, block_size: int) -> bool:
         """Whether a cache of ``block_size``-token blocks is accepted (``reasons`` asks this).
@@ -242,7 +281,9 @@ class Capabilities:
             if on
         ]
         return (
-            f"head_dim {s(self.head_dims)}; block {s(self.block_sizes)}; group {s(self.group_sizes)}; "
+            f"head_dim {s(self.head_dims)}; "
+            + ("" if self.head_dim_pairs == frozenset() else f"head_dim_v {self.pairs_summary()}; ")
+            + f"block {s(self.block_sizes)}; group {s(self.group_sizes)}; "
             f"dtype {s(dtype_name(d) for d in self.dtypes)}; kv {s(self.kv_dtypes)}"
             + (f" (scales {s(self.kv_scales)})" if set(self.kv_dtypes) - {"auto"} else "") + "; "
             f"{'mixed' if self.mixed_batches else 'decode-only'}; {s(self.devices)}"

@@ -180,7 +180,7 @@ def shard_kv_cache(
     fixed = [t[0, 0] for t in cache._scales()] if static else [None, None]
     shard = allocate_kv_cache(max(len(blocks), 1), meta.block_size, cache.num_kv_heads, cache.head_dim,
                               dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cache.k.device,
-                              k_scale=fixed[0], v_scale=fixed[1])
+                              k_scale=fixed[0], v_scale=fixed[1], head_dim_v=cache.head_dim_v)
     if blocks:
         idx = torch.tensor(blocks, dtype=torch.long, device=cache.k.device)
         pairs = [(shard.k, cache.k), (shard.v, cache.v)]

@@ -364,3 +364,10 @@ def test_a_pruned_build_refuses_head_dims_it_has_no_kernel_for(fake_flash_attn, 
 
 def test_a_full_build_has_no_marker_and_no_extra_reasons(fake_flash_attn):
     assert FlashAttn2Backend().extra_reasons(spec(head_dim=160)) == []
+
+
+def test_mla_shaped_heads_are_refused_with_the_reason():
+    spec = AttentionSpec(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=256,
+                         dtype=torch.bfloat16, device="cuda")
+    assert "head_dim_v 128 other than head_dim 192 (MLA-shaped heads) is not supported (accepted " \
+           "(head_dim, head_dim_v): head_dim_v == head_dim)" in FlashAttn2Backend.capabilities.reasons(spec)

@@ -5,6 +5,7 @@ None of these import FlashInfer or need CUDA; they run everywhere (FlashInfer is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -272,3 +273,81 @@ def test_cascade_reads_the_prefix_through_a_request_with_keys():
         table[r, : -(-n // 16)].tolist() for r, n in ((1, 300), (2, 290)))], block_size=16)
     c = prepare_plan(meta, prefix_blocks=16).cascade
     assert c.prefix_indices.tolist() == list(range(1, 17))
+
+
+# ----------------------------------------------------------------------------- MLA-shaped heads
+class _Recorder:
+    """A stand-in FlashInfer wrapper: records each plan() call's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def plan(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+def _mla_params(**kw):
+    base = dict(num_heads=16, num_kv_heads=16, head_dim=192, dtype=torch.bfloat16, window=0, softcap=0.0,
+                scale=192**-0.5, head_dim_vo=128)
+    return fib._Params(**{**base, **kw})
+
+
+def test_mla_claim_is_the_deepseek_pair_only():
+    caps = FlashInferBackend.capabilities
+    spec = AttentionSpec(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16,
+                         device="cuda", dtype=torch.bfloat16)
+    assert caps.reasons(spec) == []
+    assert caps.reasons(dataclasses.replace(spec, head_dim=96, head_dim_v=64)) == [
+        "head_dim 96 is not supported (accepted: 64, 128, 256)",
+        "head_dim_v 64 other than head_dim 96 (MLA-shaped heads) is not supported "
+        "(accepted (head_dim, head_dim_v): (192, 128) or head_dim_v == head_dim)",
+    ]
+    # 192 with V of 192 is no FA3 instantiation: not claimed through the pair.
+    assert caps.reasons(dataclasses.replace(spec, head_dim_v=192)) == [
+        "head_dim 192 is not supported (accepted: 64, 128, 256)"]
+
+
+@pytest.mark.parametrize(("qlens", "equal_dims_path"), [([1, 1, 1], "decode"), ([5, 1, 1], "batch_attention")],
+                         ids=["decode", "mixed"])
+def test_mla_batches_take_the_prefill_wrapper(qlens, equal_dims_path):
+    # The decode wrapper's plan has one head_dim; BatchAttention is not claimed for the pair.
+    plan = prepare_plan(BatchMeta.build(qlens, [40, 70, 9], block_size=16))
+    assert FlashInferBackend()._path(plan, _mla_params()) == "prefill"
+    assert FlashInferBackend()._path(plan, _mla_params(num_kv_heads=4, head_dim=128, head_dim_vo=0)) == equal_dims_path
+
+
+def test_mla_plan_passes_head_dim_vo(monkeypatch):
+    monkeypatch.setattr(FlashInferBackend, "_prewarm", staticmethod(lambda p, device: None))
+    b = FlashInferBackend()
+    plan = prepare_plan(BatchMeta.build([5, 1], [40, 70], block_size=16))
+    wrapper = _Recorder()
+    b._plan_into(fib._Slot("prefill", wrapper), plan, _mla_params())
+    (args, kwargs), = wrapper.calls
+    assert args[4:8] == (16, 16, 192, 16)  # heads, KV heads, head_dim_qk, page size
+    assert kwargs["head_dim_vo"] == 128
+    # Equal dims pass head_dim_vo == head_dim: what FlashInfer's default (None) means.
+    wrapper.calls.clear()
+    b._plan_into(fib._Slot("prefill", wrapper), plan, _mla_params(head_dim=128, head_dim_vo=0))
+    assert wrapper.calls[0][1]["head_dim_vo"] == 128
+    # Cascade: both levels get it.
+    meta = _shared_prefix_meta([1, 3, 1], [69, 94, 81], prefix_blocks=4)
+    cplan = prepare_plan(meta, prefix_blocks=4)
+    levels = (_Recorder(), _Recorder())
+    b._plan_into(fib._Slot("cascade", levels), cplan, _mla_params())
+    assert [lv.calls[0][1]["head_dim_vo"] for lv in levels] == [128, 128]
+    # BatchAttention.plan takes head_dim_qk, head_dim_vo positionally.
+    ba = _Recorder()
+    b._plan_into(fib._Slot("batch_attention", ba), plan, _mla_params())
+    assert ba.calls[0][0][6:8] == (192, 128)
+
+
+def test_mla_plan_keyword_reaches_the_params(monkeypatch):
+    seen = []
+    monkeypatch.setattr(FlashInferBackend, "_load", lambda self, plan, params, device: seen.append(params))
+    monkeypatch.setattr(fib, "prepare_plan", lambda meta, prefix_blocks=0: None)
+    monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
+    meta = BatchMeta.build([1], [9], block_size=16)
+    monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
+    FlashInferBackend()._plan(meta, num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128,
+                              dtype=torch.bfloat16)
+    assert seen[0].head_dim_vo == 128 and seen[0].head_dim == 192

@@ -269,7 +269,7 @@ class PagedAttention:
             )
             plan = self.backend.plan(
                 meta, num_heads=query.shape[1], num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                dtype=query.dtype, scale=scaling,
+                head_dim_v=kv.head_dim_v, dtype=query.dtype, scale=scaling,
             )
             step.plans[0], step.rows = plan, k.shape[0]
         q = query[0].transpose(0, 1)

@@ -301,6 +301,9 @@ class FlashAttn2Backend(Backend):
     capabilities = FlashAttn2Capabilities(
         head_dims=HEAD_DIMS,
         block_sizes=None,  # any multiple of 256: block_size_multiple below
+        # No MLA-shaped heads: flash-attn 2 has one head dim for Q, K and V (flash_api.cpp
+        # mha_fwd_kvcache: CHECK_SHAPE(vcache, ..., head_size_og) with q's head size).
+        head_dim_pairs=frozenset(),
         block_size_multiple=BLOCK_SIZE_MULTIPLE,
         # GQA/MQA: any ratio (flash_api.cpp: TORCH_CHECK(num_heads % num_heads_k == 0); head h
         # reads KV head h // (num_heads / num_heads_k), as our reference's repeat_interleave).

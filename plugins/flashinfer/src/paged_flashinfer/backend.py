@@ -102,6 +102,12 @@ class _Params:
     window: int
     softcap: float
     scale: float
+    #: V's and the output's head dim (``head_dim`` except in MLA-shaped layers).
+    head_dim_vo: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.head_dim_vo:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
 
     @property
     def window_left(self) -> int:
@@ -309,6 +315,11 @@ class FlashInferBackend(Backend):
         # HEAD_DIM_VO == 128 || HEAD_DIM_VO == 256); utils.py determine_attention_backend falls
         # back to FA2 for others, but FA2 at other head dims is not claimed until proven here.
         head_dims=frozenset({64, 128, 256}),
+        # DeepSeek-V3's MLA prefill shape: the prefill wrapper's plan takes head_dim_qk and
+        # head_dim_vo (prefill.py), and its FA3 module instantiates HEAD_DIM_QK 192 with
+        # HEAD_DIM_VO 128 (prefill_sm90.cuh). The decode wrapper's plan has one head_dim, so such
+        # layers run every batch through the prefill wrapper (see _path).
+        head_dim_pairs=frozenset({(192, 128)}),
         # page_size is a runtime argument of every path (decode.py/prefill.py plan(page_size),
         # paged_kv_t uses a fastdiv); the page-size restriction was removed in v0.0.5
         # (flashinfer-ai/flashinfer#320). Conformance proves 16/32/64/256.
@@ -408,6 +419,7 @@ class FlashInferBackend(Backend):
         softcap: float = 0.0,
         scale: float | None = None,
         shared_prefix_blocks: int | None = None,
+        head_dim_v: int | None = None,
     ) -> FlashInferPlan:
         """Plan one step's batch; pass the result to every layer's ``forward``.
 
@@ -438,7 +450,7 @@ class FlashInferBackend(Backend):
             if scale is None:
                 scale = head_dim**-0.5
             params = _Params(int(num_heads), int(num_kv_heads), int(head_dim), dtype, int(window),
-                             float(softcap), float(scale))
+                             float(softcap), float(scale), int(head_dim_v or head_dim))
             if meta.num_tokens:  # an empty batch runs nothing (forward returns at once)
                 self._load(plan, params, meta.device)
         return plan
@@ -491,6 +503,9 @@ class FlashInferBackend(Backend):
     def _path(self, plan: FlashInferPlan, params: _Params) -> str:
         if plan.cascade is not None and params.window == 0:
             return "cascade"
+        if params.head_dim_vo != params.head_dim:
+            # Only the prefill wrapper's plan takes V's own head dim (head_dim_vo).
+            return "prefill"
         if plan.batch_class == "decode":
             return "decode"
         # BatchAttention has no sliding window; and with one query head per KV head (MHA) it
@@ -603,15 +618,16 @@ class FlashInferBackend(Backend):
             # lies after the prefix, which prepare_plan checked.
             prefix_level.plan(c.prefix_qo_indptr_cpu, c.prefix_indptr_cpu, c.prefix_indices,
                               c.prefix_last_page_len_cpu, p.num_heads, p.num_kv_heads, p.head_dim, bs,
-                              causal=False, **levels)
+                              causal=False, head_dim_vo=p.head_dim_vo, **levels)
             suffix_level.plan(plan.qo_indptr_cpu, sp.indptr_cpu, sp.indices, sp.last_page_len_cpu,
-                              p.num_heads, p.num_kv_heads, p.head_dim, bs, causal=True, **levels)
+                              p.num_heads, p.num_kv_heads, p.head_dim, bs, causal=True,
+                              head_dim_vo=p.head_dim_vo, **levels)
         elif slot.path == "prefill":
             # prefill.py plan: qo_indptr.to("cpu") and _paged_kv_host_metadata(indptr,
             # last_page_len).to("cpu"): CPU tensors here, so no sync.
             slot.wrapper.plan(
                 plan.qo_indptr_cpu, pages.indptr_cpu, pages.indices, pages.last_page_len_cpu,
-                p.num_heads, p.num_kv_heads, p.head_dim, bs,
+                p.num_heads, p.num_kv_heads, p.head_dim, bs, head_dim_vo=p.head_dim_vo,
                 causal=True, pos_encoding_mode="NONE", window_left=p.window_left,
                 logits_soft_cap=p.softcap, non_blocking=True, **common,
             )
@@ -621,7 +637,7 @@ class FlashInferBackend(Backend):
             # torch.cuda.synchronize() itself after its host copies: one sync per step.
             slot.wrapper.plan(
                 plan.qo_indptr_cpu, pages.indptr_cpu, pages.indices, plan.kv_lens_cpu,
-                p.num_heads, p.num_kv_heads, p.head_dim, p.head_dim, bs,
+                p.num_heads, p.num_kv_heads, p.head_dim, p.head_dim_vo, bs,
                 causal=True, sm_scale=p.scale, logits_soft_cap=p.softcap,
                 q_data_type=p.dtype, kv_data_type=p.dtype,
             )
@@ -659,11 +675,11 @@ class FlashInferBackend(Backend):
             raise InputError(f"kv_dtype {cache.kv_dtype!r} is not supported by the flashinfer backend")
         p = self._plan_for(plan)
         params = _Params(int(q.shape[1]), cache.num_kv_heads, int(q.shape[2]), q.dtype, int(window),
-                         float(softcap), float(scale))
+                         float(softcap), float(scale), cache.head_dim_v)
         slot = self._load(p, params, q.device)
 
         qc = q if q.is_contiguous() else q.contiguous()
-        o = out if out.is_contiguous() else torch.empty_like(qc)
+        o = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         kv = (cache.k, cache.v)
         if slot.path == "cascade":
             prefix_level, suffix_level = slot.wrapper

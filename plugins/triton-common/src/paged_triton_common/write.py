@@ -109,10 +109,10 @@ def _write_rows(
 @triton.jit
 def write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim] model dtype, any strides
-    v_ptr,  # [num_tokens, num_kv_heads, head_dim] model dtype, any strides
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim_v] model dtype, any strides
     slot_mapping_ptr,  # int64 or int32 [num_tokens], any stride; -1 or out of the pool: not written
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM] model dtype, int8 or uint8 (fp8)
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM] like k_cache
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM_V] like k_cache
     k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS] (written only if KV_QUANT)
     v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS] (written only if KV_QUANT)
     num_slots,  # num_blocks * BLOCK_SIZE
@@ -131,6 +131,8 @@ def write_kv_kernel(
     KV_QUANT: tl.constexpr,  # 0: the model dtype, copied; 1: int8 codes; 2: fp8 e4m3 codes (as uint8)
     Q_MAX: tl.constexpr,  # largest code (127.0, 448.0; unused if not KV_QUANT)
     STATIC_SCALE: tl.constexpr,  # KV_QUANT with static scales: read, never written
+    HEAD_DIM_V: tl.constexpr,  # V's head dim (HEAD_DIM but in MLA-shaped layers)
+    HEAD_DIM_V_PAD: tl.constexpr,  # next power of two of HEAD_DIM_V
 ):
     """One program writes BLOCK_H KV heads of token ``program_id(0)``, k and v, at its slot."""
     tl.static_assert(BLOCK_H & (BLOCK_H - 1) == 0)
@@ -146,6 +148,12 @@ def write_kv_kernel(
     # Triton 3.9 turns a scalar bool & a bool vector into int64, which it refuses as a mask.)
     mask_h = heads < tl.where(valid, NUM_KV_HEADS, 0)  # [BLOCK_H]
     mask = mask_h[:, None] & (dims < HEAD_DIM)[None, :]  # [BLOCK_H, HEAD_DIM_PAD]
+    if HEAD_DIM_V == HEAD_DIM:  # V's lanes: k's, or its own head dim's (MLA-shaped layers)
+        dims_v = dims
+        mask_v = mask
+    else:
+        dims_v = tl.arange(0, HEAD_DIM_V_PAD)
+        mask_v = mask_h[:, None] & (dims_v < HEAD_DIM_V)[None, :]  # [BLOCK_H, HEAD_DIM_V_PAD]
     _write_rows(
         k_ptr, k_cache_ptr, k_scale_ptr,
         token * stride_k_t + heads[:, None] * stride_k_h + dims[None, :] * stride_k_d,
@@ -156,10 +164,10 @@ def write_kv_kernel(
     )
     _write_rows(
         v_ptr, v_cache_ptr, v_scale_ptr,
-        token * stride_v_t + heads[:, None] * stride_v_h + dims[None, :] * stride_v_d,
-        block * stride_vc_b + offset * stride_vc_s + heads[:, None] * stride_vc_h + dims[None, :],
+        token * stride_v_t + heads[:, None] * stride_v_h + dims_v[None, :] * stride_v_d,
+        block * stride_vc_b + offset * stride_vc_s + heads[:, None] * stride_vc_h + dims_v[None, :],
         block * stride_vs_b + offset * stride_vs_s + heads * stride_vs_h,
-        mask, mask_h,
+        mask_v, mask_h,
         KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, STATIC_SCALE=STATIC_SCALE,
     )
 
@@ -196,10 +204,11 @@ class _Plan:
         vs_strides: tuple[int, ...] = (0, 0, 0)
         if kv_quant:
             ks_strides, vs_strides = (t.stride() for t in cache._scales())
-        heads, head_dim = cache.num_kv_heads, cache.head_dim
+        heads, head_dim, head_dim_v = cache.num_kv_heads, cache.head_dim, cache.head_dim_v
         head_dim_pad = _next_power_of_2(head_dim)
-        block_h = min(_next_power_of_2(heads), max(1, _TILE_ELEMS // head_dim_pad))
-        tile = block_h * head_dim_pad
+        head_dim_v_pad = _next_power_of_2(head_dim_v)
+        block_h = min(_next_power_of_2(heads), max(1, _TILE_ELEMS // max(head_dim_pad, head_dim_v_pad)))
+        tile = block_h * max(head_dim_pad, head_dim_v_pad)
         self.head_blocks = -(-heads // block_h)
         self.num_warps = 4 if tile >= 1024 else 2 if tile >= 256 else 1
         self.scalars: dict[str, Any] = dict(
@@ -219,6 +228,8 @@ class _Plan:
             KV_QUANT=kv_quant,
             Q_MAX=q_max,
             STATIC_SCALE=cache.static_scales,
+            HEAD_DIM_V=head_dim_v,
+            HEAD_DIM_V_PAD=head_dim_v_pad,
         )
         # Set by the first launch through DirectKernel: the binary, the arguments after the first
         # three (the cache's pointers as ints) and the device it was loaded on.

@@ -51,7 +51,7 @@ def _tile_block_ids(bt_row_ptr, t0, start, end, stride_bt_b, BLOCK_SIZE: tl.cons
 def _attend_tile(
     m_i,  # [BLOCK_M] float32, running max of scores (log2 domain), -inf while nothing seen
     l_i,  # [BLOCK_M] float32, running sum of exp2(score - m_i)
-    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32, running sum of p @ V
+    acc,  # [BLOCK_M, HEAD_DIM_V_PAD] float32, running sum of p @ V
     q,  # [BLOCK_M, HEAD_DIM_PAD] dot dtype (q.dtype on GPU, float32 under the interpreter)
     vis,  # [BLOCK_M, BLOCK_N] bool, key visible to row (implies key_ok)
     blk,  # [BLOCK_N] int64, physical block of each key (0 where not key_ok)
@@ -60,8 +60,10 @@ def _attend_tile(
     kv_head,
     offs_d,  # [HEAD_DIM_PAD]
     d_mask,  # [HEAD_DIM_PAD] bool, offs_d < HEAD_DIM
+    offs_dv,  # [HEAD_DIM_V_PAD]: V's head-dim lanes (offs_d when V's head dim is q's)
+    dv_mask,  # [HEAD_DIM_V_PAD] bool, offs_dv < HEAD_DIM_V
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
     v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
     scale,
@@ -102,10 +104,10 @@ def _attend_tile(
 
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
     v = tl.load(
-        v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_v_d,
-        mask=key_ok[:, None] & d_mask[None, :],
+        v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_v_d,
+        mask=key_ok[:, None] & dv_mask[None, :],
         other=0,
-    )  # [BLOCK_N, HEAD_DIM_PAD]
+    )  # [BLOCK_N, HEAD_DIM_V_PAD]
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
@@ -236,8 +238,8 @@ else:
 # Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
 @triton.autotune(
     configs=_SPLIT_CONFIGS,
-    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE", "keys_per_program",
-         "occupancy"],
+    key=["GROUP_PAD", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE",
+         "keys_per_program", "occupancy"],
     cache_results=True,
     # Timed as CUDA-graph replays (paged_triton_common.tuning): a small decode's split kernel
     # takes less time than Triton's own launch path, which would otherwise be what is timed.
@@ -289,6 +291,8 @@ def split_kv_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows: max(16, BLOCK_Q * GROUP_PAD)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    HEAD_DIM_V: tl.constexpr,  # V's and the output's head dim (HEAD_DIM but in MLA-shaped layers)
+    HEAD_DIM_V_PAD: tl.constexpr,  # HEAD_DIM_V rounded up to a power of two (>= 16)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HAS_QSL: tl.constexpr,
     FIXED_SPLITS: tl.constexpr,
@@ -322,6 +326,7 @@ def split_kv_attention_kernel(
     tl.static_assert(BLOCK_M >= BLOCK_Q * GROUP_PAD)
     tl.static_assert(BLOCK_M >= 16)  # tl.dot needs at least 16 rows
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    tl.static_assert(HEAD_DIM_V_PAD >= HEAD_DIM_V)
     tl.static_assert(BLOCK_N >= 16)
 
     pid_rq = tl.program_id(0)
@@ -351,6 +356,12 @@ def split_kv_attention_kernel(
     pos = seq_len - q_len + q_idx  # [BLOCK_M] position of each row's query
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    if HEAD_DIM_V == HEAD_DIM:  # V, the accumulator and the output: q's lanes, or V's own
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
 
     q = tl.load(
         q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
@@ -383,7 +394,7 @@ def split_kv_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
 
     # Tiles stay aligned to split_lo (not to `start`), so the summation order of a split depends
     # only on the request itself: needed for the batch-invariant mode.
@@ -406,7 +417,7 @@ def split_kv_attention_kernel(
             vis = key_ok[None, :] & (offs_m[:, None] >= 0)
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
+            offs_dv, dv_mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
             stride_k_b, stride_k_s, stride_k_h, stride_k_d,
             stride_v_b, stride_v_s, stride_v_h, stride_v_d,
             stride_ks_b, stride_ks_s, stride_ks_h,
@@ -416,7 +427,7 @@ def split_kv_attention_kernel(
 
     if DIRECT_OUT:
         _store_final(
-            out_ptr, out_lse_ptr, sinks_ptr, m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
+            out_ptr, out_lse_ptr, sinks_ptr, m_i, l_i, acc, token, head, row_valid, offs_dv, dv_mask,
             stride_o_t, stride_o_h, stride_o_d, stride_lse_t, stride_lse_h, HAS_SINKS, STORE_LSE,
         )
     else:
@@ -424,7 +435,7 @@ def split_kv_attention_kernel(
         split64 = split.to(tl.int64)
         _store_partial(
             part_out_ptr + split64 * stride_po_s, part_lse_ptr + split64 * stride_pl_s,
-            m_i, l_i, acc, token, head, row_valid, offs_d, d_mask,
+            m_i, l_i, acc, token, head, row_valid, offs_dv, dv_mask,
             stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
         )
         if FUSED_MERGE:
@@ -440,7 +451,7 @@ def split_kv_attention_kernel(
                 _merge_rows(
                     part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, out_lse_ptr, tl.num_programs(2),
                     (q_start + r_q).to(tl.int64), kv_head * GROUP + r_hh, (r_hh < GROUP) & (r_q < q_len),
-                    offs_d, d_mask,
+                    offs_dv, dv_mask,
                     stride_po_s, stride_po_t, stride_po_h, stride_po_d,
                     stride_pl_s, stride_pl_t, stride_pl_h,
                     stride_o_t, stride_o_h, stride_o_d,
@@ -476,8 +487,8 @@ else:
         _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
-@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "BLOCK_SIZE"], cache_results=True,
-                 do_bench=replay_bench)
+@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE"],
+                 cache_results=True, do_bench=replay_bench)
 @triton.jit
 def cascade_prefix_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
@@ -510,6 +521,8 @@ def cascade_prefix_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # V's and the output's head dim
+    HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
@@ -527,6 +540,7 @@ def cascade_prefix_kernel(
     tl.static_assert(BLOCK_M >= 16)
     tl.static_assert(BLOCK_N >= 16)
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    tl.static_assert(HEAD_DIM_V_PAD >= HEAD_DIM_V)
 
     kv_head = tl.program_id(1)
     # Rows pack exactly GROUP heads per token (no power-of-two padding needed: the tile is not
@@ -557,6 +571,12 @@ def cascade_prefix_kernel(
     token64 = token.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    if HEAD_DIM_V == HEAD_DIM:  # V, the accumulator and the partial output: q's lanes, or V's own
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
     q = tl.load(
         q_ptr + token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
         mask=row_valid[:, None] & d_mask[None, :],
@@ -566,7 +586,7 @@ def cascade_prefix_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
 
     split = tl.program_id(2)
     start = split * keys_per_split
@@ -581,7 +601,7 @@ def cascade_prefix_kernel(
         vis = visible(key_ok, offs_n, pos, pos, 0, False)
         m_i, l_i, acc = _attend_tile(
             m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
+            offs_dv, dv_mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
             stride_k_b, stride_k_s, stride_k_h, stride_k_d,
             stride_v_b, stride_v_s, stride_v_h, stride_v_d,
             stride_ks_b, stride_ks_s, stride_ks_h,
@@ -591,7 +611,7 @@ def cascade_prefix_kernel(
 
     _store_partial(
         part_out_ptr + split.to(tl.int64) * stride_po_s, part_lse_ptr + split.to(tl.int64) * stride_pl_s,
-        m_i, l_i, acc, token64, head, row_valid, offs_d, d_mask,
+        m_i, l_i, acc, token64, head, row_valid, offs_dv, dv_mask,
         stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
     )
 

@@ -145,6 +145,9 @@ def _kv_args(
         stride_vs_b=vs_strides[0], stride_vs_s=vs_strides[1], stride_vs_h=vs_strides[2],
         HEAD_DIM=q.shape[2],
         HEAD_DIM_PAD=_pow2_at_least(q.shape[2], 16),
+        # V's head dim (MLA-shaped layers) sizes the PV tile, the accumulator and the outputs.
+        HEAD_DIM_V=v_cache.shape[3],
+        HEAD_DIM_V_PAD=_pow2_at_least(v_cache.shape[3], 16),
         BLOCK_SIZE=k_cache.shape[1],
         QUANT=quant,
         FP8=fp8,
@@ -245,10 +248,11 @@ def split_decode_attention(
 ) -> torch.Tensor:
     """Flash-Decoding over a paged KV cache for a decode-only batch; fills and returns ``out``.
 
-    Shapes: q, out ``[num_reqs, num_q_heads, head_dim]`` (token r is request r's one query, at
-    position ``seq_lens[r] - 1``); k_cache, v_cache ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` of q.dtype, int8 or float8_e4m3fn (then k_scale, v_scale float32
-    ``[num_blocks, block_size, num_kv_heads]``, value = code * scale); seq_lens int32
+    Shapes: q ``[num_reqs, num_q_heads, head_dim]`` (token r is request r's one query, at
+    position ``seq_lens[r] - 1``), out the same with V's head dim; k_cache, v_cache ``[num_blocks,
+    block_size, num_kv_heads, head_dim]`` (v_cache's last dimension may differ: MLA-shaped) of
+    q.dtype, int8 or float8_e4m3fn (then k_scale, v_scale float32 ``[num_blocks, block_size,
+    num_kv_heads]``, value = code * scale); seq_lens int32
     ``[num_reqs]`` (0: padding request, exact zeros); block_table int32 ``[num_reqs,
     max_blocks]``; sinks float32 ``[num_q_heads]``; lse (output, optional) float32
     ``[num_reqs, num_q_heads]``, natural log, -inf where no key is visible, and including the
@@ -306,7 +310,7 @@ def split_decode_attention(
     # Several splits: one launch, whose last program per (request, KV head) merges the partials
     # (split_kv_attention_kernel's FUSED_MERGE). The counters reset themselves, so zeroing them
     # once per workspace is enough: a recorded or captured call keeps its workspace.
-    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, head_dim, q.device)
+    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, v_cache.shape[3], q.device)
     counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
         q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
@@ -636,7 +640,7 @@ def cascade_attention(
         prefix_tokens, prefix_splits, row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
         num_kv_heads=num_kv_heads, device=q.device)
     num_parts = num_splits + prefix_splits
-    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, head_dim, q.device)
+    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, v_cache.shape[3], q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
     # The suffix and prefix passes share nothing until the merge: on a GPU the prefix pass runs on

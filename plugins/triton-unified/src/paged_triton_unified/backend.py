@@ -20,6 +20,9 @@ class TritonUnifiedBackend(TritonBackend):
     name = "triton-unified"
     capabilities = Capabilities(
         head_dims=frozenset(SUPPORTED_HEAD_DIMS),
+        # V's head dim may be any supported one (MLA-shaped layers): the PV tile and the
+        # accumulator have their own width.
+        head_dim_pairs=None,
         block_sizes=frozenset(SUPPORTED_BLOCK_SIZES),
         kv_dtypes=frozenset(KV_DTYPES),
         kv_scales=frozenset(KV_SCALES),

@@ -102,7 +102,7 @@ def tile_plan_kernel(
 
 @triton.jit
 def _attend_step(
-    acc,  # float32 [BLOCK_M, HEAD_DIM_PAD]
+    acc,  # float32 [BLOCK_M, HEAD_DIM_V_PAD]
     l_i,  # float32 [BLOCK_M]
     m_i,  # float32 [BLOCK_M], running max in log2 units
     q,  # [BLOCK_M, HEAD_DIM_PAD], dot dtype
@@ -134,6 +134,8 @@ def _attend_step(
     stride_vs_h,
     offs_d,  # [HEAD_DIM_PAD]
     d_mask,  # [HEAD_DIM_PAD]
+    offs_dv,  # [HEAD_DIM_V_PAD]: V's head-dim lanes (offs_d when V's head dim is q's)
+    dv_mask,  # [HEAD_DIM_V_PAD]
     MASKED: tl.constexpr,  # False: every key of the step is visible to every row and valid (no checks)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
@@ -143,6 +145,7 @@ def _attend_step(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PADDED: tl.constexpr,  # HEAD_DIM_PAD > HEAD_DIM: d_mask has false lanes
+    DV_PADDED: tl.constexpr,  # HEAD_DIM_V_PAD > HEAD_DIM_V: dv_mask has false lanes
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
@@ -159,17 +162,17 @@ def _attend_step(
         block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
         key_ok = block_ok(block, num_blocks)  # [BLOCK_N]
         block = tl.where(key_ok, block, 0)
-        v_mask = key_ok[:, None] & d_mask[None, :]
+        v_mask = key_ok[:, None] & dv_mask[None, :]
     else:
         # Unmasked: every key lies in the table and the sequence, and its block id was checked
         # before the loop (see _tile_program), so there is nothing to mask but padded lanes of d.
         offs_a = offs_n
         block = tl.load(block_table_row_ptr + (offs_a // BLOCK_SIZE) * stride_bt_b)
-        v_mask = d_mask[None, :]
+        v_mask = dv_mask[None, :]
     # int64: phys_block * stride_k_b exceeds 2**31 for caches over 2 G elements.
     block = block.to(tl.int64)
     in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
-    MASK_V: tl.constexpr = MASKED or D_PADDED
+    MASK_V: tl.constexpr = MASKED or DV_PADDED
 
     # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
@@ -207,12 +210,12 @@ def _attend_step(
     # (and -inf stays -inf). Unmasked, every score is finite and so is the max.
     p, alpha, l_i, m_new = softmax_step(s, m_i, l_i, qk_scale, MAY_BE_EMPTY=MASKED, RAW=RAW)
 
-    # V: [BLOCK_N, HEAD_DIM_PAD]
+    # V: [BLOCK_N, HEAD_DIM_V_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
     if MASK_V:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=v_mask, other=0)
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
     else:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
     v = codes_to(v, q.dtype, KV_QUANT == 2)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
@@ -225,7 +228,7 @@ def _attend_step(
             # p @ (codes * s) == (p * s) @ codes, but p * s in fp16 can sink into subnormals for
             # small scales. Dividing by the tile's largest scale keeps p * s / s_max in [0, 1]
             # (the same range, and rounding, as plain probabilities in an fp16 flash kernel);
-            # s_max multiplies the [BLOCK_M, HEAD_DIM] product once.
+            # s_max multiplies the [BLOCK_M, HEAD_DIM_V] product once.
             vs_max = tl.max(tl.abs(v_sc), 0)
             vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
             pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(q.dtype), v, input_precision=DOT_PRECISION)
@@ -252,6 +255,7 @@ def _tile_program(
     stride_ks_b, stride_ks_s, stride_ks_h, stride_vs_b, stride_vs_s, stride_vs_h,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, stride_bt_r, stride_bt_b,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     FROM_PLAN: tl.constexpr,  # False: tile == request (every request fits one tile)
     KV_QUANT: tl.constexpr, QDOT16: tl.constexpr, FOLD_SCALE: tl.constexpr,
@@ -301,6 +305,14 @@ def _tile_program(
 
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
+    # V, the accumulator and the output have V's head dim (MLA-shaped layers): q's lanes
+    # themselves when the dims are equal.
+    if HEAD_DIM_V == HEAD_DIM:
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
     token64 = token.to(tl.int64)
     q_offs = token64[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
     q = upcast(tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_mask[None, :], other=0.0), UPCAST)
@@ -353,7 +365,7 @@ def _tile_program(
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_V_PAD], tl.float32)
 
     # Three key ranges, one loop each; static_range unrolls them, so each compiles with its own
     # MASKED: the leading window edge (masked), the bulk of the context (no causal or window mask
@@ -379,10 +391,11 @@ def _tile_program(
                 stride_v_b=stride_v_b, stride_v_s=stride_v_s, stride_v_h=stride_v_h,
                 stride_ks_b=stride_ks_b, stride_ks_s=stride_ks_s, stride_ks_h=stride_ks_h,
                 stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
-                offs_d=offs_d, d_mask=d_mask,
+                offs_d=offs_d, d_mask=d_mask, offs_dv=offs_dv, dv_mask=dv_mask,
                 MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
                 QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
-                D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DOT_PRECISION=DOT_PRECISION,
+                D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DV_PADDED=HEAD_DIM_V_PAD != HEAD_DIM_V,
+                DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
 
     # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
@@ -392,8 +405,8 @@ def _tile_program(
         m_i, l_i, acc = fold_sink(m_i, l_i, acc, sinks_ptr, head, row_ok, seen)
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows never seen: acc == 0, so exact zeros
-    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    o_offs = token64[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_dv[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_mask[None, :])
     if HAS_LSE:
         lse = natural_lse(m_i, l_safe, seen)
         tl.store(lse_ptr + token64 * stride_lse_t + head * stride_lse_h, lse, mask=row_ok)
@@ -502,8 +515,10 @@ def _prune(configs, named_args, **kwargs):
     # with BLOCK_N_SMALL from the launcher.
     block_q = args["BLOCK_Q_LARGE"] if args["FUSED"] else args["BLOCK_Q"]
     block_m = block_q * args["GROUP_PAD"]
-    kept = [c for c in configs if keep(c, block_m, args["HEAD_DIM_PAD"], args["KV_QUANT"])]
-    if args["FUSED"] and args["HEAD_DIM_PAD"] >= 256:
+    # The wider of the K and V tiles sizes the shared memory (V's head dim may differ).
+    width = max(args["HEAD_DIM_PAD"], args["HEAD_DIM_V_PAD"])
+    kept = [c for c in configs if keep(c, block_m, width, args["KV_QUANT"])]
+    if args["FUSED"] and width >= 256:
         # Both classes' pipelined K/V buffers share the launch's shared memory.
         kept = [c for c in kept if c.num_stages <= 2]
     if not AUTOTUNE:
@@ -540,8 +555,8 @@ def capture_config(named_args):
     # already separates decode-shaped tiles from prefill tiles. (So a request's result may
     # differ in rounding between batches of different classes: triton-unified does not claim
     # batch invariance; triton-splitkv's batch_invariant mode does.)
-    key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "KV_QUANT", "QDOT16",
-         "FOLD_SCALE", "occupancy"],
+    key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE",
+         "KV_QUANT", "QDOT16", "FOLD_SCALE", "occupancy"],
     prune_configs_by={"early_config_prune": _prune},
     # Tuned choices persist next to the compiled kernels (TRITON_CACHE_DIR): a later process
     # does not time a shape class again, and a first call inside a CUDA-graph capture uses them.
@@ -557,8 +572,8 @@ def capture_config(named_args):
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], last dim contiguous
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
-    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], last dim contiguous
-    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM], q's dtype, last dim contiguous
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM_V], last dim contiguous
+    out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM_V], q's dtype, last dim contiguous
     k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
     v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, num_kv_heads] (read only if KV_QUANT)
     sinks_ptr,  # float32 [num_q_heads] (read only if HAS_SINKS)
@@ -602,6 +617,8 @@ def unified_attention_kernel(
     GROUP_PAD: tl.constexpr,  # next power of two of GROUP
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
+    HEAD_DIM_V: tl.constexpr,  # V's and the output's head dim (HEAD_DIM but in MLA-shaped layers)
+    HEAD_DIM_V_PAD: tl.constexpr,  # next power of two of HEAD_DIM_V
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_Q: tl.constexpr,  # query tokens per (small) tile; BLOCK_Q * GROUP_PAD rows
     BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (FUSED only)
@@ -636,6 +653,7 @@ def unified_attention_kernel(
     tl.static_assert(BLOCK_Q * GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 keys")
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    tl.static_assert(HEAD_DIM_V_PAD >= HEAD_DIM_V)
 
     if FUSED:
         tl.static_assert(BLOCK_N_SMALL >= 16, "tl.dot needs at least 16 keys")
@@ -670,7 +688,8 @@ def unified_attention_kernel(
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_bt_r=stride_bt_r, stride_bt_b=stride_bt_b,
             GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
-            BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
+            HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT,
+            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
             UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
@@ -692,7 +711,8 @@ def unified_attention_kernel(
             stride_o_t=stride_o_t, stride_o_h=stride_o_h, stride_lse_t=stride_lse_t, stride_lse_h=stride_lse_h,
             stride_bt_r=stride_bt_r, stride_bt_b=stride_bt_b,
             GROUP=GROUP, GROUP_PAD=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
-            BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT, QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
+            HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD, BLOCK_SIZE=BLOCK_SIZE, KV_QUANT=KV_QUANT,
+            QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE,
             USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, HAS_SINKS=HAS_SINKS, HAS_LSE=HAS_LSE,
             UPCAST=UPCAST, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip

@@ -206,9 +206,10 @@ def unified_attention(
 
     Args:
         q: ``[num_tokens, num_q_heads, head_dim]``, float32/float16/bfloat16, last dim contiguous.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, or
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, or
             ``torch.int8`` / ``torch.float8_e4m3fn`` codes dequantized as ``code * scale``.
-        out: ``[num_tokens, num_q_heads, head_dim]``, q's dtype; every row is written.
+        v_cache: like ``k_cache`` with its own last dimension ``head_dim_v`` (MLA-shaped layers).
+        out: ``[num_tokens, num_q_heads, head_dim_v]``, q's dtype; every row is written.
         query_start_loc: int32 ``[num_reqs + 1]``, ``query_start_loc[-1] == num_tokens``.
         seq_lens: int32 ``[num_reqs]``, context after this step including the new tokens;
             0 marks a padding request.
@@ -262,9 +263,13 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_power_of_2(group)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
+    head_dim_v = v_cache.shape[3]
+    head_dim_v_pad = head_dim_pad if head_dim_v == head_dim else max(16, _next_power_of_2(head_dim_v))
     num_sms = sm_count(q.device)
     if config is None:
-        config = _batch_config(num_q_heads, num_kv_heads, head_dim, num_tokens, max_query_len, num_sms)
+        # The wider of the K and V tiles sizes the tiling (V's head dim may differ).
+        config = _batch_config(num_q_heads, num_kv_heads, max(head_dim, head_dim_v), num_tokens, max_query_len,
+                               num_sms)
     if check:
         _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
@@ -376,6 +381,8 @@ def unified_attention(
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=head_dim_v_pad,
         BLOCK_SIZE=block_size,
         BLOCK_Q=bq_small,
         BLOCK_Q_LARGE=bq_large,
