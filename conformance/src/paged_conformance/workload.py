@@ -120,11 +120,11 @@ class Workload:
                                    k_scale=ks, v_scale=vs, head_dim_v=c.dim_v)
         else:
             static = {} if ks is None else {"k_scale": ks, "v_scale": vs}
-            if c.dim_v != c.head_dim:
-                static["head_dim_v"] = c.dim_v
+            # head_dim_v only where it differs: a backend that takes no such keyword stays callable.
+            wide = {} if c.dim_v == c.head_dim else {"head_dim_v": c.dim_v}
             cache = backend.allocate(
                 self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
-                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device, **static,
+                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device, **static, **wide,
             )
         src, dst = storage(self.cache_before), storage(cache)
         for name, t in src.items():
