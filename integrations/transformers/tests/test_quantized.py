@@ -55,7 +55,7 @@ def test_quantized_pools(kv_dtype, monkeypatch):
 
 
 def test_unknown_kv_dtype():
-    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8"):
+    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8, fp8_e5m2"):
         paged_transformers.enable("reference", kv_dtype="int4")
 
 
