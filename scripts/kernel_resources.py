@@ -228,7 +228,7 @@ def main() -> None:
         ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
     print(f"sm_90a, triton {triton.__version__}, head_dim {args.head_dim}, group {args.group}, "
           f"block {args.block_size}, bf16 q")
-    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
+    print(f"{'tile':24s} {'kv':>8s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
         for kv in kvs:
@@ -240,10 +240,10 @@ def main() -> None:
                     else:
                         r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap)
                 except Exception as exc:  # out of shared memory and the like: say so, go on
-                    print(f"{name:24s} {kv:>4s} {label:>26s}  {type(exc).__name__}: "
+                    print(f"{name:24s} {kv:>8s} {label:>26s}  {type(exc).__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:80]}")
                     continue
-                print(f"{name:24s} {kv:>4s} {label:>26s} {row(r)}")
+                print(f"{name:24s} {kv:>8s} {label:>26s} {row(r)}")
 
 
 if __name__ == "__main__":
