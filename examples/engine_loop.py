@@ -31,7 +31,7 @@ _parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 _parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 _parser.add_argument("--steps", type=int, default=5, help="engine steps to run (default 5)")
 _parser.add_argument("--layers", type=int, default=2)
-_parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8"],
+_parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e5m2"],
                      help="cache storage: the model dtype (default), or int8/fp8 codes with scales")
 _parser.add_argument("--static-scale", type=float, default=None, metavar="S",
                      help="an int8/fp8 cache with one static scale S for K and V (as vLLM's fp8 caches "

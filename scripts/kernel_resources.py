@@ -62,7 +62,7 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
         raise SystemExit(f"kernel_resources.py does not set the kernel's constexprs {missing}: add them to `base`")
     skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     sig, attrs = {}, {}
-    cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8"}[kv]  # fp8 codes travel as uint8
+    cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8", "fp8_e5m2": "*u8"}[kv]  # fp8 codes travel as uint8
     for i, name in enumerate(names):
         if name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
             constexprs[name] = 1
@@ -91,7 +91,8 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
 KV_FLAGS = {
     "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False, "V_SCALE_ON_P": False},
     "int8": {"KV_QUANT": 1, "QDOT16": False, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
-    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": True, "V_SCALE_ON_P": True},
+    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1, "V_SCALE_ON_P": True},
+    "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2, "V_SCALE_ON_P": True},
 }
 
 
@@ -190,7 +191,7 @@ def main() -> None:
                     help="which of decode,fused (triton-unified) and split (triton-splitkv)")
     ap.add_argument("--configs", default="",
                     help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)")
-    ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8 (q is bf16)")
+    ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8,fp8_e5m2 (q is bf16)")
     args = ap.parse_args()
     try:
         only = {_config(c) for c in args.configs.split(",") if c}
@@ -234,7 +235,7 @@ def main() -> None:
     dims = f"head_dim {args.head_dim}" + (f"/v {head_dim_v}" if head_dim_v != args.head_dim else "")
     print(f"sm_90a, triton {triton.__version__}, {dims}, group {args.group}, "
           f"block {args.block_size}, bf16 q")
-    print(f"{'tile':24s} {'kv':>4s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
+    print(f"{'tile':24s} {'kv':>8s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
         for kv in kvs:
@@ -246,10 +247,10 @@ def main() -> None:
                     else:
                         r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap)
                 except Exception as exc:  # out of shared memory and the like: say so, go on
-                    print(f"{name:24s} {kv:>4s} {label:>26s}  {type(exc).__name__}: "
+                    print(f"{name:24s} {kv:>8s} {label:>26s}  {type(exc).__name__}: "
                           f"{(str(exc).splitlines() or [''])[0][:80]}")
                     continue
-                print(f"{name:24s} {kv:>4s} {label:>26s} {row(r)}")
+                print(f"{name:24s} {kv:>8s} {label:>26s} {row(r)}")
 
 
 if __name__ == "__main__":

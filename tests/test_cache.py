@@ -9,8 +9,11 @@ Quantization bounds (per element, per (token, head) vector x with amax = max|x|)
   2**(e-4) <= 2**-4 * |y| (e = floor(log2 |y|)); a subnormal y (|y| < 2**-6) errs by at most
   2**-10. So |x - dequantized| <= max(2**-4 * |x|, 2**-10 * scale) <= 2**-4 * |x| + 2**-10 * scale,
   which is <= 2**-4 * amax: fp8 keeps every element within 1/16 of the vector's max.
+* fp8 E5M2 (2 mantissa bits, max 57344, min normal 2**-14, subnormal step 2**-16): the same
+  argument with half a step 2**(e-3) <= 2**-3 * |y| and 2**-17 below the normals, so
+  |x - dequantized| <= 2**-3 * |x| + 2**-17 * scale <= 2**-3 * amax (within 1/8 of the max).
 
-Both get a float32 slack of 1e-5 * scale for the division and the multiplication.
+All get a float32 slack of 1e-5 * scale for the division and the multiplication.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ from paged_core import (
 )
 
 SLACK = 1e-5
+#: fp8 formats: kv_dtype -> (code dtype, q_max, mantissa bits, exponent of the smallest normal).
+FP8 = {"fp8": (torch.float8_e4m3fn, 448.0, 3, -6), "fp8_e5m2": (torch.float8_e5m2, 57344.0, 2, -14)}
+
+
+def fp8_bound(kv_dtype, x, scale):
+    """The round-trip bound of the module docstring: 2**-(m+1) * |x| + half a subnormal step * scale."""
+    _, _, m, emin = FP8[kv_dtype]
+    return 2.0 ** -(m + 1) * x.abs() + (2.0 ** (emin - m - 1) + SLACK) * scale
 
 
 def spread(shape, seed) -> torch.Tensor:
@@ -50,6 +61,7 @@ def spread(shape, seed) -> torch.Tensor:
         (torch.float32, "auto", torch.float32),
         (torch.bfloat16, "int8", torch.int8),
         (torch.float16, "fp8", torch.float8_e4m3fn),
+        (torch.bfloat16, "fp8_e5m2", torch.float8_e5m2),
     ],
 )
 def test_allocate(dtype, kv_dtype, store):
@@ -72,7 +84,7 @@ def test_allocate(dtype, kv_dtype, store):
 @pytest.mark.parametrize(
     ("kwargs", "needles"),
     [
-        (dict(kv_dtype="fp4"), ["kv_dtype 'fp4' is not one of auto, int8, fp8"]),
+        (dict(kv_dtype="fp4"), ["kv_dtype 'fp4' is not one of auto, int8, fp8, fp8_e5m2"]),
         (dict(dtype=torch.int32), ["dtype torch.int32 is not supported", "float32, float16, bfloat16"]),
         (dict(num_blocks=0), ["num_blocks is 0", "accepted: a positive int"]),
         (dict(head_dim=2.5), ["head_dim is 2.5", "accepted: a positive int"]),
@@ -114,24 +126,38 @@ def test_int8_round_trip(seed):
     assert not dequantize_kv(codes, scale)[~nz].any()
 
 
+@pytest.mark.parametrize("kv_dtype", list(FP8))
 @pytest.mark.parametrize("seed", range(3))
-def test_fp8_round_trip(seed):
+def test_fp8_round_trip(seed, kv_dtype):
+    code_dtype, q_max, m, emin = FP8[kv_dtype]
     x = spread((64, 4, 48), seed)
-    codes, scale = quantize_kv(x, "fp8")
-    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    codes, scale = quantize_kv(x, kv_dtype)
+    assert codes.dtype == code_dtype and scale.dtype == torch.float32
     amax = x.double().abs().amax(-1)
     nz = amax > 0
-    torch.testing.assert_close(scale.double()[nz], amax[nz] / 448, rtol=1e-6, atol=0)
-    assert codes.float().abs().max() <= 448
+    torch.testing.assert_close(scale.double()[nz], amax[nz] / q_max, rtol=1e-6, atol=0)
+    assert codes.float().abs().max() <= q_max
+    # The largest element of each non-zero vector maps to the largest code.
+    assert (codes.float().abs().amax(-1)[nz] == q_max).all()
     xd, s = x.double(), scale.double()[..., None]
     err = (dequantize_kv(codes, scale).double() - xd).abs()
-    bound = 2**-4 * xd.abs() + (2**-10 + SLACK) * s
+    bound = fp8_bound(kv_dtype, xd, s)
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
-    assert (err <= (2**-4 + SLACK) * amax[..., None]).all()
+    assert (err <= (2.0 ** -(m + 1) + SLACK) * amax[..., None]).all()
     assert not dequantize_kv(codes, scale)[~nz].any()
-    # The spread inputs do reach E4M3's subnormal range, so that branch of the bound is exercised.
+    # The spread inputs do reach the format's subnormal range, so that branch of the bound is exercised.
     y = (xd / s).abs()
-    assert ((y > 0) & (y < 2**-6)).any()
+    assert ((y > 0) & (y < 2.0**emin)).any()
+
+
+def test_e5m2_is_coarser_and_wider_than_e4m3():
+    # 1 + 2**-3 (times the max / 448) is an E4M3 code, but a tie between E5M2's codes 1 and
+    # 1.25 (rounds to even: 1); 2**-20 of the max is below E4M3's subnormals (0), not E5M2's.
+    x = torch.tensor([[57344.0, 128.0 * (1 + 2**-3), 57344.0 * 2**-20]])
+    e4, s4 = quantize_kv(x, "fp8")
+    e5, s5 = quantize_kv(x, "fp8_e5m2")
+    assert s4.item() == 128.0 and e4.float().tolist() == [[448.0, 1.125, 0.0]]
+    assert s5.item() == 1.0 and e5.float().tolist() == [[57344.0, 128.0, 57344.0 * 2**-20]]
 
 
 def test_quantize_known_values():
@@ -140,8 +166,11 @@ def test_quantize_known_values():
     assert scale.item() == pytest.approx(2.0 / 127, rel=1e-7)
     codes, scale = quantize_kv(torch.tensor([[448.0, -224.0, 1.0]]), "fp8")
     assert scale.item() == 1.0 and codes.float().tolist() == [[448.0, -224.0, 1.0]]
-    assert Q_MAX == {"int8": 127.0, "fp8": 448.0}
-    with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8"):
+    codes, scale = quantize_kv(torch.tensor([[57344.0, -0.375, 1.0]]), "fp8_e5m2")
+    assert codes.dtype == torch.float8_e5m2
+    assert scale.item() == 1.0 and codes.float().tolist() == [[57344.0, -0.375, 1.0]]
+    assert Q_MAX == {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0}
+    with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8, fp8_e5m2"):
         quantize_kv(torch.ones(2, 4), "auto")
 
 
@@ -153,8 +182,8 @@ def fill_random(cache: KVCache, seed: int) -> None:
         vals = torch.randn(t.shape, generator=g)
         if t.dtype == torch.int8:
             t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
-        elif t.dtype == torch.float8_e4m3fn:
-            t.view(torch.uint8).copy_(vals.to(torch.float8_e4m3fn).view(torch.uint8))
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            t.view(torch.uint8).copy_(vals.to(t.dtype).view(torch.uint8))
         else:
             t.copy_(vals)
     for s in (cache.k_scale, cache.v_scale):
@@ -168,7 +197,7 @@ def snapshot(cache: KVCache) -> list[torch.Tensor]:
     for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
         if t is None:
             continue
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             t = t.view(torch.uint8)
         out.append(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).clone())
     return out
@@ -198,7 +227,7 @@ def check_slot(cache: KVCache, slot: int, k_row: torch.Tensor, v_row: torch.Tens
         if cache.kv_dtype == "int8":
             bound = s[:, None] * (0.5 + SLACK)
         else:
-            bound = 2**-4 * x.abs() + (2**-10 + SLACK) * s[:, None]
+            bound = fp8_bound(cache.kv_dtype, x, s[:, None])
         assert ((got - x).abs() <= bound).all()
 
 
@@ -207,6 +236,7 @@ KV_CASES = [
     (torch.float32, "auto"),
     (torch.float16, "int8"),
     (torch.bfloat16, "fp8"),
+    (torch.float16, "fp8_e5m2"),
 ]
 
 
@@ -232,7 +262,7 @@ def test_write_through_slot_mapping(dtype, kv_dtype):
     assert_only_slots_changed(before, snapshot(cache), written)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("spill", [True, False], ids=["allocated", "wrapped"])
 def test_out_of_range_slots_are_ignored(kv_dtype, spill):
     cache = allocate_kv_cache(4, 4, 1, 8, dtype=torch.float32, kv_dtype=kv_dtype)
@@ -326,10 +356,11 @@ def test_kv_bytes_per_token():
     # int8 / fp8: one byte per element plus a float32 scale per (K or V, head).
     assert kv_bytes_per_token(8, 128, kv_dtype="int8", num_layers=36) == 36 * (2048 + 64) == 76_032
     assert kv_bytes_per_token(8, 128, kv_dtype="fp8") == 2048 + 64
+    assert kv_bytes_per_token(8, 128, kv_dtype="fp8_e5m2") == 2048 + 64
 
 
 def test_kv_bytes_matches_allocation():
-    for kv_dtype in ("auto", "int8", "fp8"):
+    for kv_dtype in ("auto", "int8", "fp8", "fp8_e5m2"):
         cache = allocate_kv_cache(3, 16, 4, 64, dtype=torch.float16, kv_dtype=kv_dtype)
         stores = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.quantized else [])
         total = sum(t.numel() * t.element_size() for t in stores)
@@ -352,23 +383,24 @@ def test_static_scales_are_views_one_per_kv_head():
     assert not allocate_kv_cache(4, 16, 2, 8).static_scales
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_a_static_write_quantizes_with_the_scale_and_leaves_it(kv_dtype):
     ks, vs = torch.tensor([0.01, 0.02]), torch.tensor([0.05])
     ks0, vs0 = ks.clone(), vs.clone()
     cache = allocate_kv_cache(3, 4, 2, 4, dtype=torch.float32, kv_dtype=kv_dtype, k_scale=ks, v_scale=vs)
-    k = torch.tensor([[[0.5, -0.123, 5.0, 0.0], [1.0, -1.0, 0.017, 20.0]]])  # [1 token, 2 heads, 4]
+    k = torch.tensor([[[0.5, -0.123, 5000.0, 0.0], [1.0, -1.0, 0.017, 2000.0]]])  # [1 token, 2 heads, 4]
     v = torch.tensor([[[0.25, 0.1, -0.5, 100.0], [0.0, 0.07, -0.3, 1.0]]])
     write_kv(cache, k, v, torch.tensor([6]))  # block 1, slot 2
     q_max = Q_MAX[kv_dtype]
     # Hand-written expectations: x / scale, rounded (int8) or cast (fp8), clamped to ±q_max.
     for codes, x, scale in ((cache.k, k, ks.view(1, 2, 1)), (cache.v, v, vs.view(1, 1, 1))):
         y = (x / scale).clamp(-q_max, q_max)
-        want = y.round().to(torch.int8) if kv_dtype == "int8" else y.to(torch.float8_e4m3fn)
+        want = y.round().to(torch.int8) if kv_dtype == "int8" else y.to(FP8[kv_dtype][0])
         assert torch.equal(codes[1, 2:3].view(torch.uint8), want.view(torch.uint8))
         assert int(codes.view(torch.uint8).count_nonzero()) == int(want.view(torch.uint8).count_nonzero())
     assert torch.equal(ks, ks0) and torch.equal(vs, vs0)
-    # 5.0 / 0.01 = 500 and 20 / 0.02 = 1000 saturate: the values read back are the format's edge.
+    # 5000 / 0.01 and 2000 / 0.02 (1e5, beyond every format) saturate: the values read back are
+    # the format's edge.
     kf, _ = cache.dequantized()
     assert kf[1, 2, 0, 2].item() == pytest.approx(q_max * 0.01) and kf[1, 2, 1, 3].item() == pytest.approx(q_max * 0.02)
 
@@ -397,9 +429,10 @@ def test_attention_on_a_static_cache_is_attention_on_its_values():
     ("kwargs", "needles"),
     [
         (dict(kv_dtype="int8", k_scale=0.1), ["k_scale is given but v_scale is not"]),
-        (dict(kv_dtype="auto", k_scale=0.1, v_scale=0.1), ["kv_dtype 'auto'", "'int8' or 'fp8'"]),
+        (dict(kv_dtype="auto", k_scale=0.1, v_scale=0.1), ["kv_dtype 'auto'", "int8, fp8, fp8_e5m2"]),
         (dict(kv_dtype="fp8", k_scale=0.0, v_scale=0.1), ["k_scale holds [0.0]", "positive, finite"]),
         (dict(kv_dtype="fp8", k_scale=0.1, v_scale=float("nan")), ["v_scale holds", "positive, finite"]),
+        (dict(kv_dtype="fp8_e5m2", k_scale=-1.0, v_scale=0.1), ["k_scale holds [-1.0]", "positive, finite"]),
         (dict(kv_dtype="int8", k_scale=torch.tensor([0.1, 0.2, 0.3]), v_scale=0.1),
          ["k_scale is float32 [3]", "[num_kv_heads=2]"]),
         (dict(kv_dtype="int8", k_scale=torch.tensor([0.1], dtype=torch.float64), v_scale=0.1),
@@ -435,7 +468,7 @@ def test_quantize_with_a_scale_that_does_not_broadcast_is_refused():
         quantize_kv(torch.ones(3, 2, 4), "int8", 0.5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize(("num_blocks", "block_size", "heads"), [(5, 1, 4), (1, 1, 2), (1, 4, 1), (3, 1, 1)])
 def test_a_static_cache_with_size_one_dimensions_is_usable(kv_dtype, num_blocks, block_size, heads):
     # allocate(..., block_size=1, kv_dtype="fp8", k_scale=...) returned a cache its own write

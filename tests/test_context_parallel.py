@@ -132,7 +132,7 @@ def test_contiguous_and_interleaved_ownership():
     assert compact.block_table[0].tolist() == [0, 1, 2] and compact.slot_mapping.tolist() == [2 * 8 + 3]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "fp8-static"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "fp8-static", "fp8_e5m2", "fp8_e5m2-static"])
 def test_a_shared_block_is_stored_once_in_a_compact_pool(kv_dtype: str):
     # Two requests share their first block (parallel sampling): one copy in the pool.
     meta = BatchMeta.from_lists([1, 1], [20, 12], [[5, 6, 7], [5, 2]], block_size=8)

@@ -45,4 +45,4 @@ def test_engine_loop_on_an_fp8_cache_with_a_static_scale():
     assert "fp8 cache (static scale)" in run.stdout and "within the float32 tolerance" in run.stdout
     # A static scale for a full-precision cache is refused with the reason, not a traceback.
     bad = _run("--static-scale", "0.02", "--steps", "1")
-    assert bad.returncode == 2 and "'int8' or 'fp8' cache only" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "for a quantized cache only" in bad.stderr and "Traceback" not in bad.stderr

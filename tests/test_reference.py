@@ -125,7 +125,7 @@ def test_backend_float32_and_float64(case):
     assert e64 < 1e-12 < e32
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [(8, 2), (6, 2)], ids=["gqa4", "gqa3"])
 def test_quantized_cache_equals_loop_on_dequantized_values(kv_dtype, heads):
     hq, hkv = heads

@@ -98,7 +98,8 @@ class Case:
     block_size_fixed: bool = False
     #: The model dtype of q, K, V and the output.
     dtype: torch.dtype = torch.float16
-    #: The cache storage: "auto" (the model dtype), "int8" or "fp8" codes with float32 scales.
+    #: The cache storage: "auto" (the model dtype), "int8", "fp8" (E4M3) or "fp8_e5m2" codes
+    #: with float32 scales.
     kv_dtype: str = "auto"
     #: A quantized cache's scales: "per_slot", set by each write (``max|x| / q_max``); or static
     #: (``paged_core.static_scale``), fixed when the cache is made: "per_head", one per KV head,
@@ -152,7 +153,7 @@ class Case:
                              f"{', '.join(CACHE_LAYOUTS)}")
         if self.kv_scales not in KV_SCALES or (self.kv_scales != "per_slot" and self.kv_dtype == "auto"):
             raise ValueError(f"case {self.id}: kv_scales {self.kv_scales!r} with kv_dtype {self.kv_dtype!r}; "
-                             f"accepted: {', '.join(KV_SCALES)}, static ones for an int8/fp8 cache only")
+                             f"accepted: {', '.join(KV_SCALES)}, static ones for a quantized cache only")
         if self.meta_layout not in META_LAYOUTS or self.sinks_values not in SINKS_VALUES:
             raise ValueError(f"case {self.id}: meta_layout {self.meta_layout!r}, sinks_values {self.sinks_values!r}; "
                              f"accepted: {', '.join(META_LAYOUTS)} and {', '.join(SINKS_VALUES)}")
@@ -438,6 +439,13 @@ TABLE: tuple[Row, ...] = (
         kv_dtype="fp8", kv_scales="per_head"),
     Row("kv_fp8-static-kv_interleaved", "mixed", "vLLM's fp8 cache: one static scale per tensor, K and V "
         "views of one [num_blocks, 2, ...] pool", group=3, kv_dtype="fp8", kv_scales="per_tensor",
+        cache_layout="kv_interleaved"),
+    Row("kv_fp8_e5m2", "mixed", "fp8 E5M2 cache with per-token, per-head scales", kv_dtype="fp8_e5m2"),
+    Row("kv_fp8_e5m2-decode_only", "decode", "fp8 E5M2 cache, decode only", kv_dtype="fp8_e5m2"),
+    Row("kv_fp8_e5m2-static-decode_only", "decode", "fp8 E5M2 cache with one static scale per KV head, "
+        "decode only", kv_dtype="fp8_e5m2", kv_scales="per_head"),
+    Row("kv_fp8_e5m2-static-kv_interleaved", "mixed", "vLLM's fp8_e5m2 cache: one static scale per tensor, "
+        "K and V views of one [num_blocks, 2, ...] pool", group=3, kv_dtype="fp8_e5m2", kv_scales="per_tensor",
         cache_layout="kv_interleaved"),
     Row("fp32", "mixed", "float32 inputs", dtype=torch.float32),
     Row("bf16", "mixed", "bfloat16 inputs", dtype=torch.bfloat16),

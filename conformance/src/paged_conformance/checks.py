@@ -239,6 +239,11 @@ def _quantization_bound(case: Case, wl: Workload, full: Workload) -> Tolerance:
     return bound.scaled(max(1.0, static_step / float(per_slot_steps.float().median())))
 
 
+#: One code of each fp8 format: (relative spacing of its normals, 2**-mantissa bits; the
+#: spacing of its subnormals).
+_FP8_STEP = {"fp8": (2**-3, 2**-9), "fp8_e5m2": (2**-2, 2**-16)}
+
+
 def check_write_then_read(backend: Backend, case: Case, device: torch.device) -> CheckResult:
     """``backend.write`` lands each token at its slot and touches nothing else."""
     wl = build_workload(case, device)
@@ -313,10 +318,13 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
             )
         got = dequantize_kv(rows(codes), rows(scale)).double()
         want = dequantize_kv(rows(ref_codes), rows(ref_scale)).double()
-        # One code step: the scale for int8; for fp8 E4M3 one ulp (2**-3 relative, plus the
-        # subnormal spacing 2**-9 in units of the scale).
-        step = (want_scale[..., None] * (1 + 1e-5) if case.kv_dtype == "int8"
-                else want.abs() * 2**-3 + want_scale[..., None] * 2**-9)
+        # One code step: the scale for int8; for fp8 one ulp (2**-m relative for m mantissa
+        # bits, plus the subnormal spacing in units of the scale).
+        if case.kv_dtype == "int8":
+            step = want_scale[..., None] * (1 + 1e-5)
+        else:
+            ulp, subnormal = _FP8_STEP[case.kv_dtype]
+            step = want.abs() * ulp + want_scale[..., None] * subnormal
         diff = (got - want).abs()
         if bool((diff > step).any()):
             raise ConformanceFailure(
@@ -506,7 +514,7 @@ def random_cases(caps: Capabilities, size: str):
     block_sizes = [b for b in (16, 32, 64) if caps.accepts_block_size(b)] or [
         b for b in _LARGER_BLOCK_SIZES if caps.accepts_block_size(b)][:1] or sorted(caps.block_sizes or ())[:2]
     dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in caps.dtypes]
-    kv_dtypes = [k for k in ("auto", "int8", "fp8") if k in caps.kv_dtypes]
+    kv_dtypes = [k for k in ("auto", "int8", "fp8", "fp8_e5m2") if k in caps.kv_dtypes]
     if not small:
         block_sizes, kv_dtypes = block_sizes[:1], kv_dtypes[:1]
         dtypes = [torch.bfloat16] if torch.bfloat16 in dtypes else dtypes[:1]

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from paged_core import (
     Q_MAX,
+    QUANT_FORMATS,
     Backend,
     BatchMeta,
     BlockAllocator,
@@ -54,7 +55,8 @@ def storage(cache: KVCache) -> dict[str, torch.Tensor]:
         out["k_scale"] = cache.k_scale
     if cache.v_scale is not None and not cache.static_scales:
         out["v_scale"] = cache.v_scale
-    return {n: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for n, t in out.items()}
+    return {n: t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+            for n, t in out.items()}
 
 
 @dataclasses.dataclass
@@ -197,7 +199,7 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
     With ``k_scale``/``v_scale`` the scales are static (``paged_core.static_scale`` of them).
     ``head_dim_v`` (V's own head dim) is for ``"hnd_view"`` only: one pool holds one head dim.
     """
-    store = dtype if kv_dtype == "auto" else {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    store = dtype if kv_dtype == "auto" else QUANT_FORMATS[kv_dtype][0]
     nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_dim
     dv = d if head_dim_v is None else head_dim_v
     if layout == "kv_interleaved" and dv != d:
@@ -261,8 +263,9 @@ def _garbage_(cache: KVCache, g: torch.Generator) -> None:
             val = torch.rand(shape, generator=g) * 0.04 + 0.01
         elif cache.kv_dtype == "int8":
             val = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        elif cache.kv_dtype == "fp8":
-            val = (torch.randn(shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        elif cache.kv_dtype in ("fp8", "fp8_e5m2"):
+            code_dtype, q_max = QUANT_FORMATS[cache.kv_dtype]
+            val = (torch.randn(shape, generator=g) * (q_max / 7)).clamp(-q_max, q_max).to(code_dtype)
             val = val.view(torch.uint8)
         else:
             # Larger than the real keys: a kernel that attends to garbage is far off.

@@ -36,7 +36,7 @@ from ._errors import (
 from ._merge import merge_states
 from ._reference import ReferenceBackend, reference_attention
 from ._registry import Problem, Registration, Registry, registry
-from ._spec import KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype
+from ._spec import KV_DTYPES, KV_SCALES, QUANT_FORMATS, AttentionSpec, Capabilities, KVDtype
 from .hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
@@ -61,6 +61,7 @@ __all__ = [
     "PagedError",
     "PluginError",
     "Problem",
+    "QUANT_FORMATS",
     "Q_MAX",
     "ReferenceBackend",
     "Registration",

@@ -2,11 +2,13 @@
 
 ``k: [num_blocks, block_size, num_kv_heads, head_dim]``, ``v`` the same with its own last
 dimension ``head_dim_v`` (``head_dim`` except in MLA-shaped layers). A quantized cache holds codes
-(``int8`` or ``float8_e4m3fn``) and float32 scales ``k_scale, v_scale: [num_blocks, block_size,
-num_kv_heads]``, value = code * scale. The scales are either
+(``int8``, ``float8_e4m3fn`` or ``float8_e5m2``: ``paged_core.QUANT_FORMATS``) and float32 scales
+``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``, value = code * scale. The scales are
+either
 
 * **per slot** (the default): one per (slot, KV head), set by every write to ``max|x| / q_max``
-  of the vector written (127 for int8, 448 for fp8 E4M3): symmetric per (token, head); or
+  of the vector written (127 for int8, 448 for fp8 E4M3, 57344 for fp8 E5M2): symmetric per
+  (token, head); or
 * **static**: one per tensor or per KV head, fixed when the cache is made (:func:`static_scale`:
   a view whose block and slot strides are 0), which writes quantize with and never change: the
   format of vLLM's and SGLang's fp8 KV caches (``x / k_scale`` with one calibrated scale).
@@ -23,7 +25,7 @@ from typing import cast
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, check_device, dtype_name
+from ._spec import KV_DTYPES, QUANT_FORMATS, check_device, dtype_name
 
 __all__ = [
     "KVCache",
@@ -38,9 +40,10 @@ __all__ = [
 ]
 
 #: Largest code magnitude per quantized storage format.
-Q_MAX = {"int8": 127.0, "fp8": 448.0}
+Q_MAX = {name: q_max for name, (_, q_max) in QUANT_FORMATS.items()}
 _GENERATIONS = itertools.count(1)  # KVCache._generation
-_CODE_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_CODE_DTYPE = {name: code for name, (code, _) in QUANT_FORMATS.items()}
+_QUANTIZED = ", ".join(QUANT_FORMATS)
 _ELEM_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
@@ -52,11 +55,11 @@ class KVCache:
     so that padding rows (slot -1) can be written somewhere harmless without a host sync.
     """
 
-    #: [num_blocks, block_size, num_kv_heads, head_dim], model dtype or int8/float8_e4m3fn codes.
+    #: [num_blocks, block_size, num_kv_heads, head_dim], model dtype or int8/float8 codes.
     k: torch.Tensor
     #: [num_blocks, block_size, num_kv_heads, head_dim_v], like ``k`` but for its last dimension.
     v: torch.Tensor
-    #: "auto" (the model dtype), "int8" or "fp8".
+    #: "auto" (the model dtype), or a quantized format: "int8", "fp8" (E4M3) or "fp8_e5m2".
     kv_dtype: str = "auto"
     #: float32 [num_blocks, block_size, num_kv_heads] for quantized caches, else None.
     k_scale: torch.Tensor | None = None
@@ -190,7 +193,7 @@ class KVCache:
                 if t is not None:
                     raise InputError(
                         f"cache.{name} is set but kv_dtype is 'auto' (no quantization); accepted: "
-                        "None, or kv_dtype 'int8'/'fp8' for a quantized cache"
+                        f"None, or kv_dtype {_QUANTIZED} for a quantized cache"
                     )
                 continue
             if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
@@ -299,7 +302,7 @@ def allocate_kv_cache(
                          "scales, or neither (per-slot scales set by each write)")
     if k_scale is not None and kv_dtype == "auto":
         raise InputError("k_scale/v_scale are given for a kv_dtype 'auto' cache; accepted: static scales "
-                         "for an 'int8' or 'fp8' cache only")
+                         f"for a quantized cache only (kv_dtype {_QUANTIZED})")
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
@@ -401,10 +404,10 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
 
     Returns ``(codes [..., head_dim], scales float32 [...])`` with ``x ≈ codes * scales[..., None]``.
     Without ``scale`` each vector gets ``max|x| / q_max``: the round-trip error is at most
-    ``scale / 2`` per element for int8 and a relative 2**-4 of the element (E4M3's 3 mantissa
-    bits) for fp8. With ``scale`` (float32, broadcastable to ``x.shape[:-1]``: a static scale)
-    the codes are ``x / scale``, rounded and clamped to the format's range (values beyond
-    ``q_max * scale`` saturate).
+    ``scale / 2`` per element for int8 and a relative 2**-4 of the element for fp8 (E4M3's 3
+    mantissa bits), 2**-3 for fp8_e5m2 (2 bits). With ``scale`` (float32, broadcastable to
+    ``x.shape[:-1]``: a static scale) the codes are ``x / scale``, rounded and clamped to the
+    format's range (values beyond ``q_max * scale`` saturate).
 
     >>> codes, scale = quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8")
     >>> codes.tolist(), round(scale.item() * 127, 4)
@@ -413,7 +416,7 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
     [[100, -127, 50]]
     """
     if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX:
-        raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to; accepted: int8, fp8")
+        raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to; accepted: {_QUANTIZED}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
         found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
@@ -437,10 +440,11 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
                 f"{list(x.shape[:-1])}; accepted: a shape that does (one scale, or one per KV head)"
             ) from exc
     y = xf / scale.unsqueeze(-1)
-    if kv_dtype == "int8":
-        codes = y.round().clamp(-127, 127).to(torch.int8)
-    else:
-        codes = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    code_dtype, q_max = QUANT_FORMATS[kv_dtype]
+    if not code_dtype.is_floating_point:
+        y = y.round()
+    # Saturating: fp8 casts turn values beyond the format's range into NaN (E4M3) or inf (E5M2).
+    codes = y.clamp(-q_max, q_max).to(code_dtype)
     return codes, scale
 
 
@@ -468,10 +472,15 @@ def _tensor_layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
 
 
+def is_float8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the fp8 code dtypes (``float8_e4m3fn``, ``float8_e5m2``)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     # PyTorch's CPU index_put_ has no float8 kernel: move fp8 bytes as uint8. A view of the
     # same element size needs only a contiguous last dimension, which check() guarantees.
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return t.view(torch.uint8) if is_float8(t.dtype) else t
 
 
 def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> int:

@@ -17,15 +17,22 @@ import torch
 
 from ._errors import InputError
 
-__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KV_SCALES", "KVDtype", "ANY"]
+__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KV_SCALES", "KVDtype", "ANY", "QUANT_FORMATS"]
 
 #: Host ints the metadata stores as int32 (lengths, offsets, block ids) must stay below this.
 INT32_LIMIT = 2**31
 
-KVDtype = Literal["auto", "int8", "fp8"]
-#: The cache storage formats: the model dtype itself, or symmetric int8 / fp8 (E4M3) codes with
-#: one float32 scale per (slot, KV head).
-KV_DTYPES: tuple[str, ...] = ("auto", "int8", "fp8")
+KVDtype = Literal["auto", "int8", "fp8", "fp8_e5m2"]
+#: The quantized storage formats: kv_dtype -> (the dtype of its codes, the largest code
+#: magnitude). Symmetric codes with float32 scales; "fp8" is E4M3 (3 mantissa bits, vLLM's
+#: "fp8"/"fp8_e4m3"), "fp8_e5m2" E5M2 (2 mantissa bits, wider range).
+QUANT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+}
+#: The cache storage formats: the model dtype itself ("auto"), or one of ``QUANT_FORMATS``.
+KV_DTYPES: tuple[str, ...] = ("auto", *QUANT_FORMATS)
 #: How a quantized cache's scales vary (``KVCache.kv_scales``): one per (slot, KV head), set by
 #: each write; or static (``paged_core.static_scale``), one per KV head or one per tensor.
 KV_SCALES: tuple[str, ...] = ("per_slot", "per_head", "per_tensor")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ._batch import BatchMeta
-from ._cache import KVCache, allocate_kv_cache
+from ._cache import KVCache, allocate_kv_cache, is_float8
 from ._errors import InputError
 from ._merge import merge_states
 
@@ -189,7 +189,7 @@ def shard_kv_cache(
                 pairs.append((dst_scale, src_scale))
         for dst, src in pairs:
             # Through bytes: PyTorch's CPU indexing lacks float8.
-            view = torch.uint8 if src.dtype == torch.float8_e4m3fn else src.dtype
+            view = torch.uint8 if is_float8(src.dtype) else src.dtype
             dst[: len(blocks)].view(view).copy_(src.view(view).index_select(0, idx))
     return shard
 

@@ -1,4 +1,4 @@
-"""kv_dtype="int8"/"fp8": K/V kept in pools of paged's quantized format, with transformers' slots."""
+"""kv_dtype="int8"/"fp8"/"fp8_e5m2": K/V kept in pools of paged's quantized format, with transformers' slots."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from paged_transformers import _attention
 #: First-step logits (the same batch in both runs) vs full precision. Per-vector symmetric
 #: quantization moves each K/V element by at most scale / 2 = max|x| / (2 * q_max): 0.4 % of the
 #: vector's largest element for int8 (q_max 127), while fp8 E4M3 keeps 3 mantissa bits, a relative
-#: 2**-4 = 6 % per element. Through two layers of this deliberately sharp model (logits up to ~5)
-#: that measured 0.08 (int8) and 0.25 (fp8); the bounds leave 2x room, and a run that silently
-#: kept full precision fails the lower bound instead.
-FIRST_STEP_LOGITS = {"int8": 0.15, "fp8": 0.5}
+#: 2**-4 = 6 % per element (E5M2: 2 bits, 12.5 %). Through two layers of this deliberately sharp
+#: model (logits up to ~5) that measured 0.08 (int8), 0.25 (fp8) and 0.78 (fp8_e5m2); the bounds
+#: leave about 2x room, and a run that silently kept full precision fails the lower bound instead.
+FIRST_STEP_LOGITS = {"int8": 0.15, "fp8": 0.5, "fp8_e5m2": 1.5}
 
 
 @pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 and 5.25 write K/V into their own pool themselves: "
                     "see test_quantized_pools_are_refused_where_the_model_writes_its_pool")
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_quantized_pools(kv_dtype, monkeypatch):
     model = tiny_model("llama")
     prompts = random_prompts([1, 6, 30, 12])
@@ -55,7 +55,7 @@ def test_quantized_pools(kv_dtype, monkeypatch):
 
 
 def test_unknown_kv_dtype():
-    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8"):
+    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8, fp8_e5m2"):
         paged_transformers.enable("reference", kv_dtype="int4")
 
 

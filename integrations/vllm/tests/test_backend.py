@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from paged_core import Capabilities, InputError, KVCache, ReferenceBackend, registry
+from paged_core import BatchMeta, Capabilities, InputError, KVCache, ReferenceBackend, registry
 from paged_vllm import _backend, _cpu, register
 from paged_vllm._backend import PagedAttentionBackend, PagedAttentionImpl, cudagraph_support, pool_view
 from paged_vllm._meta import batch_meta_from_vllm
@@ -40,12 +40,49 @@ def test_supported_configuration_has_no_reasons(monkeypatch):
 def test_capabilities_become_vllm_reasons(monkeypatch):
     monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
     reasons = PagedAttentionBackend.validate_configuration(
-        head_size=24, **{**VALIDATE, "kv_cache_dtype": "fp8_e5m2", "use_mla": True})
+        head_size=24, **{**VALIDATE, "kv_cache_dtype": "int4_per_token_head", "use_mla": True})
     assert any(r.startswith("triton-unified: head_dim 24 is not supported (accepted: 32,") for r in reasons), reasons
-    refusal = "kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3'"
+    refusal = ("kv_cache_dtype 'int4_per_token_head' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3', "
+               "'fp8_e5m2' (codes with vLLM's per-tensor scales")
     assert any(refusal in r for r in reasons), reasons
     assert "MLA (latent attention) is not supported" in reasons
     assert len(reasons) == 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_vllms_fp8_caches_are_paged_static_scale_caches(monkeypatch, kv_cache_dtype):
+    monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
+    assert PagedAttentionBackend.validate_configuration(
+        head_size=32, **{**VALIDATE, "kv_cache_dtype": kv_cache_dtype}) == []
+    assert kv_cache_dtype in PagedAttentionBackend.supported_kv_cache_dtypes
+    impl = PagedAttentionImpl(4, 32, 32**-0.5, 2, kv_cache_dtype=kv_cache_dtype)
+    spec = impl.spec(16, "cpu")
+    assert (spec.kv_dtype, spec.kv_scales) == ("fp8_e5m2" if kv_cache_dtype == "fp8_e5m2" else "fp8", "per_tensor")
+    assert impl.reasons(16, "cpu") == []
+
+
+def test_an_e5m2_pool_is_written_and_read_in_place_with_the_layers_scales(monkeypatch):
+    """vLLM's fp8_e5m2 cache: e5m2 codes of x / scale in its uint8 pool, the layer's per-tensor
+    scales (views, not copies), read back as code * scale."""
+    monkeypatch.setenv(_backend.BACKEND_ENV, "reference")
+    impl = PagedAttentionImpl(4, 8, 8**-0.5, 2, kv_cache_dtype="fp8_e5m2")
+    pool = torch.zeros(3, 2, 4, 16, dtype=torch.uint8)  # [blocks, heads, block_size, 2 * head_size]
+    layer = SimpleNamespace(_k_scale=torch.tensor([0.5]), _v_scale=torch.tensor([0.25]),
+                            layer_name="model.layers.0.self_attn.attn")
+    cache = impl._view(pool, layer)
+    assert (cache.kv_dtype, cache.k.dtype, cache.kv_scales) == ("fp8_e5m2", torch.float8_e5m2, "per_tensor")
+    assert cache.k_scale.data_ptr() == layer._k_scale.data_ptr()
+    k = torch.tensor([[1.0, -3.0, 0.75, 1e5, 0, 0, 0, 0], [2.0, 0, 0, 0, 0, 0, 0, 0]]).expand(1, 2, 8)
+    meta = BatchMeta.build([1], [1], block_size=4, num_blocks=3, seed=0)
+    impl.backend.write(cache, k.contiguous(), k.contiguous(), meta)
+    block, offset = divmod(int(meta.slot_mapping[0]), 4)
+    # x / 0.5 in e5m2: 2, -6, 1.5 exactly; 2e5 saturates at 57344.
+    want_k = torch.tensor([2.0, -6.0, 1.5, 57344.0, 0, 0, 0, 0]).to(torch.float8_e5m2).view(torch.uint8)
+    assert torch.equal(pool[block, 0, offset, :8], want_k)
+    assert torch.equal(pool[block, 1, offset, 8:9], torch.tensor([8.0]).to(torch.float8_e5m2).view(torch.uint8))
+    kf, vf = cache.dequantized()
+    assert kf[block, offset, 0, :4].tolist() == [1.0, -3.0, 0.75, 57344.0 * 0.5]
+    assert vf[block, offset, 1, 0].item() == 2.0
 
 
 def test_class_methods_follow_the_capabilities(use):
@@ -70,6 +107,9 @@ def test_layer_reasons_cover_what_vllm_and_paged_refuse(use):
                               kv_cache_dtype="fp8", attn_type="encoder_only", chunk_lookback=4)
     reasons = impl.reasons(16, "cpu")
     # vLLM's fp8 cache is served as paged's fp8 cache: a backend without fp8 caches says so itself.
+    impl_e5m2 = PagedAttentionImpl(4, 64, 64**-0.5, 2, kv_cache_dtype="fp8_e5m2")
+    assert any("kv_dtype 'fp8_e5m2' is not supported (accepted: auto)" in r
+               for r in impl_e5m2.reasons(16, "cpu")), impl_e5m2.reasons(16, "cpu")
     for expected in ("kv_dtype 'fp8' is not supported (accepted: auto)",
                      "attention type 'encoder_only' is not supported",
                      "ALiBi slopes are not supported", "the attention argument 'chunk_lookback' is not supported",

@@ -95,10 +95,11 @@ def test_engine_in_its_own_processes(tiny_models, monkeypatch):
         done.stdout + done.stderr)
 
 
-def test_fp8_cache_is_served_in_place_with_vllms_scales(tiny_models, monkeypatch):
-    """kv_cache_dtype="fp8": vLLM's uint8 pool holds e4m3 codes, value = code * the layer's
-    per-tensor ``_k_scale`` / ``_v_scale``; paged serves it as an fp8 cache whose static scales
-    are views of those very tensors, written and read in place.
+@pytest.mark.parametrize(("kv_cache_dtype", "kv_dtype"), [("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2")])
+def test_fp8_cache_is_served_in_place_with_vllms_scales(tiny_models, kv_cache_dtype, kv_dtype, monkeypatch):
+    """kv_cache_dtype="fp8" ("fp8_e5m2"): vLLM's uint8 pool holds e4m3 (e5m2) codes, value = code *
+    the layer's per-tensor ``_k_scale`` / ``_v_scale``; paged serves it as an fp8 (fp8_e5m2) cache
+    whose static scales are views of those very tensors, written and read in place.
 
     The oracle is the reference on the same cache: triton-unified gives its greedy tokens. Not
     vLLM's own fp8 run: on this tiny random model fp8 rounding alone flips greedy tokens (vLLM's
@@ -120,22 +121,14 @@ def test_fp8_cache_is_served_in_place_with_vllms_scales(tiny_models, monkeypatch
         return cache
 
     monkeypatch.setattr(_backend.PagedAttentionImpl, "_view", recording_view)
-    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype="fp8")
+    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
             for paged in PAGED_BACKENDS}
-    assert set(seen) == {("fp8", True, torch.uint8, True)}
+    assert set(seen) == {(kv_dtype, True, torch.uint8, True)}
     for run in runs.values():
         assert run.calls["forward"] == run.calls["write"] > 0
     assert runs["triton-unified"].tokens == runs["reference"].tokens
     # The codes are fp8 indeed: quantization changes some greedy token of this model.
     assert runs["reference"].tokens != full.tokens
-
-
-def test_an_e5m2_cache_is_refused_with_what_is_accepted(tiny_models, monkeypatch):
-    from paged_core import UnsupportedSpecError
-
-    with pytest.raises(UnsupportedSpecError) as err:
-        generate(tiny_models["llama"], "CUSTOM", "reference", monkeypatch=monkeypatch, kv_cache_dtype="fp8_e5m2")
-    assert "kv_cache_dtype 'fp8_e5m2' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3'" in str(err.value)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])

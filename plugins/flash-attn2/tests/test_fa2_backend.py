@@ -129,6 +129,7 @@ def test_block_sizes_not_multiple_of_256_are_refused_with_that_reason(block_size
         (dict(dtype=torch.float32), "dtype float32"),
         (dict(kv_dtype="int8"), "kv_dtype 'int8'"),
         (dict(kv_dtype="fp8"), "kv_dtype 'fp8'"),
+        (dict(kv_dtype="fp8_e5m2"), "kv_dtype 'fp8_e5m2' is not supported (accepted: auto)"),
         (dict(sinks=True), "attention sinks"),
         (dict(head_dim=100), "head_dim 100"),
         (dict(head_dim=320), "head_dim 320"),

@@ -111,9 +111,10 @@ def test_constructor_is_cheap_and_checks_options():
         (dict(head_dim=96), "head_dim 96"),
         (dict(kv_dtype="int8"), "kv_dtype 'int8'"),
         (dict(kv_dtype="fp8"), "kv_dtype 'fp8'"),
+        (dict(kv_dtype="fp8_e5m2"), "kv_dtype 'fp8_e5m2' is not supported (accepted: auto)"),
         (dict(sinks=True), "sinks"),
     ],
-    ids=["cpu", "float32", "head_dim_96", "int8", "fp8", "sinks"],
+    ids=["cpu", "float32", "head_dim_96", "int8", "fp8", "fp8_e5m2", "sinks"],
 )
 def test_declared_capabilities_refuse_what_flashinfer_cannot_do(change, words):
     base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,

@@ -31,8 +31,8 @@ from paged_triton_common.write import write_kv  # noqa: E402
 
 NB, BS, H, D = 5, 4, 3, 24  # 3 heads and head_dim 24: both padded in the kernel (4, 32)
 NUM_SLOTS = NB * BS
-STORE = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-DTYPES = [(dt, kv) for kv in ("auto", "int8", "fp8") for dt in (torch.float32, torch.float16, torch.bfloat16)]
+STORE = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DTYPES = [(dt, kv) for kv in STORE for dt in (torch.float32, torch.float16, torch.bfloat16)]
 LAYOUTS = ["allocated", "contiguous", "pool", "hnd"]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(),
                          reason="needs a CUDA GPU (the kernel compiled, not interpreted)")
@@ -137,6 +137,10 @@ def rows(n: int, dtype: torch.dtype, device: str, *, seed: int, layout: str = "c
         # subnormal ones (1.5 and 3.5 * 2**-9) and the one below the smallest normal (7.5 * 2**-9).
         k[3, 0, :6] = torch.tensor([127.0, 0.5, 1.5, -2.5, 126.5, -0.5], dtype=dtype)
         v[3, 2, :7] = torch.tensor([448.0, 8.5, 9.5, -11.5, 1.5 * 2**-9, -3.5 * 2**-9, 7.5 * 2**-9], dtype=dtype)
+    if n > 4:
+        # fp8 E5M2 ties at scale 1 (amax 57344): normal midpoints, a subnormal one and the one
+        # below the smallest normal.
+        k[4, 1, :5] = torch.tensor([57344.0, 1152.0, -1408.0, 3 * 2**-17, 2**-14 - 2**-17], dtype=dtype)
     return k, v
 
 
@@ -189,7 +193,7 @@ def test_static_scales_write_what_paged_core_writes(dtype, kv_dtype, layout, dev
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows_layout", ["fused", "strided"])
 @pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, "auto"), (torch.float16, "int8"),
-                                                 (torch.bfloat16, "fp8")])
+                                                 (torch.bfloat16, "fp8"), (torch.float16, "fp8_e5m2")])
 def test_strided_rows(dtype, kv_dtype, rows_layout, device):
     cache, storages = make_cache("pool", dtype, kv_dtype, device)
     k, v = rows(len(SLOTS), dtype, device, seed=3, layout=rows_layout)
@@ -309,7 +313,7 @@ def test_the_triton_backends_write_with_the_kernel(name, monkeypatch):
     assert len(calls) == 1 and calls[0][0] is cache and calls[0][3] is meta.slot_mapping
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2"])
 def test_backend_write_equals_paged_core(kv_dtype):
     backend = registry.get("triton-unified")
     meta = BatchMeta.build([3, 1, 2], [6, 4, 2], block_size=BS, num_blocks=NB, seed=7)
@@ -322,7 +326,7 @@ def test_backend_write_equals_paged_core(kv_dtype):
 
 
 @triton.jit
-def _codes_kernel(y_ptr, fp8_ptr, int8_ptr, n, BLOCK: tl.constexpr):
+def _codes_kernel(y_ptr, fp8_ptr, int8_ptr, e5m2_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
@@ -330,29 +334,42 @@ def _codes_kernel(y_ptr, fp8_ptr, int8_ptr, n, BLOCK: tl.constexpr):
     tl.store(fp8_ptr + offs, fp8.to(tl.uint8), mask=mask)
     r = (y + 12582912.0) - 12582912.0
     tl.store(int8_ptr + offs, tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8), mask=mask)
+    e5m2 = triton_write._e5m2_code(tl.minimum(tl.maximum(y, -57344.0), 57344.0))
+    tl.store(e5m2_ptr + offs, e5m2.to(tl.uint8), mask=mask)
+
+
+def _midpoints(code_dtype: torch.dtype, beyond: float) -> torch.Tensor:
+    """Every finite non-negative value of ``code_dtype``, the midpoints between neighbours (ties)
+    and one float32 step either side of each."""
+    values = torch.arange(256, dtype=torch.uint8).view(code_dtype).float()
+    values = values[values.isfinite() & (values >= 0)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    return torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(beyond))])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_code_conversions_equal_torch_on_every_fp8_midpoint(device):
-    # Every E4M3 value, the midpoints between neighbours (ties) and one float32 step either side
-    # of each, both signs, plus int8 halves and random values: the kernel's conversions of
-    # quantized values (y = x / scale) against torch's .clamp().to(float8_e4m3fn) and
+    # Every E4M3 and E5M2 value, the midpoints between neighbours (ties) and one float32 step
+    # either side of each, both signs, plus int8 halves and random values: the kernel's
+    # conversions of quantized values (y = x / scale) against torch's .clamp().to(float8_*) and
     # .round().clamp().to(int8).
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    values = values[values.isfinite() & (values >= 0)].sort().values
-    mids = (values[1:] + values[:-1]) / 2
-    points = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(500.0))])
+    points = torch.cat([_midpoints(torch.float8_e4m3fn, 500.0), _midpoints(torch.float8_e5m2, 65536.0)])
     halves = torch.arange(-128, 128) + 0.5
     g = torch.Generator().manual_seed(11)
-    y = torch.cat([points, -points, halves, halves.nextafter(torch.tensor(0.0)), torch.tensor([480.0, -1000.0]),
-                   (torch.rand(4000, generator=g) - 0.5) * 300, torch.randn(4000, generator=g) * 2**-7])
+    y = torch.cat([points, -points, halves, halves.nextafter(torch.tensor(0.0)),
+                   torch.tensor([480.0, -1000.0, 61440.0, -1e6]),
+                   (torch.rand(4000, generator=g) - 0.5) * 300, torch.randn(4000, generator=g) * 2**-7,
+                   (torch.rand(4000, generator=g) - 0.5) * 2**17, torch.randn(4000, generator=g) * 2**-15])
     fp8 = torch.empty(len(y), dtype=torch.uint8, device=device)
     int8 = torch.empty(len(y), dtype=torch.int8, device=device)
-    _codes_kernel[(triton.cdiv(len(y), 1024),)](y.to(device), fp8, int8, len(y), BLOCK=1024)
+    e5m2 = torch.empty(len(y), dtype=torch.uint8, device=device)
+    _codes_kernel[(triton.cdiv(len(y), 1024),)](y.to(device), fp8, int8, e5m2, len(y), BLOCK=1024)
     want_fp8 = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     want_int8 = y.round().clamp(-127, 127).to(torch.int8)
+    want_e5m2 = y.clamp(-57344.0, 57344.0).to(torch.float8_e5m2).view(torch.uint8)
     assert torch.equal(fp8.cpu(), want_fp8), f"fp8 differs at y = {y[fp8.cpu() != want_fp8][:5].tolist()}"
     assert torch.equal(int8.cpu(), want_int8), f"int8 differs at y = {y[int8.cpu() != want_int8][:5].tolist()}"
+    assert torch.equal(e5m2.cpu(), want_e5m2), f"e5m2 differs at y = {y[e5m2.cpu() != want_e5m2][:5].tolist()}"
 
 
 def test_the_changing_arguments_come_first():

@@ -88,7 +88,7 @@ def make_cache(num_blocks, block_size, hkv, dtype, kv_dtype=None, seed=0, head_d
     v = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g)
     if kv_dtype is None:
         return k.to(dtype), v.to(dtype), None, None
-    qmax = 127.0 if kv_dtype == torch.int8 else 448.0
+    qmax = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[kv_dtype]
     caches = []
     for x in (k, v):
         sc = x.abs().amax(-1) / qmax
@@ -247,14 +247,16 @@ def test_short_request_among_long_ones_and_padding_rows():
     assert_lse_close(lse, ref_lse)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantized_cache_matches_dequantized_reference(kv_dtype, dtype):
     q, kc, vc, ks, vs, sl, bt = decode_case([90, 161], hq=4, hkv=1, dtype=dtype, kv_dtype=kv_dtype, seed=7)
     out, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=3)
     ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt,
                                  scale=HEAD_DIM**-0.5, k_scale=ks, v_scale=vs)
-    assert_close(out, ref, dtype, f"{kv_dtype}/{dtype}", kv="int8" if kv_dtype == torch.int8 else "fp8")
+    kv = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}[kv_dtype]
+    assert_close(out, ref, dtype, f"{kv_dtype}/{dtype}", kv=kv)
 
 
 @pytest.mark.parametrize(

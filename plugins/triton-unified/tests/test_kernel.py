@@ -28,7 +28,8 @@ from paged_core import InputError  # noqa: E402
 from paged_triton_unified.launch import LaunchConfig, default_config, unified_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KV_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "fp8"}
+KV_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2", torch.uint8: "fp8"}
+Q_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 # (query_len, seq_len) per request: a mid-prefill chunk, a whole 16-token prompt, a 21-token
 # prompt, decodes at 70 and 130 tokens.
@@ -85,18 +86,18 @@ def _cumsum(values):
 
 def quantize(x, kv_dtype):
     """Symmetric per-(slot, head) quantization: scale = max|x| / q_max."""
-    q_max = 127.0 if kv_dtype == torch.int8 else 448.0
+    q_max = Q_MAX[kv_dtype]
     scale = (x.abs().amax(-1) / q_max).clamp_min(1e-8)
     scaled = x / scale[..., None]
     if kv_dtype == torch.int8:
         codes = scaled.round().clamp(-127, 127).to(torch.int8)
     else:
-        codes = scaled.to(torch.float8_e4m3fn)
+        codes = scaled.clamp(-q_max, q_max).to(kv_dtype)
     return codes, scale.float()
 
 
 def dequantize(cache, scale):
-    values = cache.double() if cache.dtype != torch.float8_e4m3fn else cache.float().double()
+    values = cache.float().double()  # float8 converts to float32 only
     return values if scale is None else values * scale.double()[..., None]
 
 
@@ -237,7 +238,8 @@ def test_softcap_sinks_and_window():
     assert_close_to_reference(batch, torch.float32, scale=1.0, softcap=5.0, sinks=sinks, window=30)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_cache(kv_dtype, dtype):
     batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_dtype=kv_dtype)
@@ -258,7 +260,8 @@ def test_mixed_batch_with_separate_large_config():
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8-fp16-dots"])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8-fp16-dots", "fp8_e5m2-fp16-dots"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_cache_edge_ranges(dtype, kv_dtype):
     """fp8 runs fp16 dots on its codes: q beyond fp16's range (bf16) is shifted by a power of
@@ -340,6 +343,16 @@ def test_default_config():
     config = default_config(num_q_heads=32, num_kv_heads=8, head_dim=128)
     assert config.block_q_small * 4 == 16
     assert config.block_q_large * 4 == 128
+
+
+def test_the_backends_claim_the_cache_formats_the_kernels_read():
+    from paged_core import QUANT_FORMATS, registry
+    from paged_triton_unified.launch import SUPPORTED_KV_DTYPES
+
+    read = {name for name, (code, _) in QUANT_FORMATS.items() if code in SUPPORTED_KV_DTYPES}
+    assert read == {"int8", "fp8", "fp8_e5m2"}
+    for name in ("triton-unified", "triton-splitkv"):
+        assert registry.get(name).capabilities.kv_dtypes == {"auto", *read}, name
 
 
 def test_checks_what_the_kernel_needs_beyond_the_contract():

@@ -88,10 +88,11 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
     ``backend_options`` go to ``paged_core.registry.get(backend, **backend_options)``.
     Calling it again with the same arguments returns the same name.
 
-    ``kv_dtype="int8"`` or ``"fp8"`` keeps K/V in pools of paged's quantized format (codes and
-    one float32 scale per slot and KV head), one per layer, with transformers' slot arithmetic;
-    transformers still allocates (and no longer uses) its own pool, so this measures what
-    quantization costs in accuracy, not what it saves in memory. transformers 5.17 only.
+    ``kv_dtype="int8"``, ``"fp8"`` or ``"fp8_e5m2"`` keeps K/V in pools of paged's quantized
+    format (codes and one float32 scale per slot and KV head), one per layer, with transformers'
+    slot arithmetic; transformers still allocates (and no longer uses) its own pool, so this
+    measures what quantization costs in accuracy, not what it saves in memory. transformers
+    5.17 only.
 
     On transformers 5.24 and 5.25 the name contains ``flash`` (the only custom names its continuous
     batching accepts); ``enable`` then marks the name as loaded in transformers' flash-attention

@@ -4,7 +4,7 @@ vLLM asks an attention backend for four things, each answered from paged's contr
 
 - **what it supports** (``validate_configuration`` and the ``supports_*``/``get_supported_*``
   class methods): the paged backend's ``capabilities`` and ``reasons(spec)``, plus what vLLM
-  can ask for that paged does not model (MLA, sparse, encoder attention, ALiBi, e5m2 caches);
+  can ask for that paged does not model (MLA, sparse, encoder attention, ALiBi, int4 caches);
 - **a metadata builder**: vLLM's ``CommonAttentionMetadata`` becomes a ``BatchMeta`` (views of
   vLLM's tensors, :mod:`paged_vllm._meta`) and one ``backend.plan(meta, **layer)`` per step,
   shared by every layer of the KV cache group;
@@ -15,9 +15,10 @@ vLLM asks an attention backend for four things, each answered from paged's contr
   0.26 takes from ``get_kv_cache_stride_order`` (NHD here) and 0.32 resolves from the backends'
   ``supported_kv_cache_layouts``. paged reads and writes any strides with a
   dense head dimension, so every layout serves, and vLLM's default (NHD, paged's own) is kept.
-  vLLM's fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: e4m3 codes in uint8 storage, value
-  = code * the layer's ``_k_scale`` / ``_v_scale``) is a paged fp8 cache with static per-tensor
-  scales (``paged_core.static_scale`` views of the layer's scale tensors).
+  vLLM's fp8 caches (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``, and ``"fp8_e5m2"``: codes in
+  uint8 storage, value = code * the layer's ``_k_scale`` / ``_v_scale``) are paged fp8 / fp8_e5m2
+  caches with static per-tensor scales (``paged_core.static_scale`` views of the layer's scale
+  tensors).
 
 The paged backend is chosen by name with ``PAGED_VLLM_BACKEND`` (default ``triton-unified``),
 read when vLLM first asks for the backend in a process; every layer shares one instance.
@@ -33,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 from paged_core import (
+    QUANT_FORMATS,
     AttentionSpec,
     Backend,
     BatchMeta,
@@ -125,8 +127,8 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
     return AttentionCGSupport.NEVER
 
 
-#: vLLM's names of its e4m3 cache with per-tensor scales.
-FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+#: vLLM's fp8 caches with per-tensor scales: vLLM name -> paged kv_dtype (its static scales).
+FP8_CACHE_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
 #: vLLM's caches with one scale per (token, KV head), stored inline after each head's codes:
 #: paged's per-slot scales. vLLM name -> paged kv_dtype.
 PER_TOKEN_HEAD_DTYPES: dict[str, KVDtype] = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
@@ -140,7 +142,7 @@ class PagedAttentionBackend(AttentionBackend):
     # The write goes through backend.write inside forward, with the step's BatchMeta.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # vLLM's fp8 cache: e4m3 codes with one static scale per tensor (paged's static scales);
+    # vLLM's fp8 caches: e4m3 or e5m2 codes with one static scale per tensor (paged's static scales);
     # its per-token-head caches: one scale per (slot, KV head), paged's own format.
     supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", *FP8_CACHE_DTYPES, *PER_TOKEN_HEAD_DTYPES]
 
@@ -280,7 +282,7 @@ def _paged_kv_dtype(kv_cache_dtype: Any) -> KVDtype:
     """paged's ``kv_dtype`` for vLLM's ``kv_cache_dtype`` (an unsupported one: "auto", with the
     reason from :func:`_vllm_reasons`)."""
     if kv_cache_dtype in FP8_CACHE_DTYPES:
-        return "fp8"
+        return FP8_CACHE_DTYPES[kv_cache_dtype]
     return PER_TOKEN_HEAD_DTYPES.get(kv_cache_dtype, "auto")
 
 
@@ -290,7 +292,7 @@ def _vllm_reasons(*, kv_cache_dtype: Any, attn_type: str, alibi: bool = False, h
     out = []
     if kv_cache_dtype not in (None, "auto", *FP8_CACHE_DTYPES, *PER_TOKEN_HEAD_DTYPES):
         out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', 'fp8' / "
-                   "'fp8_e4m3' (e4m3 codes with vLLM's per-tensor scales, paged's static scales), "
+                   "'fp8_e4m3', 'fp8_e5m2' (codes with vLLM's per-tensor scales, paged's static scales), "
                    "'int8_per_token_head', 'fp8_per_token_head' (paged's per-slot scales)")
     if attn_type != AttentionType.DECODER:
         out.append(f"attention type {attn_type!r} is not supported; accepted: {AttentionType.DECODER.value!r}")
@@ -485,7 +487,8 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             view = per_token_head_view(kv_cache, self.head_size, PER_TOKEN_HEAD_DTYPES[self.kv_cache_dtype],
                                        dtype=self.dtype)
         else:
-            view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales)
+            view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales,
+                             kv_dtype=FP8_CACHE_DTYPES.get(self.kv_cache_dtype, "fp8"))
         self._cache = (kv_cache, view)
         return view
 
@@ -545,15 +548,19 @@ def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
     return scale
 
 
+#: The code dtype of each paged format a vLLM fp8 cache with per-tensor scales is viewed as.
+_FP8_CODES = {name: QUANT_FORMATS[name][0] for name in ("fp8", "fp8_e5m2")}
+
+
 def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | None = None,
-              scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVCache:
+              scales: tuple[torch.Tensor, torch.Tensor] | None = None, kv_dtype: str = "fp8") -> KVCache:
     """vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (logical;
     K in the first ``head_size`` of the last dimension, V in the rest) as a paged ``KVCache``:
     two NHD views, no copy, whatever physical order vLLM resolved.
 
     With ``scales`` (vLLM's ``layer._k_scale``, ``layer._v_scale``: one float32 value each) the
-    cache holds fp8 codes (vLLM's uint8 storage, seen as ``float8_e4m3fn``) of the model ``dtype``
-    with those as static scales.
+    cache holds ``kv_dtype`` codes ("fp8": vLLM's uint8 storage seen as ``float8_e4m3fn``;
+    "fp8_e5m2": as ``float8_e5m2``) of the model ``dtype`` with those as static scales.
 
     >>> pool = torch.zeros(4, 2, 16, 64)                      # HND storage, head_size 32
     >>> cache = pool_view(pool, 32)
@@ -563,6 +570,9 @@ def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | No
     ...                 scales=(torch.tensor(0.5), torch.tensor(0.25)))
     >>> fp8.kv_dtype, fp8.k.dtype, fp8.static_scales, fp8.v_scale[3, 7].tolist()
     ('fp8', torch.float8_e4m3fn, True, [0.25, 0.25])
+    >>> pool_view(torch.zeros(4, 2, 16, 64, dtype=torch.uint8), 32, scales=(torch.tensor(0.5), torch.tensor(0.25)),
+    ...           kv_dtype="fp8_e5m2").k.dtype
+    torch.float8_e5m2
     """
     if (kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1):
         raise InputError(
@@ -573,11 +583,15 @@ def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | No
     nhd = kv_cache.transpose(1, 2)
     if scales is None:
         return KVCache(k=nhd[..., :head_size], v=nhd[..., head_size:], kv_dtype="auto", dtype=kv_cache.dtype)
-    if kv_cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        raise InputError(f"vLLM's fp8 KV cache of this layer is {kv_cache.dtype}; accepted: uint8 storage "
-                         "(vLLM's fp8 caches) or float8_e4m3fn")
-    codes = nhd.view(torch.float8_e4m3fn)
+    if kv_dtype not in _FP8_CODES:
+        raise InputError(f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(map(repr, _FP8_CODES))} (the "
+                         "paged format of vLLM's fp8 caches with per-tensor scales)")
+    code_dtype = _FP8_CODES[kv_dtype]
+    if kv_cache.dtype not in (torch.uint8, code_dtype):
+        raise InputError(f"vLLM's {kv_dtype} KV cache of this layer is {kv_cache.dtype}; accepted: uint8 "
+                         f"storage (vLLM's fp8 caches) or {str(code_dtype).removeprefix('torch.')}")
+    codes = nhd.view(code_dtype)
     k, v = codes[..., :head_size], codes[..., head_size:]
-    return KVCache(k=k, v=v, kv_dtype="fp8", dtype=dtype or torch.bfloat16,
+    return KVCache(k=k, v=v, kv_dtype=kv_dtype, dtype=dtype or torch.bfloat16,
                    k_scale=static_scale(scales[0], k, name="k_scale"),
                    v_scale=static_scale(scales[1], v, name="v_scale"))

@@ -11,8 +11,8 @@ seen no visible key has ``m == -inf`` and ``l == 0``; its output is zeros and it
   key is ``-inf``, not ``cap * tanh(-inf)``).
 * Sinks (:func:`fold_sink`): a per-head natural-log logit without a value, in the denominator
   once, after every key; it never makes a row without keys seen.
-* 8-bit caches (:func:`codes_to`): int8 codes, or fp8 e4m3 codes that travel as ``uint8`` (the
-  CPU interpreter has no float8 pointers) and are bitcast here. Codes convert exactly to
+* 8-bit caches (:func:`codes_to`): int8 codes, or fp8 codes (e4m3 or e5m2) that travel as
+  ``uint8`` (the CPU interpreter has no float8 pointers) and are bitcast here. Codes convert exactly to
   fp16/bf16, so a dot on raw codes loses nothing; scales are applied by the caller to scores or
   probabilities.
 * The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile.
@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "FP8_E4M3",
+    "FP8_E5M2",
     "LN2",
     "LOG2E",
     "block_ok",
@@ -42,6 +44,9 @@ __all__ = [
 # tl.constexpr: compiled kernels may only read constexpr globals (the interpreter reads any).
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+#: :func:`codes_to`'s ``FP8`` for each fp8 code format (0: not fp8 codes).
+FP8_E4M3 = 1
+FP8_E5M2 = 2
 
 
 @triton.jit
@@ -66,12 +71,15 @@ def upcast(x, UPCAST: tl.constexpr):
 
 @triton.jit
 def codes_to(x, dtype, FP8: tl.constexpr):
-    """A loaded K/V tile (values, int8 codes, or with ``FP8`` e4m3 codes as uint8) in ``dtype``.
+    """A loaded K/V tile in ``dtype``: values or int8 codes (``FP8`` 0 or False), or fp8 codes
+    as uint8, e4m3 (``FP8`` 1 or True, :data:`FP8_E4M3`) or e5m2 (2, :data:`FP8_E5M2`).
 
     e4m3 -> fp16 is a native cvt on sm_89+ (cvt.rn.f16x2.e4m3x2: two codes per instruction);
-    e4m3 -> bf16 is not, it goes through f16/f32.
+    e4m3 -> bf16 is not, it goes through f16/f32. e5m2 is the upper byte of its fp16 value.
     """
-    if FP8:
+    if FP8 == 2:
+        x = x.to(tl.float8e5, bitcast=True)
+    elif FP8:
         x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(dtype)
 

@@ -16,7 +16,8 @@ scale is read at the slot, and no scale is stored):
   ``1.5 * 2**23``, exact for ``|y| < 2**22``, clamped to ±127. fp8 E4M3: ``y`` clamped to ±448,
   then converted with PyTorch's own bit manipulation (``fp8e4m3fn_from_fp32_value``: round to
   nearest even, subnormals included), in integer arithmetic, so the interpreter and every GPU
-  give the same bytes. Codes travel as ``uint8`` (the CPU interpreter has no float8 pointers).
+  give the same bytes; fp8 E5M2 likewise, clamped to ±57344 (``fp8e5m2_from_fp32_value``).
+  Codes travel as ``uint8`` (the CPU interpreter has no float8 pointers).
 
 Cost, per call: one kernel launch, ``(num_tokens, cdiv(num_kv_heads, BLOCK_H))`` programs of one
 token and ``BLOCK_H`` heads each (k and v both). Host work on a repeated call (same cache, same
@@ -64,6 +65,21 @@ def _e4m3fn_code(y):
 
 
 @triton.jit
+def _e5m2_code(y):
+    """float32 ``y`` within [-57344, 57344] -> its float8_e5m2 byte (int32 0..255), rounded to
+    nearest even as PyTorch's ``fp8e5m2_from_fp32_value`` does."""
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # Below 2**-14 (the smallest normal): adding 2**7 puts the value, rounded to the 2**-16 steps
+    # of the subnormals by the float add itself, into the low mantissa bits.
+    sub = (mag.to(tl.float32, bitcast=True) + 128.0).to(tl.int32, bitcast=True) - (134 << 23)
+    # Normal: rebias the exponent (127 -> 15) and drop 21 mantissa bits, rounding to nearest even.
+    nrm = (mag + (((15 - 127) << 23) + 0xFFFFF) + ((mag >> 21) & 1)) >> 21
+    code = tl.where(mag < (113 << 23), sub, nrm)
+    return tl.where(bits < 0, code | 0x80, code)
+
+
+@triton.jit
 def _write_rows(
     src_ptr,  # [num_tokens, num_kv_heads, head_dim] model dtype, any strides
     dst_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] model dtype, int8 or uint8 (fp8 codes)
@@ -97,8 +113,10 @@ def _write_rows(
             # the nearest integer, ties to even (torch.round); subtracting it back is exact.
             r = (y + 12582912.0) - 12582912.0
             code = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
-        else:
+        elif KV_QUANT == 2:
             code = _e4m3fn_code(tl.minimum(tl.maximum(y, -448.0), 448.0)).to(tl.uint8)
+        else:
+            code = _e5m2_code(tl.minimum(tl.maximum(y, -57344.0), 57344.0)).to(tl.uint8)
         tl.store(dst_ptr + dst_offs, code, mask=mask)
         if not STATIC_SCALE:
             tl.store(scale_ptr + scale_offs, scale, mask=mask_h)
@@ -128,8 +146,8 @@ def write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # KV heads per program (a power of two)
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
-    KV_QUANT: tl.constexpr,  # 0: the model dtype, copied; 1: int8 codes; 2: fp8 e4m3 codes (as uint8)
-    Q_MAX: tl.constexpr,  # largest code (127.0, 448.0; unused if not KV_QUANT)
+    KV_QUANT: tl.constexpr,  # 0: the model dtype, copied; 1: int8 codes; 2/3: fp8 e4m3/e5m2 codes (as uint8)
+    Q_MAX: tl.constexpr,  # largest code (127.0, 448.0, 57344.0; unused if not KV_QUANT)
     STATIC_SCALE: tl.constexpr,  # KV_QUANT with static scales: read, never written
     HEAD_DIM_V: tl.constexpr,  # V's head dim (HEAD_DIM but in MLA-shaped layers)
     HEAD_DIM_V_PAD: tl.constexpr,  # next power of two of HEAD_DIM_V
@@ -178,7 +196,7 @@ _write = DirectKernel(write_kv_kernel)
 # per thread and row at 4 warps.
 _TILE_ELEMS = 1024
 # kv_dtype -> (KV_QUANT, Q_MAX).
-_QUANT = {"auto": (0, 1.0), "int8": (1, 127.0), "fp8": (2, 448.0)}
+_QUANT = {"auto": (0, 1.0), "int8": (1, 127.0), "fp8": (2, 448.0), "fp8_e5m2": (3, 57344.0)}
 # Entries of _seen before it is emptied: the layers x batch shapes of a few live steps.
 _SEEN_MAX = 4096
 
@@ -241,7 +259,7 @@ class _Plan:
         """Launch through DirectKernel (compiles on a new specialisation, capture-safe), and
         remember the binary and the arguments for the direct launches of later calls."""
         k_cache, v_cache = cache.k, cache.v
-        if self.kv_quant == 2:
+        if self.kv_quant >= 2:
             # fp8 codes travel as bytes (the interpreter has no float8 pointers).
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         # Without quantization the scale pointers are never written: any tensor keeps the

@@ -16,8 +16,8 @@ codes, the online-softmax step and the interpreter's float32 switch are the help
   table can never make a kernel read outside the pool.
 * ``UPCAST`` (:func:`~paged_triton_common.tiles.upcast`) is on only under ``TRITON_INTERPRET=1``.
 * float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast in
-  :func:`~paged_triton_common.tiles.codes_to`: the interpreter cannot load ``float8_e4m3fn``
-  tensors, the GPU does not care.
+  :func:`~paged_triton_common.tiles.codes_to` (``FP8``: 0, or which fp8 format): the
+  interpreter cannot load float8 tensors, the GPU does not care.
 * Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``).
 """
 
@@ -86,7 +86,7 @@ def _attend_tile(
         mask=key_ok[None, :] & d_mask[:, None],
         other=0,
     )  # [HEAD_DIM_PAD, BLOCK_N]
-    # int8 and e4m3 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
+    # int8 and fp8 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
     kt = codes_to(kt, q.dtype, FP8)

@@ -25,6 +25,7 @@ import torch
 from paged_core import InputError, shared_prefix_blocks
 from paged_triton_common.direct import DirectKernel
 from paged_triton_common.runtime import INTERPRET, occupancy_class, sm_count
+from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2
 
 from .kernels import (
     PREFIX_DEFAULT_CONFIG,
@@ -50,7 +51,9 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# fp8 code dtypes -> the kernels' FP8 (the format codes_to bitcasts the bytes to).
+_FP8_FORMATS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
+_QUANT_DTYPES = (torch.int8, *_FP8_FORMATS)
 
 # choose_num_splits: two programs per SM, three (as many as fit on one at the split kernel's
 # ~70 KB of shared memory) for many (request, KV head) pairs with long splits, and only for
@@ -123,7 +126,7 @@ def _kv_args(
 ) -> dict:
     """Cache pointers, strides and dtype switches common to the attention kernels."""
     quant = k_cache.dtype in _QUANT_DTYPES
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
     if fp8:
         # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)

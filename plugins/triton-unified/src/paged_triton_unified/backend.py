@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paged_core import KV_DTYPES, KV_SCALES, Capabilities
+from paged_core import KV_SCALES, Capabilities
 from paged_triton_common.backend import TritonBackend
 
 from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, unified_attention
@@ -24,7 +24,8 @@ class TritonUnifiedBackend(TritonBackend):
         # accumulator have their own width.
         head_dim_pairs=None,
         block_sizes=frozenset(SUPPORTED_BLOCK_SIZES),
-        kv_dtypes=frozenset(KV_DTYPES),
+        # Named, not paged_core.KV_DTYPES: a format core adds is claimed once the kernels read it.
+        kv_dtypes=frozenset({"auto", "int8", "fp8", "fp8_e5m2"}),
         kv_scales=frozenset(KV_SCALES),
         dtypes=frozenset(SUPPORTED_DTYPES),
         devices=frozenset({"cpu", "cuda"}),

@@ -173,6 +173,7 @@ def _attend_step(
     block = block.to(tl.int64)
     in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
     MASK_V: tl.constexpr = MASKED or DV_PADDED
+    FP8: tl.constexpr = KV_QUANT - 1 if KV_QUANT >= 2 else 0  # codes_to's format (tiles.FP8_E4M3/E5M2)
 
     # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
@@ -182,7 +183,7 @@ def _attend_step(
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
     # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
     # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = codes_to(k, q.dtype, KV_QUANT == 2)
+    k = codes_to(k, q.dtype, FP8)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
@@ -216,7 +217,7 @@ def _attend_step(
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
     else:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
-    v = codes_to(v, q.dtype, KV_QUANT == 2)
+    v = codes_to(v, q.dtype, FP8)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -624,8 +625,8 @@ def unified_attention_kernel(
     BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (FUSED only)
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
-    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2: fp8 e4m3 codes (as uint8)
-    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native e4m3 -> fp16)
+    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8)
+    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native fp8 -> fp16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,

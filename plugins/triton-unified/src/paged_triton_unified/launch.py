@@ -34,7 +34,9 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The cache holds either q's dtype or quantized codes with float32 scales per (slot, KV head).
-SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+# The kernels' KV_QUANT per code dtype: 1 int8; 2 fp8 e4m3 and 3 fp8 e5m2, codes as uint8.
+_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
@@ -207,7 +209,8 @@ def unified_attention(
     Args:
         q: ``[num_tokens, num_q_heads, head_dim]``, float32/float16/bfloat16, last dim contiguous.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, or
-            ``torch.int8`` / ``torch.float8_e4m3fn`` codes dequantized as ``code * scale``.
+            ``torch.int8`` / ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` codes dequantized as
+            ``code * scale``.
         v_cache: like ``k_cache`` with its own last dimension ``head_dim_v`` (MLA-shaped layers).
         out: ``[num_tokens, num_q_heads, head_dim_v]``, q's dtype; every row is written.
         query_start_loc: int32 ``[num_reqs + 1]``, ``query_start_loc[-1] == num_tokens``.
@@ -274,15 +277,11 @@ def unified_attention(
         _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
-    if k_cache.dtype == torch.int8:
-        kv_quant = 1
-    elif k_cache.dtype == torch.float8_e4m3fn:
+    kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
+    if kv_quant >= 2:
         # Codes travel as bytes and are bit-cast in the kernel: the CPU interpreter has no
         # float8 pointers, and on the GPU the reinterpretation is free.
-        kv_quant = 2
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    else:
-        kv_quant = 0
     if kv_quant:
         ks, vs = k_scale, v_scale
     else:
@@ -391,7 +390,7 @@ def unified_attention(
         KV_QUANT=kv_quant,
         # fp8 with 16-bit q only: fp32 q keeps its own dtype (fp16 operands would round it), and
         # int8 is faster converted to q's dtype (LaunchConfig's docstring).
-        QDOT16=kv_quant == 2 and q.dtype in (torch.float16, torch.bfloat16),
+        QDOT16=kv_quant >= 2 and q.dtype in (torch.float16, torch.bfloat16),
         # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
         FOLD_SCALE=scale > 0,
         USE_WINDOW=window > 0,
