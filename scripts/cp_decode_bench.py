@@ -58,6 +58,7 @@ def _cases(text: str) -> list[tuple[int, int]]:
 def _timer(device: torch.device):
     """A function timing ``fn`` once, in milliseconds: CUDA events on GPUs, the clock on the CPU."""
     if device.type == "cuda":
+
         def run(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -66,10 +67,12 @@ def _timer(device: torch.device):
             end.synchronize()
             return start.elapsed_time(end)
     else:
+
         def run(fn):
             t0 = time.perf_counter()
             fn()
             return (time.perf_counter() - t0) * 1e3
+
     return run
 
 
@@ -99,7 +102,7 @@ def _whole_cache(reqs: int, tokens: int, device: torch.device, dtype: torch.dtyp
     g = torch.Generator(device=device).manual_seed(0)
     for t in (cache.k, cache.v):
         for i in range(0, blocks, 4096):  # in chunks: a float32 temporary of the whole pool would not fit
-            t[i:i + 4096].copy_(torch.randn(t[i:i + 4096].shape, generator=g, device=device))
+            t[i : i + 4096].copy_(torch.randn(t[i : i + 4096].shape, generator=g, device=device))
     q = torch.randn(reqs, HEADS, HEAD_DIM, generator=g, device=device).to(dtype)
     return meta, cache, q
 
@@ -107,13 +110,17 @@ def _whole_cache(reqs: int, tokens: int, device: torch.device, dtype: torch.dtyp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=None, help=f"REQUESTSxTOKENS, comma-separated (default {CASES})")
-    parser.add_argument("--backend", default=None, help="registry name (default: triton-splitkv on GPUs, "
-                        "reference on the CPU)")
+    parser.add_argument(
+        "--backend", default=None, help="registry name (default: triton-splitkv on GPUs, reference on the CPU)"
+    )
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="contiguous, interleaved or both")
     parser.add_argument("--iters", type=int, default=None, help="timed steps per measurement (default 20)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help=f"tiny cases ({SMOKE_CASES}), 2 steps: "
-                        "checks the script runs, on the CPU with gloo too")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"tiny cases ({SMOKE_CASES}), 2 steps: checks the script runs, on the CPU with gloo too",
+    )
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args()
 
@@ -140,19 +147,33 @@ def main() -> None:
             if rank == 0:
                 plan = backend.plan(meta, **layer)
                 want = backend.forward(q, whole, plan)
-                single_ms = _median(functools.partial(backend.forward, q, whole, plan), iters=iters, warmup=warmup,
-                                    device=device, group=False)
+                single_ms = _median(
+                    functools.partial(backend.forward, q, whole, plan),
+                    iters=iters,
+                    warmup=warmup,
+                    device=device,
+                    group=False,
+                )
             for layout in args.layouts.split(","):
                 shard = shard_decode_batch(meta, rank, world, layout=layout)
                 pool = shard_kv_cache(whole, meta, rank, world, layout=layout)
                 plan = backend.plan(shard, **layer)
                 out, lse = backend.forward(q, pool, plan, return_lse=True)
-                step_ms = _median(functools.partial(context_parallel_decode, backend, q, pool, plan), iters=iters,
-                                  warmup=warmup, device=device)
-                attn_ms = _median(functools.partial(backend.forward, q, pool, plan, return_lse=True), iters=iters,
-                                  warmup=warmup, device=device)
-                merge_ms = _median(functools.partial(merge_across_ranks, out, lse), iters=iters, warmup=warmup,
-                                   device=device)
+                step_ms = _median(
+                    functools.partial(context_parallel_decode, backend, q, pool, plan),
+                    iters=iters,
+                    warmup=warmup,
+                    device=device,
+                )
+                attn_ms = _median(
+                    functools.partial(backend.forward, q, pool, plan, return_lse=True),
+                    iters=iters,
+                    warmup=warmup,
+                    device=device,
+                )
+                merge_ms = _median(
+                    functools.partial(merge_across_ranks, out, lse), iters=iters, warmup=warmup, device=device
+                )
                 got, _ = context_parallel_decode(backend, q, pool, plan)
                 step_ms, attn_ms, merge_ms = (_slowest(t, device) for t in (step_ms, attn_ms, merge_ms))
                 if rank == 0:
@@ -160,10 +181,22 @@ def main() -> None:
                     err = float((got.double() - want.double()).abs().max())
                     tol = output_tolerance(dtype)
                     close = torch.allclose(got.double(), want.double(), atol=tol.atol, rtol=tol.rtol)
-                    rows.append(dict(case=f"{reqs} x {tokens:,}", ranks=world, layout=layout, backend=name,
-                                     single_ms=single_ms, step_ms=step_ms, attn_ms=attn_ms, merge_ms=merge_ms,
-                                     merge_share=merge_ms / step_ms, speedup=single_ms / step_ms,
-                                     max_err=err, ok=close))
+                    rows.append(
+                        dict(
+                            case=f"{reqs} x {tokens:,}",
+                            ranks=world,
+                            layout=layout,
+                            backend=name,
+                            single_ms=single_ms,
+                            step_ms=step_ms,
+                            attn_ms=attn_ms,
+                            merge_ms=merge_ms,
+                            merge_share=merge_ms / step_ms,
+                            speedup=single_ms / step_ms,
+                            max_err=err,
+                            ok=close,
+                        )
+                    )
                 del pool, plan, out, lse
             del whole, q
             if cuda:
@@ -181,12 +214,26 @@ def main() -> None:
 
 def _print(rows: list[dict], device: torch.device, world: int) -> None:
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo)"
-    print(f"context-parallel decode, {world} ranks, {what}, torch {torch.__version__}; "
-          f"{HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, bf16, {BLOCK}-token blocks; ms = median per step")
+    print(
+        f"context-parallel decode, {world} ranks, {what}, torch {torch.__version__}; "
+        f"{HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, bf16, {BLOCK}-token blocks; ms = median per step"
+    )
     head = ["case", "layout", "1 device ms", "CP step ms", "attn ms", "merge ms", "merge %", "speedup", "max err", "ok"]
-    body = [[r["case"], r["layout"], f"{r['single_ms']:.3f}", f"{r['step_ms']:.3f}", f"{r['attn_ms']:.3f}",
-             f"{r['merge_ms']:.3f}", f"{100 * r['merge_share']:.0f}", f"{r['speedup']:.2f}x",
-             f"{r['max_err']:.2e}", "ok" if r["ok"] else "DIFFERS"] for r in rows]
+    body = [
+        [
+            r["case"],
+            r["layout"],
+            f"{r['single_ms']:.3f}",
+            f"{r['step_ms']:.3f}",
+            f"{r['attn_ms']:.3f}",
+            f"{r['merge_ms']:.3f}",
+            f"{100 * r['merge_share']:.0f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['max_err']:.2e}",
+            "ok" if r["ok"] else "DIFFERS",
+        ]
+        for r in rows
+    ]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     for line in [head, ["-" * w for w in widths], *body]:
         print("  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)))

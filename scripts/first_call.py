@@ -71,8 +71,10 @@ def child(backend_name: str, batch: str, head_dim: str) -> int:
         for name in ("unified_attention_kernel", "split_kv_attention_kernel"):
             tuner = getattr(kernels, name, None) if kernels else None
             if getattr(tuner, "configs_timings", None):
-                rows = sorted((float(t[0] if isinstance(t, (list, tuple)) else t), str(c))
-                              for c, t in tuner.configs_timings.items())
+                rows = sorted(
+                    (float(t[0] if isinstance(t, (list, tuple)) else t), str(c))
+                    for c, t in tuner.configs_timings.items()
+                )
                 timings[name] = rows
     print(json.dumps({"seconds": seconds, "timed_configs": timed[0], "timings": timings}))
     return 0
@@ -81,8 +83,13 @@ def child(backend_name: str, batch: str, head_dim: str) -> int:
 def _run_child(name: str, batch: str, head_dim: int, cache_dir: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = cache_dir
-    proc = subprocess.run([sys.executable, __file__, "child", name, batch, str(head_dim)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, "child", name, batch, str(head_dim)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:120]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -94,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         return child(*argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton-unified,triton-splitkv", help="comma-separated backend names")
-    p.add_argument("--batches", default=",".join(DEFAULT_BATCHES),
-                   help=f"comma-separated batch names, of: {', '.join(BATCHES)}")
+    p.add_argument(
+        "--batches", default=",".join(DEFAULT_BATCHES), help=f"comma-separated batch names, of: {', '.join(BATCHES)}"
+    )
     p.add_argument("--timings", action="store_true", help="also print each timed config's time (cold run)")
     p.add_argument("--head-dims", default="128,80", help="comma-separated head dims (default 128,80)")
     args = p.parse_args(argv)
@@ -104,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown batches {unknown}; accepted: {', '.join(BATCHES)}")
     import triton
 
-    print(f"first call: write + forward, synchronised (s), and configs timed; torch {torch.__version__}, "
-          f"Triton {triton.__version__}, {torch.cuda.get_device_name()}, PAGED_AUTOTUNE="
-          f"{os.environ.get('PAGED_AUTOTUNE', '1')}")
+    print(
+        f"first call: write + forward, synchronised (s), and configs timed; torch {torch.__version__}, "
+        f"Triton {triton.__version__}, {torch.cuda.get_device_name()}, PAGED_AUTOTUNE="
+        f"{os.environ.get('PAGED_AUTOTUNE', '1')}"
+    )
     print(f"{'backend':<16} {'batch':<20} {'head dim':>8} {'cold s':>8} {'timed':>6} {'cached s':>9} {'timed':>6}")
     for name in args.backends.split(","):
         for batch in args.batches.split(","):
@@ -115,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
                     runs = [_run_child(name, batch, d, cache_dir) for _ in range(2)]
                 cells = []
                 for r in runs:
-                    cells += ([f"{r['seconds']:.1f}", str(r["timed_configs"])] if "error" not in r
-                              else [f"error: {r['error']}", ""])
-                print(f"{name:<16} {batch:<20} {d:>8} {cells[0]:>8} {cells[1]:>6} {cells[2]:>9} {cells[3]:>6}",
-                      flush=True)
+                    cells += (
+                        [f"{r['seconds']:.1f}", str(r["timed_configs"])]
+                        if "error" not in r
+                        else [f"error: {r['error']}", ""]
+                    )
+                print(
+                    f"{name:<16} {batch:<20} {d:>8} {cells[0]:>8} {cells[1]:>6} {cells[2]:>9} {cells[3]:>6}", flush=True
+                )
                 for kernel, rows in (runs[0].get("timings") or {}).items() if args.timings else ():
                     best = rows[0][0]
                     for ms, config in rows:

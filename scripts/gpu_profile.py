@@ -61,8 +61,9 @@ def build(case: str):
         return G.split_call(c, torch.empty_like(c.q), choose_num_splits(b, G.HKV, n, G.BS, G.DEV), (64, 4, 3))
 
     if case.startswith("decode-"):
-        kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8",
-              "int8-static": "int8"}[case[len("decode-"):]]
+        kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8", "int8-static": "int8"}[
+            case[len("decode-") :]
+        ]
         c = G.make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=case.endswith("-static"))
         small = (128, 8, 2) if case.endswith("-w8") else (128, 4, 2)
         return G.unified(c, torch.empty_like(c.q), G.cfg(small))
@@ -121,7 +122,7 @@ def parse_raw_csv(text: str) -> list[dict]:
         return []
     names, units = rows[start], rows[start + 1]
     kernels = []
-    for row in rows[start + 2:]:
+    for row in rows[start + 2 :]:
         rec = dict(zip(names, row, strict=False))
         unit = dict(zip(names, units, strict=False))
 
@@ -133,26 +134,39 @@ def parse_raw_csv(text: str) -> list[dict]:
             return None if factor is None else x * factor
 
         t = val("gpu__time_duration.sum", scale=_TO_US)
-        stalls = sorted(((v, m.group(1)) for n in names if (m := _STALL.match(n))
-                         if (v := val(n)) is not None), reverse=True)
+        stalls = sorted(
+            ((v, m.group(1)) for n in names if (m := _STALL.match(n)) if (v := val(n)) is not None), reverse=True
+        )
         smem = sum(val(f"launch__shared_mem_per_block_{kind}", scale=_TO_BYTES) or 0 for kind in ("dynamic", "static"))
-        kernels.append({
-            "kernel": rec.get("Kernel Name", "?").split("(")[0],
-            "us": t,
-            # The name differs between Nsight Compute releases.
-            "dram_pct": next((x for x in (val("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-                                          val("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"))
-                              if x is not None), None),
-            "dram_mb": None if (b := val("dram__bytes_read.sum", scale=_TO_BYTES)) is None else b / 1e6,
-            "occupancy_pct": val("sm__warps_active.avg.pct_of_peak_sustained_active"),
-            "theoretical_pct": val("sm__maximum_warps_per_active_cycle_pct"),
-            "regs": val("launch__registers_per_thread"),
-            "smem_kb": smem / 1024,
-            "limits": {k: val(f"launch__occupancy_limit_{k}") for k in ("registers", "shared_mem", "warps", "blocks")},
-            "grid": rec.get("Grid Size", "?"),
-            "block": rec.get("Block Size", "?"),
-            "stalls": [(name, v) for v, name in stalls[:3]],
-        })
+        kernels.append(
+            {
+                "kernel": rec.get("Kernel Name", "?").split("(")[0],
+                "us": t,
+                # The name differs between Nsight Compute releases.
+                "dram_pct": next(
+                    (
+                        x
+                        for x in (
+                            val("dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+                            val("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
+                        )
+                        if x is not None
+                    ),
+                    None,
+                ),
+                "dram_mb": None if (b := val("dram__bytes_read.sum", scale=_TO_BYTES)) is None else b / 1e6,
+                "occupancy_pct": val("sm__warps_active.avg.pct_of_peak_sustained_active"),
+                "theoretical_pct": val("sm__maximum_warps_per_active_cycle_pct"),
+                "regs": val("launch__registers_per_thread"),
+                "smem_kb": smem / 1024,
+                "limits": {
+                    k: val(f"launch__occupancy_limit_{k}") for k in ("registers", "shared_mem", "warps", "blocks")
+                },
+                "grid": rec.get("Grid Size", "?"),
+                "block": rec.get("Block Size", "?"),
+                "stalls": [(name, v) for v, name in stalls[:3]],
+            }
+        )
     return kernels
 
 
@@ -161,20 +175,42 @@ def _fmt(x, spec) -> str:
 
 
 def table(results: list[tuple[str, list[dict]]]) -> str:
-    head = ("case", "kernel", "µs", "DRAM %", "DRAM MB read", "occ % (theor.)", "regs", "smem KB",
-            "CTAs/SM by regs/smem", "grid", "top stalls (cycles per issue)")
+    head = (
+        "case",
+        "kernel",
+        "µs",
+        "DRAM %",
+        "DRAM MB read",
+        "occ % (theor.)",
+        "regs",
+        "smem KB",
+        "CTAs/SM by regs/smem",
+        "grid",
+        "top stalls (cycles per issue)",
+    )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for case, kernels in results:
         if not kernels:
             lines.append(f"{case} | (no kernel profiled)" + " |" * (len(head) - 2))
         for k in kernels:
             lim = k["limits"]
-            lines.append(" | ".join([
-                case, k["kernel"][:40], _fmt(k["us"], ".1f"), _fmt(k["dram_pct"], ".1f"), _fmt(k["dram_mb"], ".1f"),
-                f"{_fmt(k['occupancy_pct'], '.1f')} ({_fmt(k['theoretical_pct'], '.1f')})", _fmt(k["regs"], ".0f"),
-                _fmt(k["smem_kb"], ".1f"), f"{_fmt(lim['registers'], '.0f')}/{_fmt(lim['shared_mem'], '.0f')}",
-                k["grid"], ", ".join(f"{n} {v:.1f}" for n, v in k["stalls"]) or "-",
-            ]))
+            lines.append(
+                " | ".join(
+                    [
+                        case,
+                        k["kernel"][:40],
+                        _fmt(k["us"], ".1f"),
+                        _fmt(k["dram_pct"], ".1f"),
+                        _fmt(k["dram_mb"], ".1f"),
+                        f"{_fmt(k['occupancy_pct'], '.1f')} ({_fmt(k['theoretical_pct'], '.1f')})",
+                        _fmt(k["regs"], ".0f"),
+                        _fmt(k["smem_kb"], ".1f"),
+                        f"{_fmt(lim['registers'], '.0f')}/{_fmt(lim['shared_mem'], '.0f')}",
+                        k["grid"],
+                        ", ".join(f"{n} {v:.1f}" for n, v in k["stalls"]) or "-",
+                    ]
+                )
+            )
     return "\n".join(lines)
 
 
@@ -209,8 +245,20 @@ def main(argv: list[str]) -> int:
     results = []
     for case in cases:
         log = args.out / f"{case}.csv"
-        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-               "--print-units", "base", "--log-file", str(log)]
+        cmd = [
+            ncu,
+            "--clock-control",
+            "none",
+            "--profile-from-start",
+            "off",
+            "--csv",
+            "--page",
+            "raw",
+            "--print-units",
+            "base",
+            "--log-file",
+            str(log),
+        ]
         for s in SECTIONS:
             cmd += ["--section", s]
         cmd += ["--metrics", "dram__bytes_read.sum"]

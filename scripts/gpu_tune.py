@@ -52,8 +52,10 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
-            raise RuntimeError("the timed call reads a tensor's value on the host, which a CUDA-graph capture "
-                               "refuses: compute it before building the call")
+            raise RuntimeError(
+                "the timed call reads a tensor's value on the host, which a CUDA-graph capture "
+                "refuses: compute it before building the call"
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -91,8 +93,9 @@ class Case:
     kv_dtype: str
 
 
-def make_case(qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False,
-              head_major_scales=False) -> Case:
+def make_case(
+    qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False, head_major_scales=False
+) -> Case:
     """A batch on random data; ``static_scales``: an 8-bit cache with one scale per tensor (no
     per-key scale to gather) instead of one per slot; ``head_major_scales``: per-slot scales
     stored ``[num_blocks, num_kv_heads, block_size]`` (a block's keys of one head contiguous),
@@ -145,21 +148,28 @@ def check(case: Case, out: torch.Tensor) -> tuple[float, bool]:
     remap = {b: i for i, b in enumerate(uniq)}
     idx = torch.tensor(uniq, dtype=torch.long, device=DEV)
     sub = KVCache(
-        k=cache.k.index_select(0, idx), v=cache.v.index_select(0, idx), kv_dtype=cache.kv_dtype,
+        k=cache.k.index_select(0, idx),
+        v=cache.v.index_select(0, idx),
+        kv_dtype=cache.kv_dtype,
         k_scale=None if cache.k_scale is None else cache.k_scale.index_select(0, idx),
         v_scale=None if cache.v_scale is None else cache.v_scale.index_select(0, idx),
         dtype=cache.dtype,
     )
     reqs = case.check_reqs
-    sub_meta = BatchMeta.from_lists([qlens[r] for r in reqs], [slens[r] for r in reqs],
-                                    [[remap[b] for b in t] for t in used], block_size=bs, device=DEV)
+    sub_meta = BatchMeta.from_lists(
+        [qlens[r] for r in reqs],
+        [slens[r] for r in reqs],
+        [[remap[b] for b in t] for t in used],
+        block_size=bs,
+        device=DEV,
+    )
     rows = torch.tensor([i for r in case.check_reqs for i in range(qsl[r], qsl[r + 1])], device=DEV)
-    ref = reference_attention(case.q.index_select(0, rows), sub, sub_meta, scale=SCALE,
-                              compute_dtype=torch.float32)
+    ref = reference_attention(case.q.index_select(0, rows), sub, sub_meta, scale=SCALE, compute_dtype=torch.float32)
     got = out.index_select(0, rows)
     try:
-        return assert_close_to_reference(got, ref, backend="gpu_tune", case="check",
-                                         tolerance=output_tolerance(got.dtype, case.kv_dtype)), True
+        return assert_close_to_reference(
+            got, ref, backend="gpu_tune", case="check", tolerance=output_tolerance(got.dtype, case.kv_dtype)
+        ), True
     except ConformanceFailure as exc:
         return exc.max_error, False
 
@@ -182,24 +192,41 @@ def report(section: str, name: str, case: Case, fn, out: torch.Tensor, *, tflops
         perf = f"{100 * case.nbytes / BW * 1e3 / ms:5.1f}% of floor ({case.nbytes / BW * 1e3:.3f} ms)"
     flag = "" if ok else "  BAD"
     elapsed = time.time() - T0
-    print(f"{section:8s} | {name:58s} | {ms:7.4f} ms | {perf} | err {err:.1e}{flag}  [{elapsed:5.0f}s]",
-          flush=True)
+    print(f"{section:8s} | {name:58s} | {ms:7.4f} ms | {perf} | err {err:.1e}{flag}  [{elapsed:5.0f}s]", flush=True)
 
 
 def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig | None):
     m, c = case.meta, case.cache
     return lambda: unified_attention(
-        case.q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
-        block_table=m.block_table, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, scale=SCALE,
-        k_scale=c.k_scale, v_scale=c.v_scale, config=cfg)
+        case.q,
+        c.k,
+        c.v,
+        out,
+        query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens,
+        block_table=m.block_table,
+        max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len,
+        scale=SCALE,
+        k_scale=c.k_scale,
+        v_scale=c.v_scale,
+        config=cfg,
+    )
 
 
 def cfg(small=(128, 4, 2), large=(64, 8, 2), bq_large=32) -> LaunchConfig:
     """A fixed config: ``small`` for decode-shaped batches (and the key step of a fused launch's
     small tiles), ``large`` for a launch with large tiles of ``bq_large`` query tokens."""
-    return LaunchConfig(block_q_small=4, block_q_large=bq_large, block_n=small[0], num_warps=small[1],
-                        num_stages=small[2], large_block_n=large[0], large_num_warps=large[1],
-                        large_num_stages=large[2])
+    return LaunchConfig(
+        block_q_small=4,
+        block_q_large=bq_large,
+        block_n=small[0],
+        num_warps=small[1],
+        num_stages=small[2],
+        large_block_n=large[0],
+        large_num_warps=large[1],
+        large_num_stages=large[2],
+    )
 
 
 def tag(small=None, large=None, bq_large=None) -> str:
@@ -219,9 +246,19 @@ def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, i
     kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
     max_seq_len = case.meta.max_seq_len  # a host int: the call is captured, where a sync is an error
     return lambda: split_decode_attention(
-        case.q, c.k, c.v, out, seq_lens=case.meta.seq_lens, block_table=case.meta.block_table,
-        max_seq_len=max_seq_len, scale=SCALE, num_splits=splits, kernel_config=kcfg,
-        k_scale=c.k_scale, v_scale=c.v_scale)
+        case.q,
+        c.k,
+        c.v,
+        out,
+        seq_lens=case.meta.seq_lens,
+        block_table=case.meta.block_table,
+        max_seq_len=max_seq_len,
+        scale=SCALE,
+        num_splits=splits,
+        kernel_config=kcfg,
+        k_scale=c.k_scale,
+        v_scale=c.v_scale,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,16 +290,34 @@ def section_quant() -> None:
 def section_prefill() -> None:
     case = make_case([2048] * 8, [2048] * 8, check_reqs=[0, 7])
     out = torch.empty_like(case.q)
-    for large, bq in [((64, 8, 2), 32), ((64, 8, 3), 32), ((128, 8, 2), 32), ((64, 4, 2), 16), ((64, 4, 3), 16),
-                      ((128, 4, 2), 16)]:
-        report("prefill", f"8x2048 {tag(None, large, bq)}", case, unified(case, out, cfg((64, 4, 2), large, bq)),
-               out, tflops=True)
+    for large, bq in [
+        ((64, 8, 2), 32),
+        ((64, 8, 3), 32),
+        ((128, 8, 2), 32),
+        ((64, 4, 2), 16),
+        ((64, 4, 3), 16),
+        ((128, 4, 2), 16),
+    ]:
+        report(
+            "prefill",
+            f"8x2048 {tag(None, large, bq)}",
+            case,
+            unified(case, out, cfg((64, 4, 2), large, bq)),
+            out,
+            tflops=True,
+        )
     # Does the fused launch's decode branch (unused here) cost the prefill branch registers?
     # The same large config, decode branch at 64 / 128 keys.
     for small in [(64, 4, 2), (128, 4, 2)]:
         for large in [(64, 8, 2), (128, 8, 2)]:
-            report("prefill", f"8x2048 decode branch {small[0]} keys {tag(None, large, 32)}", case,
-                   unified(case, out, cfg(small, large, 32)), out, tflops=True)
+            report(
+                "prefill",
+                f"8x2048 decode branch {small[0]} keys {tag(None, large, 32)}",
+                case,
+                unified(case, out, cfg(small, large, 32)),
+                out,
+                tflops=True,
+            )
     del case
 
 
@@ -271,8 +326,12 @@ def section_mixed() -> None:
     slens = [1024, 1536] + [1990 + i for i in range(30)]
     case = make_case(qlens, slens, check_reqs=[0, 1, 2, 31])
     out = torch.empty_like(case.q)
-    for small, large, bq in [((64, 8, 2), (64, 8, 2), 32), ((64, 4, 2), (64, 4, 2), 16),
-                             ((128, 4, 2), (64, 4, 2), 16), ((32, 4, 2), (64, 4, 2), 16)]:
+    for small, large, bq in [
+        ((64, 8, 2), (64, 8, 2), 32),
+        ((64, 4, 2), (64, 4, 2), 16),
+        ((128, 4, 2), (64, 4, 2), 16),
+        ((32, 4, 2), (64, 4, 2), 16),
+    ]:
         # The launch runs num_warps/num_stages of `large`; `small` gives only the small tiles' BLOCK_N.
         report("mixed", f"2x512+30 {tag(small, large, bq)}", case, unified(case, out, cfg(small, large, bq)), out)
     del case
@@ -284,13 +343,20 @@ def section_split() -> None:
         case = make_case([1] * b, [n] * b, check_reqs=[0])
         out = torch.empty_like(case.q)
         auto = choose_num_splits(b, HKV, n, BS, DEV)
-        variants = [(f"auto ({auto} splits)", auto, kc)
-                    for kc in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3)]]
+        variants = [
+            (f"auto ({auto} splits)", auto, kc)
+            for kc in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3)]
+        ]
         for s in sorted({max(1, auto // 2), auto * 2, 1} - {auto}):
             variants.append((f"{s} splits", s, (64, 4, 3)))
         for name, splits, kc in variants:
-            report("split", f"{b}x{n} {name} {kc[0]}/w{kc[1]}/st{kc[2]} ({sms} SMs)", case,
-                   split_call(case, out, splits, kc), out)
+            report(
+                "split",
+                f"{b}x{n} {name} {kc[0]}/w{kc[1]}/st{kc[2]} ({sms} SMs)",
+                case,
+                split_call(case, out, splits, kc),
+                out,
+            )
         del case
 
 
@@ -324,23 +390,47 @@ def section_quant_depth() -> None:
         static = make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=True)
         out = torch.empty_like(static.q)
         for small in [(128, 4, 2), (128, 8, 2)]:
-            report("q-depth", f"64x4096 {kv} static scales unified {tag(small)}", static,
-                   unified(static, out, cfg(small)), out)
+            report(
+                "q-depth",
+                f"64x4096 {kv} static scales unified {tag(small)}",
+                static,
+                unified(static, out, cfg(small)),
+                out,
+            )
         del static
         head_major = make_case([1] * 64, [4096] * 64, kv_dtype=kv, head_major_scales=True)
         for small in [(128, 4, 2), (128, 8, 2)]:
-            report("q-depth", f"64x4096 {kv} head-major scales unified {tag(small)}", head_major,
-                   unified(head_major, out, cfg(small)), out)
+            report(
+                "q-depth",
+                f"64x4096 {kv} head-major scales unified {tag(small)}",
+                head_major,
+                unified(head_major, out, cfg(small)),
+                out,
+            )
         del head_major
         case = make_case([1] * 64, [4096] * 64, kv_dtype=kv)
         out = torch.empty_like(case.q)
-        for small in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 8, 2), (256, 8, 3),
-                      (64, 4, 4), (64, 2, 4)]:
+        for small in [
+            (128, 4, 2),
+            (128, 4, 3),
+            (128, 4, 4),
+            (128, 8, 2),
+            (128, 8, 3),
+            (256, 8, 2),
+            (256, 8, 3),
+            (64, 4, 4),
+            (64, 2, 4),
+        ]:
             report("q-depth", f"64x4096 {kv} unified {tag(small)}", case, unified(case, out, cfg(small)), out)
         for splits in (2, 4):
             for kc in ((128, 4, 2), (128, 4, 3), (128, 8, 2)):
-                report("q-depth", f"64x4096 {kv} split {splits} {kc[0]}/w{kc[1]}/st{kc[2]}", case,
-                       split_call(case, out, splits, kc), out)
+                report(
+                    "q-depth",
+                    f"64x4096 {kv} split {splits} {kc[0]}/w{kc[1]}/st{kc[2]}",
+                    case,
+                    split_call(case, out, splits, kc),
+                    out,
+                )
         del case
 
 
@@ -367,11 +457,15 @@ def section_bench_mixed() -> None:
     dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]
     case = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
     out = torch.empty_like(case.q)
-    for small, large, bq in [((128, 4, 2), (64, 4, 2), 16), ((128, 4, 2), (64, 8, 2), 16),
-                             ((128, 4, 2), (128, 8, 2), 16), ((64, 4, 2), (64, 4, 2), 16),
-                             ((128, 4, 2), (64, 8, 2), 32), ((128, 4, 2), (64, 4, 3), 16)]:
-        report("mixed-b", f"bench batch {tag(small, large, bq)}", case, unified(case, out, cfg(small, large, bq)),
-               out)
+    for small, large, bq in [
+        ((128, 4, 2), (64, 4, 2), 16),
+        ((128, 4, 2), (64, 8, 2), 16),
+        ((128, 4, 2), (128, 8, 2), 16),
+        ((64, 4, 2), (64, 4, 2), 16),
+        ((128, 4, 2), (64, 8, 2), 32),
+        ((128, 4, 2), (64, 4, 3), 16),
+    ]:
+        report("mixed-b", f"bench batch {tag(small, large, bq)}", case, unified(case, out, cfg(small, large, bq)), out)
     report("mixed-b", "bench batch autotuned", case, unified(case, out, None), out)
     del case
 
@@ -387,8 +481,13 @@ def section_mixed_parts() -> None:
     out = torch.empty_like(whole.q)
     report("parts", "whole batch, fused launch, autotuned", whole, unified(whole, out, None), out)
     for bq in (16, 32):
-        report("parts", f"whole batch, fused launch, {bq * 4}-row tiles, autotuned", whole,
-               unified(whole, out, LaunchConfig(block_q_small=4, block_q_large=bq)), out)
+        report(
+            "parts",
+            f"whole batch, fused launch, {bq * 4}-row tiles, autotuned",
+            whole,
+            unified(whole, out, LaunchConfig(block_q_small=4, block_q_large=bq)),
+            out,
+        )
     del whole
     pre = make_case([512, 512], [1024 + 512, 3072 + 512], check_reqs=[0, 1])
     pre_out = torch.empty_like(pre.q)
@@ -402,8 +501,16 @@ def section_mixed_parts() -> None:
     d_splits = {}
     for n in (None, 2, 3, 4):
         d_splits[n] = lambda n=n: split_decode_attention(
-            dcase.q, dcase.cache.k, dcase.cache.v, d_out, seq_lens=dcase.meta.seq_lens,
-            block_table=dcase.meta.block_table, max_seq_len=max(dec), scale=SCALE, num_splits=n)
+            dcase.q,
+            dcase.cache.k,
+            dcase.cache.v,
+            d_out,
+            seq_lens=dcase.meta.seq_lens,
+            block_table=dcase.meta.block_table,
+            max_seq_len=max(dec),
+            scale=SCALE,
+            num_splits=n,
+        )
         report("parts", f"30 decodes alone, split-KV ({n or 'auto'} splits)", dcase, d_splits[n], d_out)
     d_split = d_splits[2]
     if SMOKE:
@@ -418,16 +525,20 @@ def section_mixed_parts() -> None:
                 d()
             p()
             cur.wait_stream(side)
+
         return fn
 
     for bq, p in pre_calls.items():
         for dname, d in (("unified", d_unified), ("2 splits", d_split)):
             ms = graph_ms(lambda p=p, d=d: (p(), d()))
-            print(f"parts    | {bq * 4}-row chunks, then decodes ({dname}), one stream{'':9s} | {ms:7.4f} ms",
-                  flush=True)
+            print(
+                f"parts    | {bq * 4}-row chunks, then decodes ({dname}), one stream{'':9s} | {ms:7.4f} ms", flush=True
+            )
             ms = graph_ms(concurrent(p, d))
-            print(f"parts    | {bq * 4}-row chunks beside decodes ({dname}), two streams{'':6s} | {ms:7.4f} ms",
-                  flush=True)
+            print(
+                f"parts    | {bq * 4}-row chunks beside decodes ({dname}), two streams{'':6s} | {ms:7.4f} ms",
+                flush=True,
+            )
 
 
 def section_launch() -> None:
@@ -436,11 +547,16 @@ def section_launch() -> None:
     x = torch.zeros(1, device=DEV)
     if SMOKE:
         return
-    print(f"launch   | one graph replay of one 1-element kernel{'':17s} | {graph_ms(lambda: x.add_(1)):7.4f} ms",
-          flush=True)
+    print(
+        f"launch   | one graph replay of one 1-element kernel{'':17s} | {graph_ms(lambda: x.add_(1)):7.4f} ms",
+        flush=True,
+    )
     y = torch.zeros(1, device=DEV)
-    print(f"launch   | one graph replay of two dependent 1-element kernels{'':6s} | "
-          f"{graph_ms(lambda: (x.add_(1), y.add_(x))):7.4f} ms", flush=True)
+    print(
+        f"launch   | one graph replay of two dependent 1-element kernels{'':6s} | "
+        f"{graph_ms(lambda: (x.add_(1), y.add_(x))):7.4f} ms",
+        flush=True,
+    )
 
 
 def section_chunk() -> None:
@@ -450,8 +566,14 @@ def section_chunk() -> None:
     case = make_case([512] + [1] * 32, [16384] + [4096] * 32, check_reqs=[0, 1, 32])
     out = torch.empty_like(case.q)
     for bq in (16, 32):
-        report("chunk", f"1x512@16k+32x4k {tag(None, (64, 4, 2), bq)}", case,
-               unified(case, out, cfg((128, 4, 2), (64, 4, 2), bq)), out, tflops=True)
+        report(
+            "chunk",
+            f"1x512@16k+32x4k {tag(None, (64, 4, 2), bq)}",
+            case,
+            unified(case, out, cfg((128, 4, 2), (64, 4, 2), bq)),
+            out,
+            tflops=True,
+        )
     report("chunk", "1x512@16k+32x4k autotuned", case, unified(case, out, None), out, tflops=True)
     del case
 
@@ -468,36 +590,73 @@ def section_cascade() -> None:
     table[:, :prefix_blocks] = table[0, :prefix_blocks]  # every request shares request 0's prefix
     out = torch.empty_like(case.q)
     m, c = case.meta, case.cache
-    for name, splits in [("prefix split auto", None), ("prefix in 1 pass", 1), ("4 prefix splits", 4),
-                         ("16 prefix splits", 16), ("32 prefix splits", 32)]:
+    for name, splits in [
+        ("prefix split auto", None),
+        ("prefix in 1 pass", 1),
+        ("4 prefix splits", 4),
+        ("16 prefix splits", 16),
+        ("32 prefix splits", 32),
+    ]:
         fn = lambda splits=splits, q=case.q: cascade_attention(  # noqa: E731
-            q, c.k, c.v, out, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
-            prefix_blocks=prefix_blocks, max_query_len=1, max_seq_len=m.max_seq_len, scale=SCALE,
-            prefix_splits=splits)
+            q,
+            c.k,
+            c.v,
+            out,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=table,
+            prefix_blocks=prefix_blocks,
+            max_query_len=1,
+            max_seq_len=m.max_seq_len,
+            scale=SCALE,
+            prefix_splits=splits,
+        )
         report("cascade", f"{b}x({n_prefix}+{n_own}) cascade, {name}", case, fn, out)
     report("cascade", f"{b}x({n_prefix}+{n_own}) unified kernel", case, unified(case, out, cfg((128, 4, 2))), out)
     # Its parts alone: the merge of 9 parts (1 suffix + 8 prefix splits), and the suffix pass.
     parts = torch.randn(9, *case.q.shape, device=DEV)
     lses = torch.randn(9, *case.q.shape[:2], device=DEV)
-    print(f"cascade  | merge_states alone, 9 parts x {tuple(case.q.shape)} | "
-          f"{graph_ms(lambda: merge_states(parts, lses, out=out)):7.4f} ms", flush=True)
+    print(
+        f"cascade  | merge_states alone, 9 parts x {tuple(case.q.shape)} | "
+        f"{graph_ms(lambda: merge_states(parts, lses, out=out)):7.4f} ms",
+        flush=True,
+    )
     del case
     own = make_case([1] * b, [n_own] * b)  # the suffix pass's work: 64 requests x 100 keys
     own_out = torch.empty_like(own.q)
     suffix = lambda own=own: split_decode_attention(  # noqa: E731
-        own.q, own.cache.k, own.cache.v, own_out, seq_lens=own.meta.seq_lens, block_table=own.meta.block_table,
-        max_seq_len=n_own, scale=SCALE, num_splits=1)
-    print(f"cascade  | {b}x{n_own} decode alone (the suffix pass's work)            | {graph_ms(suffix):7.4f} ms",
-          flush=True)
+        own.q,
+        own.cache.k,
+        own.cache.v,
+        own_out,
+        seq_lens=own.meta.seq_lens,
+        block_table=own.meta.block_table,
+        max_seq_len=n_own,
+        scale=SCALE,
+        num_splits=1,
+    )
+    print(
+        f"cascade  | {b}x{n_own} decode alone (the suffix pass's work)            | {graph_ms(suffix):7.4f} ms",
+        flush=True,
+    )
     del own
 
 
-SECTIONS = {"quant": section_quant, "decode": section_decode, "prefill": section_prefill,
-            "mixed": section_mixed, "split": section_split, "split-count": section_split_count,
-            "bench-mixed": section_bench_mixed, "quant-depth": section_quant_depth,
-            "small-decode": section_small_decode, "mixed-parts": section_mixed_parts,
-            "launch": section_launch,
-            "cascade": section_cascade, "chunk": section_chunk}
+SECTIONS = {
+    "quant": section_quant,
+    "decode": section_decode,
+    "prefill": section_prefill,
+    "mixed": section_mixed,
+    "split": section_split,
+    "split-count": section_split_count,
+    "bench-mixed": section_bench_mixed,
+    "quant-depth": section_quant_depth,
+    "small-decode": section_small_decode,
+    "mixed-parts": section_mixed_parts,
+    "launch": section_launch,
+    "cascade": section_cascade,
+    "chunk": section_chunk,
+}
 
 
 def main(argv: list[str]) -> int:
@@ -505,8 +664,13 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, checks only")
-    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
-                    help="stop adding variants once the run has taken this long (default: no deadline)")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop adding variants once the run has taken this long (default: no deadline)",
+    )
     args = ap.parse_args(argv)
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:

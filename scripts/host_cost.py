@@ -51,9 +51,11 @@ def _host_us(calls: int, fn, *args, **kwargs) -> float:
 def host_table(names: list[str], calls: int) -> None:
     from paged_core import BatchMeta, registry
 
-    print(f"host us per call ({calls} calls, sync at the end); {HEADS}/{KV_HEADS} heads, head dim "
-          f"{HEAD_DIM}, bf16, block {BLOCK_SIZE}; torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}")
+    print(
+        f"host us per call ({calls} calls, sync at the end); {HEADS}/{KV_HEADS} heads, head dim "
+        f"{HEAD_DIM}, bf16, block {BLOCK_SIZE}; torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name()}"
+    )
     print(f"{'backend':<16} {'batch':<22} {'forward us':>10} {'write us':>9}")
     for name in names:
         for label, qlens, slens in BATCHES:
@@ -95,9 +97,17 @@ def capture(backend_name: str, case_id: str, size: str = "small") -> int:
         backend.write(cache, wl.k_new, wl.v_new, wl.meta)
         kw = dict(scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks)
         # The layers' description, as an engine passes it: FlashInfer plans on the host with it.
-        plan = backend.plan(wl.meta, num_heads=wl.q.shape[1], num_kv_heads=cache.num_kv_heads,
-                            head_dim=wl.q.shape[2], dtype=wl.q.dtype, window=case.window,
-                            softcap=case.softcap, scale=case.scale, sinks=wl.sinks is not None)
+        plan = backend.plan(
+            wl.meta,
+            num_heads=wl.q.shape[1],
+            num_kv_heads=cache.num_kv_heads,
+            head_dim=wl.q.shape[2],
+            dtype=wl.q.dtype,
+            window=case.window,
+            softcap=case.softcap,
+            scale=case.scale,
+            sinks=wl.sinks is not None,
+        )
         static_q = torch.zeros_like(wl.q)
         static_out = torch.full(tuple(wl.q.shape), float("nan"), dtype=wl.q.dtype, device=device)
         torch.cuda.synchronize()
@@ -108,10 +118,15 @@ def capture(backend_name: str, case_id: str, size: str = "small") -> int:
         graph.replay()
         torch.cuda.synchronize()
         err = assert_close_to_reference(
-            static_out, wl.ref_out, backend=backend_name, case=case.id,
+            static_out,
+            wl.ref_out,
+            backend=backend_name,
+            case=case.id,
             what="first-call CUDA-graph capture, replayed",
-            tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
-            query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+            tolerance=output_tolerance(case.dtype, case.kv_dtype),
+            rows=~wl.padding_rows,
+            query_start_loc=wl.query_start_loc,
+            seq_lens=wl.seq_lens,
         )
     except Exception as exc:  # one line on stdout (the caller runs many), the traceback on stderr
         traceback.print_exc()
@@ -136,8 +151,13 @@ def capture_checks(names: list[str]) -> None:
                     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
                     env.update(TRITON_CACHE_DIR=cache_dir, PAGED_AUTOTUNE=autotune)
                     try:
-                        proc = subprocess.run([sys.executable, __file__, "capture", name, case], env=env,
-                                              capture_output=True, text=True, timeout=900)
+                        proc = subprocess.run(
+                            [sys.executable, __file__, "capture", name, case],
+                            env=env,
+                            capture_output=True,
+                            text=True,
+                            timeout=900,
+                        )
                         line = (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-500:]])[-1]
                         if proc.returncode:
                             # Where it failed: the end of the traceback (the first error matters).
@@ -165,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from paged_core import registry
 
-    names = args.backends.split(",") if args.backends else [
-        n for n in registry.names() if not registry.unavailable(n)]
+    names = args.backends.split(",") if args.backends else [n for n in registry.names() if not registry.unavailable(n)]
     host_table(names, args.calls)
     if not args.no_capture:
         capture_checks(names)

@@ -73,8 +73,14 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
                 sig[name] = cache
             elif name in ("q_ptr", "out_ptr"):
                 sig[name] = "*bf16"
-            elif name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "tile_end_ptr",
-                          "tile_end_large_ptr", "counter_ptr"):
+            elif name in (
+                "query_start_loc_ptr",
+                "seq_lens_ptr",
+                "block_table_ptr",
+                "tile_end_ptr",
+                "tile_end_large_ptr",
+                "counter_ptr",
+            ):
                 sig[name] = "*i32"
             else:
                 sig[name] = "*fp32"
@@ -112,18 +118,23 @@ def loop_stats(sass: str, min_len: int = 64) -> dict:
         m = re.search(r"\bBRA (?:\S+ )?(0x[0-9a-f]+)", text)
         if m and int(m[1], 16) <= addrs[i] and int(m[1], 16) in addrs:
             start = addrs.index(int(m[1], 16))
-            body = [t for _, t in ins[start:i + 1]]
+            body = [t for _, t in ins[start : i + 1]]
             if len(body) >= min_len:
                 loops.append(body)
                 first = min(first, start)
     ops = [[re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body] for body in loops]
     flat = [o for body in ops for o in body]
-    return {"loops": [len(body) for body in ops], "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in flat),
-            "local": sum(o.startswith(("LDL", "STL")) for o in flat), "prologue": first if loops else None}
+    return {
+        "loops": [len(body) for body in ops],
+        "lds8": sum(o.startswith(("LDS.U8", "LDS.S8")) for o in flat),
+        "local": sum(o.startswith(("LDL", "STL")) for o in flat),
+        "prologue": first if loops else None,
+    }
 
 
-def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int,
-                  maxnreg: int | None = None) -> dict:
+def compile_stats(
+    fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None
+) -> dict:
     """Compile a jitted kernel for sm_90a and read its resources and loops (see the module doc);
     ``maxnreg`` caps the registers per thread, as a ``triton.Config``'s does."""
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -131,23 +142,43 @@ def compile_stats(fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int, 
         options["maxnreg"] = maxnreg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kernel = triton.compile(ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options=options)
+        kernel = triton.compile(
+            ASTSource(fn, signature=sig, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        sass = subprocess.run(
+            [os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
     regs = int(re.search(r"REG:(\d+)", usage)[1])
     stack = int(re.search(r"STACK:(\d+)", usage)[1])
-    return {"regs": regs, "spill": stack, "smem": kernel.metadata.shared,
-            "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps), **loop_stats(sass)}
+    return {
+        "regs": regs,
+        "spill": stack,
+        "smem": kernel.metadata.shared,
+        "ctas_by_regs": REGISTERS_PER_SM // (regs * 32 * num_warps),
+        **loop_stats(sass),
+    }
 
 
-def resources(constexprs: dict, block_n: int, num_warps: int, num_stages: int, kernel=None,
-              kv: str = "bf16", maxnreg: int | None = None) -> dict:
+def resources(
+    constexprs: dict,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    kernel=None,
+    kv: str = "bf16",
+    maxnreg: int | None = None,
+) -> dict:
     fn = kernel if kernel is not None else kernels.unified_attention_kernel
     fn = getattr(fn, "fn", fn)  # the jitted kernel under the autotuner
     constexprs = {k: v for k, v in {**constexprs, **KV_FLAGS[kv], "BLOCK_N": block_n}.items() if k in fn.arg_names}
@@ -160,8 +191,10 @@ def row(r: dict) -> str:
     flag = "  SPILLS" if r["spill"] else ""
     loops = " ".join(str(n) for n in r["loops"]) or "-"
     prologue = "-" if r["prologue"] is None else str(r["prologue"])
-    return (f"{r['regs']:5d} {r['spill']:8d} {r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {loops:>15s} "
-            f"{r['lds8']:6d} {r['local']:5d} {prologue:>8s}{flag}")
+    return (
+        f"{r['regs']:5d} {r['spill']:8d} {r['smem'] / 1024:8.1f} {r['ctas_by_regs']:8d} {loops:>15s} "
+        f"{r['lds8']:6d} {r['local']:5d} {prologue:>8s}{flag}"
+    )
 
 
 def _config(text: str) -> tuple:
@@ -176,8 +209,10 @@ def _uncapped(configs) -> set:
     return {(*c, None) for c in configs}
 
 
-HEADER = (f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s} "
-          f"{'prologue':>8s}")
+HEADER = (
+    f"{'regs':>5s} {'spill B':>8s} {'smem KB':>8s} {'CTAs/SM':>8s} {'loops':>15s} {'LDS.U8':>6s} {'local':>5s} "
+    f"{'prologue':>8s}"
+)
 
 
 def main() -> None:
@@ -187,44 +222,80 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
-    ap.add_argument("--tiles", default="decode,fused",
-                    help="which of decode,fused (triton-unified) and split (triton-splitkv)")
-    ap.add_argument("--configs", default="",
-                    help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)")
+    ap.add_argument(
+        "--tiles", default="decode,fused", help="which of decode,fused (triton-unified) and split (triton-splitkv)"
+    )
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)",
+    )
     ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8,fp8_e5m2 (q is bf16)")
     args = ap.parse_args()
     try:
         only = {_config(c) for c in args.configs.split(",") if c}
     except ValueError as exc:
-        ap.error(f"--configs entry {str(exc)!r}: accepted BLOCK_N/warps/stages or BLOCK_N/warps/stages/maxnreg "
-                 "(integers)")
+        ap.error(
+            f"--configs entry {str(exc)!r}: accepted BLOCK_N/warps/stages or BLOCK_N/warps/stages/maxnreg (integers)"
+        )
     group_pad = 1 << max(0, args.group - 1).bit_length()
     head_dim_pad = max(16, 1 << max(0, args.head_dim - 1).bit_length())
     head_dim_v = args.head_dim_v or args.head_dim
     head_dim_v_pad = max(16, 1 << max(0, head_dim_v - 1).bit_length())
-    base = dict(GROUP=args.group, GROUP_PAD=group_pad, HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad,
-                HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_SIZE=args.block_size,
-                BLOCK_Q=max(1, 16 // group_pad), BLOCK_Q_LARGE=args.block_q_large,
-                BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
-                FOLD_SCALE=True, USE_WINDOW=False, USE_SOFTCAP=False,
-                HAS_SINKS=False, HAS_LSE=False, UPCAST=False, DOT_PRECISION="tf32")
+    base = dict(
+        GROUP=args.group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=args.head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=head_dim_v_pad,
+        BLOCK_SIZE=args.block_size,
+        BLOCK_Q=max(1, 16 // group_pad),
+        BLOCK_Q_LARGE=args.block_q_large,
+        BLOCK_N_SMALL=FUSED_BLOCK_N_SMALL,
+        FOLD_SCALE=True,
+        USE_WINDOW=False,
+        USE_SOFTCAP=False,
+        HAS_SINKS=False,
+        HAS_LSE=False,
+        UPCAST=False,
+        DOT_PRECISION="tf32",
+    )
     tiles = {
-        "decode": ("decode (direct)", {"FUSED": False},
-                   _uncapped(kernels._DECODE_CONFIGS)),
+        "decode": ("decode (direct)", {"FUSED": False}, _uncapped(kernels._DECODE_CONFIGS)),
         # A batch with any prefill runs fused: its configs are timed by the large tiles.
-        "fused": (f"fused ({args.block_q_large * group_pad}-row large)", {"FUSED": True},
-                  _uncapped(kernels._PREFILL_CONFIGS) | kernels._PREFILL_CAPPED),
+        "fused": (
+            f"fused ({args.block_q_large * group_pad}-row large)",
+            {"FUSED": True},
+            _uncapped(kernels._PREFILL_CONFIGS) | kernels._PREFILL_CAPPED,
+        ),
     }
     if split_kernels is not None:
-        split_base = dict(GROUP=args.group, GROUP_PAD=group_pad, BLOCK_Q=1, BLOCK_M=max(16, group_pad),
-                          HEAD_DIM=args.head_dim, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=head_dim_v,
-                          HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_SIZE=args.block_size,
-                          HAS_QSL=False, FIXED_SPLITS=False,
-                          USE_SOFTCAP=False, USE_WINDOW=False, UPCAST=False, DOT_PRECISION="tf32",
-                          DIRECT_OUT=False, FUSED_MERGE=True, HAS_SINKS=False, STORE_LSE=False,
-                          MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK)
-        split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)
-                         for c in split_kernels._SPLIT_CONFIGS}
+        split_base = dict(
+            GROUP=args.group,
+            GROUP_PAD=group_pad,
+            BLOCK_Q=1,
+            BLOCK_M=max(16, group_pad),
+            HEAD_DIM=args.head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            HEAD_DIM_V=head_dim_v,
+            HEAD_DIM_V_PAD=head_dim_v_pad,
+            BLOCK_SIZE=args.block_size,
+            HAS_QSL=False,
+            FIXED_SPLITS=False,
+            USE_SOFTCAP=False,
+            USE_WINDOW=False,
+            UPCAST=False,
+            DOT_PRECISION="tf32",
+            DIRECT_OUT=False,
+            FUSED_MERGE=True,
+            HAS_SINKS=False,
+            STORE_LSE=False,
+            MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK,
+        )
+        split_configs = {
+            (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in split_kernels._SPLIT_CONFIGS
+        }
         tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
@@ -233,8 +304,7 @@ def main() -> None:
     if set(kvs) - set(KV_FLAGS):
         ap.error(f"unknown --kv {sorted(set(kvs) - set(KV_FLAGS))} (accepted: {', '.join(KV_FLAGS)})")
     dims = f"head_dim {args.head_dim}" + (f"/v {head_dim_v}" if head_dim_v != args.head_dim else "")
-    print(f"sm_90a, triton {triton.__version__}, {dims}, group {args.group}, "
-          f"block {args.block_size}, bf16 q")
+    print(f"sm_90a, triton {triton.__version__}, {dims}, group {args.group}, block {args.block_size}, bf16 q")
     print(f"{'tile':24s} {'kv':>8s} {'BLOCK_N/warps/stages[/cap]':>26s} {HEADER}")
     for key in args.tiles.split(","):
         name, spec, configs, *kernel = tiles[key]
@@ -247,8 +317,10 @@ def main() -> None:
                     else:
                         r = resources({**base, **spec}, block_n, warps, stages, kv=kv, maxnreg=cap)
                 except Exception as exc:  # out of shared memory and the like: say so, go on
-                    print(f"{name:24s} {kv:>8s} {label:>26s}  {type(exc).__name__}: "
-                          f"{(str(exc).splitlines() or [''])[0][:80]}")
+                    print(
+                        f"{name:24s} {kv:>8s} {label:>26s}  {type(exc).__name__}: "
+                        f"{(str(exc).splitlines() or [''])[0][:80]}"
+                    )
                     continue
                 print(f"{name:24s} {kv:>8s} {label:>26s} {row(r)}")
 

@@ -92,10 +92,30 @@ def _fold(q, kt, v, m_i, l_i, acc, qk_scale, q_pos, offs_n, key_ok, CAUSAL: tl.c
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d, num_blocks, max_blocks,
-             stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
-             LOAD: tl.constexpr, MASKS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+def _load_kv(
+    k_ptr,
+    v_ptr,
+    kd,
+    vd,
+    bt_row,
+    req,
+    seq_len,
+    start_n,
+    kv_head,
+    offs_d,
+    num_blocks,
+    max_blocks,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_bt_b,
+    LOAD: tl.constexpr,
+    MASKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n >= 0
     if LOAD == 0:
@@ -137,11 +157,35 @@ def _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_
 
 
 @triton.jit
-def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, num_blocks, max_blocks, qk_scale,
-                   stride_q_t, stride_q_h, stride_k_b, stride_k_s, stride_k_h, stride_bt_r, stride_bt_b,
-                   LOAD: tl.constexpr, MASKS: tl.constexpr, GQA: tl.constexpr, GROUP: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+def ceiling_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    seq_len,
+    num_slots,
+    num_blocks,
+    max_blocks,
+    qk_scale,
+    stride_q_t,
+    stride_q_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_bt_r,
+    stride_bt_b,
+    LOAD: tl.constexpr,
+    MASKS: tl.constexpr,
+    GQA: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """UPCAST: float32 math under the interpreter (it mishandles raw bf16 arithmetic)."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first
     req = tl.program_id(2)
@@ -176,18 +220,62 @@ def ceiling_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_len, num_slots, num
     # from the last whole step below m0 (a step may be wider than the tile's tokens).
     diag = m0 // BLOCK_N * BLOCK_N
     for start_n in tl.range(0, diag, BLOCK_N, warp_specialize=LOAD == 3):
-        kt, v, offs_n, key_ok = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
-                                         num_blocks, max_blocks, stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
-                                         LOAD, MASKS, BLOCK_N, D, BLOCK_SIZE, UPCAST)
+        kt, v, offs_n, key_ok = _load_kv(
+            k_ptr,
+            v_ptr,
+            kd,
+            vd,
+            bt_row,
+            req,
+            seq_len,
+            start_n,
+            kv_head,
+            offs_d,
+            num_blocks,
+            max_blocks,
+            stride_k_b,
+            stride_k_s,
+            stride_k_h,
+            stride_bt_b,
+            LOAD,
+            MASKS,
+            BLOCK_N,
+            D,
+            BLOCK_SIZE,
+            UPCAST,
+        )
         m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, tok, offs_n, key_ok, False, MASKS)
     for start_n in range(diag, m0 + TOKENS, BLOCK_N):
-        kt, v, offs_n, key_ok = _load_kv(k_ptr, v_ptr, kd, vd, bt_row, req, seq_len, start_n, kv_head, offs_d,
-                                         num_blocks, max_blocks, stride_k_b, stride_k_s, stride_k_h, stride_bt_b,
-                                         LOAD, MASKS, BLOCK_N, D, BLOCK_SIZE, UPCAST)
+        kt, v, offs_n, key_ok = _load_kv(
+            k_ptr,
+            v_ptr,
+            kd,
+            vd,
+            bt_row,
+            req,
+            seq_len,
+            start_n,
+            kv_head,
+            offs_d,
+            num_blocks,
+            max_blocks,
+            stride_k_b,
+            stride_k_s,
+            stride_k_h,
+            stride_bt_b,
+            LOAD,
+            MASKS,
+            BLOCK_N,
+            D,
+            BLOCK_SIZE,
+            UPCAST,
+        )
         m_i, l_i, acc = _fold(q, kt, v, m_i, l_i, acc, qk_scale, tok, offs_n, key_ok, True, MASKS)
     o = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + rows[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+    )
 
 
 def make_case(reqs: int, n: int, block_size: int = G.BS) -> tuple[G.Case, torch.Tensor, torch.Tensor]:
@@ -223,11 +311,36 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
     grid = (n // (block_m // group), G.HKV, reqs) if gqa else (n // block_m, G.HQ, reqs)
     qk_scale = G.SCALE * 1.4426950408889634
     return lambda: ceiling_kernel[grid](
-        case.q, k, v, out, meta.block_table, n, num_slots, c.k.shape[0], meta.block_table.shape[1], qk_scale,
-        case.q.stride(0), case.q.stride(1), stride_k_b, stride_k_s, stride_k_h,
-        meta.block_table.stride(0), meta.block_table.stride(1),
-        LOAD=load, MASKS=masks, GQA=gqa, GROUP=group, NUM_KV_HEADS=G.HKV, BLOCK_M=block_m, BLOCK_N=block_n,
-        D=G.D, BLOCK_SIZE=block_size, UPCAST=G.SMOKE, num_warps=warps, num_stages=stages)
+        case.q,
+        k,
+        v,
+        out,
+        meta.block_table,
+        n,
+        num_slots,
+        c.k.shape[0],
+        meta.block_table.shape[1],
+        qk_scale,
+        case.q.stride(0),
+        case.q.stride(1),
+        stride_k_b,
+        stride_k_s,
+        stride_k_h,
+        meta.block_table.stride(0),
+        meta.block_table.stride(1),
+        LOAD=load,
+        MASKS=masks,
+        GQA=gqa,
+        GROUP=group,
+        NUM_KV_HEADS=G.HKV,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D=G.D,
+        BLOCK_SIZE=block_size,
+        UPCAST=G.SMOKE,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]) -> int:
@@ -244,13 +357,36 @@ def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]
             block_size = TMA_BLOCK_SIZE if load == 4 else G.BS
             if bn > block_size and load == 4:
                 continue
-            constexprs = dict(LOAD=load, MASKS=masks, GQA=gqa, GROUP=G.HQ // G.HKV, NUM_KV_HEADS=G.HKV, BLOCK_M=bm,
-                              BLOCK_N=bn, D=G.D, BLOCK_SIZE=block_size, UPCAST=False)
-            sig = {n: "constexpr" if n in constexprs else "*i32" if n == "bt_ptr" else "*bf16" if n.endswith("_ptr")
-                   else "fp32" if n == "qk_scale" else "i32" for n in fn.arg_names}
+            constexprs = dict(
+                LOAD=load,
+                MASKS=masks,
+                GQA=gqa,
+                GROUP=G.HQ // G.HKV,
+                NUM_KV_HEADS=G.HKV,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                D=G.D,
+                BLOCK_SIZE=block_size,
+                UPCAST=False,
+            )
+            sig = {
+                n: "constexpr"
+                if n in constexprs
+                else "*i32"
+                if n == "bt_ptr"
+                else "*bf16"
+                if n.endswith("_ptr")
+                else "fp32"
+                if n == "qk_scale"
+                else "i32"
+                for n in fn.arg_names
+            }
             # Pointers and strides divisible by 16, as they are at run time (vectorised loads).
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if sig[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
+            attrs = {
+                (i,): [["tt.divisibility", 16]]
+                for i, n in enumerate(fn.arg_names)
+                if sig[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))
+            }
             tag = f"{bm} x {bn} w{w} st{st}"
             try:
                 r = R.compile_stats(fn, sig, constexprs, attrs, w, st)
@@ -267,8 +403,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--len", type=int, default=2048, help="tokens per request (a multiple of 128)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, checks only")
-    ap.add_argument("--resources", action="store_true",
-                    help="compile each mode for sm_90a offline and print its resources (kernel_resources.py)")
+    ap.add_argument(
+        "--resources",
+        action="store_true",
+        help="compile each mode for sm_90a offline and print its resources (kernel_resources.py)",
+    )
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
@@ -278,8 +417,15 @@ def main(argv: list[str]) -> int:
         args.reqs, args.len = 2, 64
         configs = [(32, 16, 4, 1), (16, 32, 4, 1)]  # the second: steps wider than the tile
     else:
-        configs = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2),
-                   (64, 128, 4, 2), (64, 64, 4, 3)]
+        configs = [
+            (128, 64, 8, 2),
+            (128, 128, 8, 2),
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+            (64, 64, 4, 2),
+            (64, 128, 4, 2),
+            (64, 64, 4, 3),
+        ]
     if args.resources:
         return offline_resources(modes, configs)
     if G.DEV == "cuda":  # device-side descriptors take their scratch memory from here
@@ -294,12 +440,24 @@ def main(argv: list[str]) -> int:
             if tma_blocks and bn > TMA_BLOCK_SIZE:
                 continue  # a key step would span two blocks: two boxes, not this mode
             tag = f" ({TMA_BLOCK_SIZE}-token blocks)" if tma_blocks else ""
-            G.report("ceiling", f"{name} {mode} {bm}x{bn} w{w} st{st}{tag}", mode_case,
-                     ceiling(mode_case, k_flat, v_flat, out, mode, bm, bn, w, st), out, tflops=True)
+            G.report(
+                "ceiling",
+                f"{name} {mode} {bm}x{bn} w{w} st{st}{tag}",
+                mode_case,
+                ceiling(mode_case, k_flat, v_flat, out, mode, bm, bn, w, st),
+                out,
+                tflops=True,
+            )
     product = [((64, 8, 2), 32)] if args.smoke else [((64, 8, 2), 32), ((128, 8, 2), 32), ((64, 4, 2), 16)]
     for large, bq in product:
-        G.report("ceiling", f"{name} triton-unified {G.tag(None, large, bq)}", case,
-                 G.unified(case, out, G.cfg((64, 4, 2), large, bq)), out, tflops=True)
+        G.report(
+            "ceiling",
+            f"{name} triton-unified {G.tag(None, large, bq)}",
+            case,
+            G.unified(case, out, G.cfg((64, 4, 2), large, bq)),
+            out,
+            tflops=True,
+        )
     G.report("ceiling", f"{name} triton-unified autotuned", case, G.unified(case, out, None), out, tflops=True)
     return 0
 

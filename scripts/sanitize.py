@@ -86,8 +86,7 @@ def exact_cache(kv_dtype: str, gen: torch.Generator) -> KVCache:
         return KVCache(k=k.to(DEV), v=v.to(DEV), dtype=DTYPE)
     kc, ks = quantize_kv(k, kv_dtype)
     vc, vs = quantize_kv(v, kv_dtype)
-    return KVCache(k=kc.to(DEV), v=vc.to(DEV), k_scale=ks.to(DEV), v_scale=vs.to(DEV),
-                   kv_dtype=kv_dtype, dtype=DTYPE)
+    return KVCache(k=kc.to(DEV), v=vc.to(DEV), k_scale=ks.to(DEV), v_scale=vs.to(DEV), kv_dtype=kv_dtype, dtype=DTYPE)
 
 
 def make_meta(qlens, slens, gen, *, prefix_blocks=0, width=None) -> BatchMeta:
@@ -125,8 +124,7 @@ PATHS = {
 }
 
 
-def attention_case(path: str, kv_dtype: str, meta: BatchMeta, cache: KVCache, *, prefix=None,
-                   compare=True, gen=None):
+def attention_case(path: str, kv_dtype: str, meta: BatchMeta, cache: KVCache, *, prefix=None, compare=True, gen=None):
     name, options, _ = PATHS[path]
     backend = registry.get(name, validate=False, **options)
     q = torch.randn(meta.num_tokens, HQ, D, generator=gen).to(DTYPE).to(DEV)
@@ -145,8 +143,15 @@ def attention_case(path: str, kv_dtype: str, meta: BatchMeta, cache: KVCache, *,
 def _compare(out, want, backend: str, kv_dtype: str, meta: BatchMeta) -> str:
     """The conformance suite's comparison and tolerance; raises (a failed case) beyond it."""
     tol = output_tolerance(DTYPE, kv_dtype)
-    err = assert_close_to_reference(out, want, backend=backend, case="sanitize", tolerance=tol,
-                                    query_start_loc=meta.query_start_loc.tolist(), seq_lens=meta.seq_lens.tolist())
+    err = assert_close_to_reference(
+        out,
+        want,
+        backend=backend,
+        case="sanitize",
+        tolerance=tol,
+        query_start_loc=meta.query_start_loc.tolist(),
+        seq_lens=meta.seq_lens.tolist(),
+    )
     return f"err={err:.1e} (tolerance {tol})"
 
 
@@ -210,19 +215,22 @@ def attention_cases(kv_dtype: str, full: bool) -> None:
             # the mirror keeps the honest offsets the host ints were promised against.
             m = make_meta(*mixed, gen, prefix_blocks=prefix)
             m.query_start_loc = torch.tensor([0, 9, 4, 30, 7, 12], dtype=torch.int32, device=DEV)
-            run_case(f"{tag} query_start_loc-garbage",
-                     attention_case, path, kv_dtype, m, cache, gen=gen, compare=False, **p)
+            run_case(
+                f"{tag} query_start_loc-garbage", attention_case, path, kv_dtype, m, cache, gen=gen, compare=False, **p
+            )
         if path == "cascade":
             # A declared prefix the requests do not share (the caller broke its promise):
             # wrong numbers are allowed, out-of-bounds reads are not.
             m = make_meta(*mixed, gen)
-            run_case(f"{tag} prefix-not-shared", attention_case, path, kv_dtype, m, cache,
-                     gen=gen, prefix=2, compare=False)
+            run_case(
+                f"{tag} prefix-not-shared", attention_case, path, kv_dtype, m, cache, gen=gen, prefix=2, compare=False
+            )
             m = make_meta(*mixed, gen, prefix_blocks=2)
             m.block_table[0, 0] = -1  # the prefix is read through request 0's row
             m.block_table[0, 1] = 2**31 - 1
-            run_case(f"{tag} prefix-block-bad", attention_case, path, kv_dtype, m, cache,
-                     gen=gen, prefix=2, compare=False)
+            run_case(
+                f"{tag} prefix-block-bad", attention_case, path, kv_dtype, m, cache, gen=gen, prefix=2, compare=False
+            )
 
 
 def cascade_split_case(kv_dtype: str, meta: BatchMeta, cache: KVCache, prefix: int, *, gen, compare=True):
@@ -231,10 +239,22 @@ def cascade_split_case(kv_dtype: str, meta: BatchMeta, cache: KVCache, prefix: i
 
     q = torch.randn(meta.num_tokens, HQ, D, generator=gen).to(DTYPE).to(DEV)
     out = torch.empty_like(q)
-    cascade_attention(q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                      block_table=meta.block_table, prefix_blocks=prefix, max_query_len=meta.max_query_len,
-                      max_seq_len=meta.max_seq_len, scale=D**-0.5, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                      prefix_splits=3)
+    cascade_attention(
+        q,
+        cache.k,
+        cache.v,
+        out,
+        query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens,
+        block_table=meta.block_table,
+        prefix_blocks=prefix,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        scale=D**-0.5,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+        prefix_splits=3,
+    )
     if not compare:
         return f"finite={bool(torch.isfinite(out).all())}"
     want = reference_attention(q, cache, meta, compute_dtype=torch.float64)
@@ -263,9 +283,14 @@ def write_case(kv_dtype: str, spill: bool, slots: list[int], write=write_kv):
         cache = allocate_kv_cache(nb, BS, HKV, D, dtype=DTYPE, kv_dtype=kv_dtype, device=DEV)
     else:
         cache = exact_cache(kv_dtype, torch.Generator().manual_seed(1))
-        cache = KVCache(k=cache.k[:nb].clone(), v=cache.v[:nb].clone(), kv_dtype=kv_dtype, dtype=DTYPE,
-                        k_scale=None if cache.k_scale is None else cache.k_scale[:nb].clone(),
-                        v_scale=None if cache.v_scale is None else cache.v_scale[:nb].clone())
+        cache = KVCache(
+            k=cache.k[:nb].clone(),
+            v=cache.v[:nb].clone(),
+            kv_dtype=kv_dtype,
+            dtype=DTYPE,
+            k_scale=None if cache.k_scale is None else cache.k_scale[:nb].clone(),
+            v_scale=None if cache.v_scale is None else cache.v_scale[:nb].clone(),
+        )
     parts = [t for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
     before = [(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone() for t in parts]
     n = len(slots)
@@ -295,9 +320,12 @@ def write_cases() -> None:
 
 def main() -> int:
     t0 = time.perf_counter()
-    print(f"device {DEV} ({torch.cuda.get_device_name(DEV) if DEV.type == 'cuda' else 'interpreter'}), "
-          f"torch {torch.__version__}, PAGED_AUTOTUNE={os.environ.get('PAGED_AUTOTUNE')}, "
-          f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')}", flush=True)
+    print(
+        f"device {DEV} ({torch.cuda.get_device_name(DEV) if DEV.type == 'cuda' else 'interpreter'}), "
+        f"torch {torch.__version__}, PAGED_AUTOTUNE={os.environ.get('PAGED_AUTOTUNE')}, "
+        f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')}",
+        flush=True,
+    )
     for name in ("triton-unified", "triton-splitkv"):
         reasons = registry.unavailable(name)
         if reasons:
@@ -310,8 +338,10 @@ def main() -> int:
     cascade_split_cases("auto")
     cascade_split_cases("int8")
     failed = [r for r in RESULTS if r[1] != "ok"]
-    print(f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} cases ok, {len(failed)} failed, "
-          f"{time.perf_counter() - t0:.1f}s")
+    print(
+        f"\n{len(RESULTS) - len(failed)} of {len(RESULTS)} cases ok, {len(failed)} failed, "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
     for name, _, detail in failed:
         print(f"  FAIL {name}: {detail}")
     return 1 if failed else 0

@@ -197,9 +197,7 @@ def test_supported_spec_reasons_empty():
         return_lse=True,
     )
     assert ReferenceBackend().reasons(spec) == [] and ReferenceBackend().supports(spec)
-    cuda_spec = AttentionSpec(
-        num_heads=8, num_kv_heads=8, head_dim=64, block_size=16, device="cuda", decode_only=True
-    )
+    cuda_spec = AttentionSpec(num_heads=8, num_kv_heads=8, head_dim=64, block_size=16, device="cuda", decode_only=True)
     with mock.patch.object(torch.cuda, "is_available", return_value=True):
         assert Narrow().reasons(cuda_spec) == []
     with mock.patch.object(torch.cuda, "is_available", return_value=False):
@@ -351,8 +349,7 @@ def test_every_installed_backend_takes_the_layer_keywords_of_plan():
     from paged_core import registry
 
     meta = BatchMeta.build([1, 2], [5, 9], block_size=16)
-    layer = dict(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, window=0, softcap=0.0,
-                 scale=0.125)
+    layer = dict(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, window=0, softcap=0.0, scale=0.125)
     names = registry.available()
     assert "reference" in names
     for name in names:
@@ -373,8 +370,9 @@ class PerSlotOnly(ReferenceBackend):
 def test_a_backend_that_does_not_claim_static_scales_refuses_them_everywhere():
     meta = BatchMeta.build([2, 1], [5, 9], block_size=4, num_blocks=8, seed=0)
     static = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8", k_scale=0.1, v_scale=0.1)
-    per_head = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8",
-                                 k_scale=torch.tensor([0.1, 0.2]), v_scale=0.1)
+    per_head = allocate_kv_cache(
+        8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8", k_scale=torch.tensor([0.1, 0.2]), v_scale=0.1
+    )
     per_slot = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8")
     assert (static.kv_scales, per_head.kv_scales, per_slot.kv_scales) == ("per_tensor", "per_head", "per_slot")
     q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
@@ -383,8 +381,11 @@ def test_a_backend_that_does_not_claim_static_scales_refuses_them_everywhere():
     backend.forward(q, per_slot, meta)  # claimed: runs
     for cache, kind in ((static, "per_tensor"), (per_head, "per_head")):
         for call in (lambda c=cache: backend.write(c, k, k, meta), lambda c=cache: backend.forward(q, c, meta)):
-            with pytest.raises(UnsupportedSpecError, match=f"int8 caches with kv_scales '{kind}' are not supported "
-                                                           r"\(accepted: per_slot\)"):
+            with pytest.raises(
+                UnsupportedSpecError,
+                match=f"int8 caches with kv_scales '{kind}' are not supported "
+                r"\(accepted: per_slot\)",
+            ):
                 call()
     with pytest.raises(UnsupportedSpecError, match="kv_scales 'per_tensor' are not supported"):
         backend.plan(meta, num_heads=4, num_kv_heads=2, head_dim=8, kv_dtype="int8", kv_scales="per_tensor")

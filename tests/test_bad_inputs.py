@@ -94,16 +94,18 @@ def test_from_lists_checks_block_ids(tables, needle):
 def test_select_out_of_range(reqs):
     # [5] used to be an IndexError; [-1] silently selected the last request.
     meta = BatchMeta.build([2, 1], [5, 9], block_size=4)
-    with pytest.raises(InputError, match=r"select\(\): request .* is not in the batch; accepted: request "
-                                         r"indices 0 \.\. 1"):
+    with pytest.raises(
+        InputError,
+        match=r"select\(\): request .* is not in the batch; accepted: request "
+        r"indices 0 \.\. 1",
+    ):
         meta.select(reqs)
     assert meta.select([1, 0]).seq_lens.tolist() == [9, 5]
 
 
 def test_max_query_len_below_the_pigeonhole_bound():
     # 2 requests of at most 1 token cannot hold 3 rows: no mirror needed to know it is a lie.
-    meta = dataclasses.replace(BatchMeta.build([2, 1], [5, 9], block_size=4), max_query_len=1,
-                               query_start_loc_cpu=None)
+    meta = dataclasses.replace(BatchMeta.build([2, 1], [5, 9], block_size=4), max_query_len=1, query_start_loc_cpu=None)
     with pytest.raises(BatchMetaError, match="max_query_len is 1 but 2 requests share 3 query tokens"):
         meta.check_structure()
 
@@ -120,9 +122,12 @@ def test_host_ints_below_their_mirrors_are_refused_with_validation_off(field, va
     q, cache, meta = small()
     meta = dataclasses.replace(meta, **{field: value})
     if field == "max_query_len":  # 2 requests, 3 tokens: keep the pigeonhole bound satisfied
-        meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:2],
-                                   query_start_loc=torch.tensor([0, 2, 2], dtype=torch.int32),
-                                   query_start_loc_cpu=torch.tensor([0, 2, 2], dtype=torch.int32))
+        meta = dataclasses.replace(
+            meta,
+            slot_mapping=meta.slot_mapping[:2],
+            query_start_loc=torch.tensor([0, 2, 2], dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor([0, 2, 2], dtype=torch.int32),
+        )
         q = q[:2]
     with pytest.raises(BatchMetaError, match=needle):
         ReferenceBackend(validate=False).forward(q, cache, meta)
@@ -215,8 +220,7 @@ def test_dequantize_kv_with_mismatched_scales():
 
 
 def _hand_built(change):
-    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32,
-                              kv_dtype="int8" if change.startswith("int8") else "auto")
+    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8" if change.startswith("int8") else "auto")
     if change == "3-d":
         return KVCache(k=cache.k[:, 0], v=cache.v[:, 0], dtype=torch.float32)
     if change == "v-unlike-k":
@@ -244,7 +248,7 @@ HAND_BUILT = {
     "int8-no-scales": "cache.k_scale is None; an int8 cache needs float32 [num_blocks, block_size, num_kv_heads]",
     "int8-scale-dtype": "cache.k_scale is float16 [8, 4, 2] on cpu; an int8 cache needs float32",
     "int8-scale-shape": "cache.v_scale is float32 [8, 2, 2] on cpu; an int8 cache needs float32 "
-                        "[num_blocks, block_size, num_kv_heads] = [8, 4, 2] on cpu",
+    "[num_blocks, block_size, num_kv_heads] = [8, 4, 2] on cpu",
     "int8-scale-device": "cache.k_scale is float32 [8, 4, 2] on meta",
 }
 
@@ -328,8 +332,9 @@ class Planner(ReferenceBackend):
     """Records what reached its ``_plan``: nothing must, for a spec it cannot serve."""
 
     name = "planner"
-    capabilities = dataclasses.replace(ReferenceBackend.capabilities, head_dims=frozenset({64}),
-                                       dtypes=frozenset({torch.float16}))
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities, head_dims=frozenset({64}), dtypes=frozenset({torch.float16})
+    )
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -360,8 +365,11 @@ def test_plan_refuses_a_spec_before_the_backend_plans():
 @pytest.mark.parametrize(
     ("layer", "needle"),
     [
-        (dict(num_head=8), "planner.plan() got unknown keyword(s) num_head; accepted: num_heads, num_kv_heads, "
-                           "head_dim, head_dim_v, dtype, kv_dtype, kv_scales, window, softcap, scale, sinks, chunk"),
+        (
+            dict(num_head=8),
+            "planner.plan() got unknown keyword(s) num_head; accepted: num_heads, num_kv_heads, "
+            "head_dim, head_dim_v, dtype, kv_dtype, kv_scales, window, softcap, scale, sinks, chunk",
+        ),
         (dict(num_heads=0), "num_heads is 0; accepted: a positive int"),
         (dict(dtype="bf16"), "dtype is 'bf16'; accepted: a torch.dtype"),
         (dict(kv_dtype="int4"), "kv_dtype is 'int4'; accepted: auto, int8, fp8, fp8_e5m2"),
@@ -436,8 +444,10 @@ def strided(t: torch.Tensor, fill: int) -> torch.Tensor:
     return view.view(t.shape) if t.dim() == 1 else buf.view(t.shape[0], -1)[:, ::2]
 
 
-@pytest.mark.parametrize("field", ["query_start_loc", "seq_lens", "slot_mapping", "block_table",
-                                   "query_start_loc_cpu", "seq_lens_cpu", "all"])
+@pytest.mark.parametrize(
+    "field",
+    ["query_start_loc", "seq_lens", "slot_mapping", "block_table", "query_start_loc_cpu", "seq_lens_cpu", "all"],
+)
 @pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
 def test_metadata_as_strided_views_of_persistent_buffers(name, field):
     # A stride-2 seq_lens gave a relative error of 0.735 on both Triton backends; a stride-2
@@ -446,8 +456,11 @@ def test_metadata_as_strided_views_of_persistent_buffers(name, field):
         pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
     q, cache, meta = tiny()
     want = ReferenceBackend().forward(q, cache, meta)
-    names = [field] if field != "all" else ["query_start_loc", "seq_lens", "slot_mapping", "block_table",
-                                             "query_start_loc_cpu", "seq_lens_cpu"]
+    names = (
+        [field]
+        if field != "all"
+        else ["query_start_loc", "seq_lens", "slot_mapping", "block_table", "query_start_loc_cpu", "seq_lens_cpu"]
+    )
     views = dataclasses.replace(meta, **{f: strided(getattr(meta, f), 7) for f in names})
     for f in names:
         assert not getattr(views, f).is_contiguous()
@@ -514,8 +527,11 @@ def test_outputs_whose_rows_overlap_are_refused(name):
         pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")
     q, cache, meta = tiny()
     b = registry.get(name)
-    for out in (torch.empty(1, 4, 32).expand(6, 4, 32), torch.empty(6, 1, 32).expand(6, 4, 32),
-                torch.empty(6 * 32 + 32).as_strided((6, 4, 32), (32, 8, 1))):
+    for out in (
+        torch.empty(1, 4, 32).expand(6, 4, 32),
+        torch.empty(6, 1, 32).expand(6, 4, 32),
+        torch.empty(6 * 32 + 32).as_strided((6, 4, 32), (32, 8, 1)),
+    ):
         with pytest.raises(InputError, match="out's elements overlap each other"):
             b.forward(q, cache, meta, out=out)
     # Strided but not overlapping: accepted.
@@ -536,14 +552,17 @@ def test_outputs_inside_the_cache_are_refused(name):
     b.forward(q, cache, meta, out=torch.empty_like(q))
 
 
-@pytest.mark.parametrize(("field", "value", "needle"), [
-    ("softcap", 1e39, "softcap is 1e+39; accepted: 0 (off) or a positive finite float32"),
-    ("softcap", 1e-300, "softcap is 1e-300; accepted: 0 (off) or a positive finite float32"),
-    ("scale", 1e39, "scale is 1e+39; accepted: None (head_dim ** -0.5) or a finite float32"),
-    ("scale", -1e39, "scale is -1e+39; accepted: None"),
-    ("window", 2**64, "window is 18446744073709551616; accepted: 0 (no window) or a positive int below 2**31"),
-    ("window", 2**31, "window is 2147483648; accepted:"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("softcap", 1e39, "softcap is 1e+39; accepted: 0 (off) or a positive finite float32"),
+        ("softcap", 1e-300, "softcap is 1e-300; accepted: 0 (off) or a positive finite float32"),
+        ("scale", 1e39, "scale is 1e+39; accepted: None (head_dim ** -0.5) or a finite float32"),
+        ("scale", -1e39, "scale is -1e+39; accepted: None"),
+        ("window", 2**64, "window is 18446744073709551616; accepted: 0 (no window) or a positive int below 2**31"),
+        ("window", 2**31, "window is 2147483648; accepted:"),
+    ],
+)
 def test_scalars_are_checked_against_float32_and_int32(field, value, needle):
     # softcap=1e39 was wrong on every backend, scale=1e39 NaN on the reference (float32 math);
     # window=2**64 a raw OverflowError.
@@ -597,11 +616,21 @@ def test_build_gives_back_its_blocks_when_the_allocator_runs_out():
 
 def test_from_tensors_refuses_a_bool_block_table():
     with pytest.raises(BatchMetaError, match="block_table is bool"):
-        BatchMeta.from_tensors(query_lens=[1], seq_lens=[2], block_table=torch.tensor([[True, False]]),
-                               slot_mapping=torch.tensor([1]), block_size=4)
+        BatchMeta.from_tensors(
+            query_lens=[1],
+            seq_lens=[2],
+            block_table=torch.tensor([[True, False]]),
+            slot_mapping=torch.tensor([1]),
+            block_size=4,
+        )
     with pytest.raises(BatchMetaError, match="slot_mapping is bool"):
-        BatchMeta.from_tensors(query_lens=[1], seq_lens=[2], block_table=torch.tensor([[1, 0]]),
-                               slot_mapping=torch.tensor([True]), block_size=4)
+        BatchMeta.from_tensors(
+            query_lens=[1],
+            seq_lens=[2],
+            block_table=torch.tensor([[1, 0]]),
+            slot_mapping=torch.tensor([True]),
+            block_size=4,
+        )
 
 
 def test_allocator_hands_back_python_ints_after_numpy_ids_are_freed():

@@ -183,12 +183,12 @@ def test_select():
 
 def test_copy_in_place_keeps_storage_and_takes_everything_else():
     static = BatchMeta.build([1, 1, 1], [5, 9, 0], block_size=4, table_width=6, seed=1)
-    storage = [t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table,
-                                      static.slot_mapping)]
+    storage = [t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table, static.slot_mapping)]
     step = BatchMeta.build([1, 1, 1], [13, 2, 7], block_size=4, seed=2)  # a table 4 blocks wide
     assert static.copy_(step) is static
-    assert storage == [t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table,
-                                              static.slot_mapping)]
+    assert storage == [
+        t.data_ptr() for t in (static.query_start_loc, static.seq_lens, static.block_table, static.slot_mapping)
+    ]
     assert static.seq_lens.tolist() == [13, 2, 7] and static.slot_mapping.tolist() == step.slot_mapping.tolist()
     assert static.block_table[:, :4].tolist() == step.block_table.tolist()
     assert (static.block_table[:, 4:] == -1).all(), "columns past the source's table are no block"
@@ -437,9 +437,7 @@ INVARIANTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("fields", "kwargs", "needles"), [c[1:] for c in INVARIANTS], ids=[c[0] for c in INVARIANTS]
-)
+@pytest.mark.parametrize(("fields", "kwargs", "needles"), [c[1:] for c in INVARIANTS], ids=[c[0] for c in INVARIANTS])
 def test_validate_invariant(fields, kwargs, needles):
     meta = mutate(small(), **fields)
     with pytest.raises(BatchMetaError) as exc:

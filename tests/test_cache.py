@@ -410,8 +410,9 @@ def test_attention_on_a_static_cache_is_attention_on_its_values():
     # values in a full-precision cache (their float32 products: within float32 rounding).
     torch.manual_seed(0)
     meta = BatchMeta.build([3, 1], [3, 9], block_size=4, num_blocks=8)
-    cache = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8",
-                              k_scale=torch.tensor([0.02, 0.03]), v_scale=0.04)
+    cache = allocate_kv_cache(
+        8, 4, 2, 8, dtype=torch.float32, kv_dtype="int8", k_scale=torch.tensor([0.02, 0.03]), v_scale=0.04
+    )
     k, v = torch.randn(meta.num_tokens, 2, 8), torch.randn(meta.num_tokens, 2, 8)
     write_kv(cache, k, v, meta.slot_mapping)
     kf, vf = cache.dequantized()
@@ -433,10 +434,14 @@ def test_attention_on_a_static_cache_is_attention_on_its_values():
         (dict(kv_dtype="fp8", k_scale=0.0, v_scale=0.1), ["k_scale holds [0.0]", "positive, finite"]),
         (dict(kv_dtype="fp8", k_scale=0.1, v_scale=float("nan")), ["v_scale holds", "positive, finite"]),
         (dict(kv_dtype="fp8_e5m2", k_scale=-1.0, v_scale=0.1), ["k_scale holds [-1.0]", "positive, finite"]),
-        (dict(kv_dtype="int8", k_scale=torch.tensor([0.1, 0.2, 0.3]), v_scale=0.1),
-         ["k_scale is float32 [3]", "[num_kv_heads=2]"]),
-        (dict(kv_dtype="int8", k_scale=torch.tensor([0.1], dtype=torch.float64), v_scale=0.1),
-         ["k_scale is float64 [1]", "a float32 tensor"]),
+        (
+            dict(kv_dtype="int8", k_scale=torch.tensor([0.1, 0.2, 0.3]), v_scale=0.1),
+            ["k_scale is float32 [3]", "[num_kv_heads=2]"],
+        ),
+        (
+            dict(kv_dtype="int8", k_scale=torch.tensor([0.1], dtype=torch.float64), v_scale=0.1),
+            ["k_scale is float64 [1]", "a float32 tensor"],
+        ),
         (dict(kv_dtype="int8", k_scale="0.1", v_scale=0.1), ["k_scale is '0.1'", "a positive float"]),
         (dict(kv_dtype="int8", k_scale=True, v_scale=0.1), ["k_scale is True"]),
     ],
@@ -475,8 +480,9 @@ def test_a_static_cache_with_size_one_dimensions_is_usable(kv_dtype, num_blocks,
     # refused: expand keeps a stride of 1 on the size-1 slot dimension.
     from paged_core import BatchMeta, ReferenceBackend
 
-    cache = allocate_kv_cache(num_blocks, block_size, heads, 8, dtype=torch.float32, kv_dtype=kv_dtype,
-                              k_scale=0.05, v_scale=0.02)
+    cache = allocate_kv_cache(
+        num_blocks, block_size, heads, 8, dtype=torch.float32, kv_dtype=kv_dtype, k_scale=0.05, v_scale=0.02
+    )
     assert cache.static_scales and cache.kv_scales == "per_tensor"
     meta = BatchMeta.build([1], [1], block_size=block_size, allocator=_Counting(num_blocks))
     k = torch.randn(1, heads, 8)

@@ -105,8 +105,17 @@ def test_the_checks_read_of_a_tensor_only_what_the_memo_keys(setup, good):
     assert keyed == {"shape", "dtype", "device", "stride"}
     Recording.reads = []
     out = torch.empty(4, 4, 32 if good else 16)
-    args = [q.as_subclass(Recording), cache, meta, 0, 0.0, None, torch.zeros(4).as_subclass(Recording),
-            out.as_subclass(Recording), True]
+    args = [
+        q.as_subclass(Recording),
+        cache,
+        meta,
+        0,
+        0.0,
+        None,
+        torch.zeros(4).as_subclass(Recording),
+        out.as_subclass(Recording),
+        True,
+    ]
     if good:
         _checks.check_call(backend, *args)
     else:

@@ -49,13 +49,8 @@ def test_list_table(cli_registry, capsys):
         "  fixture-broken (import): ImportError: paged_fixture_broken needs libfixture.so.3, "
         "which is not installed (simulated)"
     ) in problems
-    assert (
-        "  fixture-badhook (register_backends): RuntimeError: fixture-badhook exploded while registering"
-        in problems
-    )
-    assert any(
-        p.startswith("  fixture-missing (backend): importing paged_fixture_good.missing") for p in problems
-    )
+    assert "  fixture-badhook (register_backends): RuntimeError: fixture-badhook exploded while registering" in problems
+    assert any(p.startswith("  fixture-missing (backend): importing paged_fixture_good.missing") for p in problems)
     assert len(problems) == 3
 
 
@@ -89,8 +84,9 @@ def test_list_with_nothing_registered(monkeypatch, capsys):
     monkeypatch.setattr(_cli, "registry", Registry())
     assert _cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("No backends registered. Install one: pip install --find-links dist 'paged-core[triton]'"
-                           f"{WHEELS}\n")
+    assert out.startswith(
+        f"No backends registered. Install one: pip install --find-links dist 'paged-core[triton]'{WHEELS}\n"
+    )
     # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
     assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
 
@@ -119,13 +115,20 @@ def test_version_lists_a_third_party_plugin_by_its_entry_points(monkeypatch):
         eps = [importlib.metadata.EntryPoint(name="x", value="x", group=g) for g in groups]
         return SimpleNamespace(metadata={"Name": name}, version=version, entry_points=eps)
 
-    fakes = [dist("acme-attention", "2.0", "paged_core"), dist("numpy", "2.1", "console_scripts"),
-             dist("paged_extra", "0.9"), dist("paged-core", "9.9", "paged_core")]
+    fakes = [
+        dist("acme-attention", "2.0", "paged_core"),
+        dist("numpy", "2.1", "console_scripts"),
+        dist("paged_extra", "0.9"),
+        dist("paged-core", "9.9", "paged_core"),
+    ]
     monkeypatch.setattr(_cli.importlib.metadata, "distributions", lambda: fakes)
     import paged_core
 
-    assert _cli.versions() == [("paged-core", paged_core.__version__), ("acme-attention", "2.0"),
-                               ("paged_extra", "0.9")]
+    assert _cli.versions() == [
+        ("paged-core", paged_core.__version__),
+        ("acme-attention", "2.0"),
+        ("paged_extra", "0.9"),
+    ]
 
 
 def test_unknown_command_exits_2(capsys):
@@ -190,13 +193,15 @@ def test_a_plugin_whose_register_commands_fails_is_a_problem_not_a_crash(command
     assert _cli.main(["hello"]) == 0  # the other plugin's command still works
     assert _cli.main(["list", "--json"]) == 0
     out = capsys.readouterr().out
-    problems = json.loads(out[out.index("{"):])["problems"]
+    problems = json.loads(out[out.index("{") :])["problems"]
     # Recorded once, although the parser was built twice.
-    assert problems == [{"source": "broken-commands", "stage": "register_commands",
-                         "message": "RuntimeError: broken cannot register"}]
+    assert problems == [
+        {"source": "broken-commands", "stage": "register_commands", "message": "RuntimeError: broken cannot register"}
+    ]
     assert _cli.main(["list"]) == 0
     assert "  broken-commands (register_commands): RuntimeError: broken cannot register" in (
-        capsys.readouterr().out.splitlines())
+        capsys.readouterr().out.splitlines()
+    )
 
 
 def test_a_half_registered_command_exits_2_with_the_problem(command_registry, capsys):
@@ -205,8 +210,10 @@ def test_a_half_registered_command_exits_2_with_the_problem(command_registry, ca
         _cli.main(["half"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "paged: error: 'half' did not finish registering: half-commands (register_commands): " \
-           "ValueError: half-registered" in err
+    assert (
+        "paged: error: 'half' did not finish registering: half-commands (register_commands): "
+        "ValueError: half-registered" in err
+    )
 
 
 @pytest.mark.parametrize("command, dist", [("check", "paged-conformance"), ("bench", "paged-bench")])
@@ -217,8 +224,10 @@ def test_a_missing_command_says_what_to_install(command_registry, monkeypatch, c
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: paged")
-    assert err.endswith(f"paged: error: '{command}' is provided by {dist}, which is not installed. "
-                        f"To fix: pip install --find-links dist {dist}{WHEELS}\n")
+    assert err.endswith(
+        f"paged: error: '{command}' is provided by {dist}, which is not installed. "
+        f"To fix: pip install --find-links dist {dist}{WHEELS}\n"
+    )
     # ... and `paged --help` names it with the same advice.
     with pytest.raises(SystemExit):
         _cli.main(["--help"])
@@ -232,9 +241,11 @@ def test_a_command_whose_plugin_is_left_out_says_so(command_registry, monkeypatc
     monkeypatch.setenv("PAGED_CLI_TESTS_PLUGINS", "reference")
     with pytest.raises(SystemExit):
         _cli.main(["check"])
-    assert ("'check' is provided by paged-conformance 0.1.0, whose plugin 'conformance' "
-            "PAGED_CLI_TESTS_PLUGINS='reference' leaves out. To fix: add conformance to "
-            "PAGED_CLI_TESTS_PLUGINS, or unset PAGED_CLI_TESTS_PLUGINS") in capsys.readouterr().err
+    assert (
+        "'check' is provided by paged-conformance 0.1.0, whose plugin 'conformance' "
+        "PAGED_CLI_TESTS_PLUGINS='reference' leaves out. To fix: add conformance to "
+        "PAGED_CLI_TESTS_PLUGINS, or unset PAGED_CLI_TESTS_PLUGINS"
+    ) in capsys.readouterr().err
 
 
 def test_a_command_whose_plugin_failed_names_the_failure(command_registry, monkeypatch, capsys):
@@ -242,14 +253,17 @@ def test_a_command_whose_plugin_failed_names_the_failure(command_registry, monke
     command_registry.add_plugin(_Commands("bench", fail=True), name="bench")
     with pytest.raises(SystemExit):
         _cli.main(["bench"])
-    assert ("'bench' is provided by paged-bench 0.1.0, but its plugin failed: bench "
-            "(register_commands): RuntimeError: bench cannot register") in capsys.readouterr().err
+    assert (
+        "'bench' is provided by paged-bench 0.1.0, but its plugin failed: bench "
+        "(register_commands): RuntimeError: bench cannot register"
+    ) in capsys.readouterr().err
 
 
 def test_a_command_an_installed_plugin_does_not_register(command_registry, monkeypatch, capsys):
     monkeypatch.setattr(_cli, "_installed", lambda dist: ("0.0.9", []))  # an install from before the hook
     with pytest.raises(SystemExit):
         _cli.main(["check"])
-    assert ("'check' is provided by paged-conformance, but the installed paged-conformance 0.0.9 registers "
-            f"no 'check' command. To fix: pip install --find-links dist --force-reinstall paged-conformance{WHEELS}") in (
-        capsys.readouterr().err)
+    assert (
+        "'check' is provided by paged-conformance, but the installed paged-conformance 0.0.9 registers "
+        f"no 'check' command. To fix: pip install --find-links dist --force-reinstall paged-conformance{WHEELS}"
+    ) in (capsys.readouterr().err)

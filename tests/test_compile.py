@@ -46,8 +46,7 @@ def fresh_dynamo():
 
 
 def batch(query_lens, seq_lens, device="cpu") -> BatchMeta:
-    return BatchMeta.from_lists(query_lens, seq_lens, TABLES, block_size=BLOCK, table_width=WIDTH,
-                                device=device)
+    return BatchMeta.from_lists(query_lens, seq_lens, TABLES, block_size=BLOCK, table_width=WIDTH, device=device)
 
 
 #: Steps with one shape (3 requests, 3 tokens) and new lengths each time, as decode steps are.
@@ -70,8 +69,14 @@ def get(name: str, device: str | None = "cpu"):
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
     backend = registry.get(name)
-    spec = AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
-                         dtype=torch.float32, device=device or "cpu")
+    spec = AttentionSpec(
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=BLOCK,
+        dtype=torch.float32,
+        device=device or "cpu",
+    )
     reasons = [] if device is None else backend.reasons(spec)
     if reasons:
         pytest.skip(f"{name} on {device}: {'; '.join(reasons)}")
@@ -100,10 +105,12 @@ def check_against_reference(name, out, lse, q, cache, meta, case):
     zeros and -inf in both)."""
     ref, ref_lse = reference_attention(q, cache, meta, compute_dtype=torch.float64, return_lse=True)
     where = dict(query_start_loc=meta.query_start_loc.tolist(), seq_lens=meta.seq_lens.tolist())
-    assert_close_to_reference(out, ref, backend=name, case=case,
-                              tolerance=output_tolerance(q.dtype, cache.kv_dtype), **where)
-    assert_close_to_reference(lse, ref_lse, backend=name, case=case, what="lse",
-                              tolerance=lse_tolerance(q.dtype, cache.kv_dtype), **where)
+    assert_close_to_reference(
+        out, ref, backend=name, case=case, tolerance=output_tolerance(q.dtype, cache.kv_dtype), **where
+    )
+    assert_close_to_reference(
+        lse, ref_lse, backend=name, case=case, what="lse", tolerance=lse_tolerance(q.dtype, cache.kv_dtype), **where
+    )
 
 
 # ----------------------------------------------------------------------------------- one graph
@@ -130,10 +137,14 @@ def test_compiled_step_equals_eager_and_the_float64_reference(name, kv_dtype):
     kv_dtype, _, static = kv_dtype.partition("-")
     for _ in range(2):
         # Static scales: one per KV head, fixed (the compiled write must leave them as they are).
-        scales = dict(k_scale=torch.linspace(0.01, 0.03, KV_HEADS), v_scale=torch.linspace(0.02, 0.04, KV_HEADS)
-                      ) if static else {}
-        cache = backend.allocate(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32, kv_dtype=kv_dtype,
-                                 **scales)
+        scales = (
+            dict(k_scale=torch.linspace(0.01, 0.03, KV_HEADS), v_scale=torch.linspace(0.02, 0.04, KV_HEADS))
+            if static
+            else {}
+        )
+        cache = backend.allocate(
+            NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32, kv_dtype=kv_dtype, **scales
+        )
         fill(backend, cache)
         caches.append(cache)
     eager_cache, compiled_cache = caches
@@ -171,8 +182,13 @@ def test_the_documented_example_compiles_once_with_inductor_and_computes_attenti
         # Written in place, into the caller's cache (expected values: the inputs themselves).
         assert torch.equal(cache.v.reshape(-1, 2, 64)[slots], v) and torch.equal(cache.k.reshape(-1, 2, 64)[slots], k)
         ref = reference_attention(q, cache, meta, compute_dtype=torch.float64)
-        assert_close_to_reference(outs[layer], ref, backend="reference", case=f"readme-layer{layer}",
-                                  tolerance=output_tolerance(torch.float32))
+        assert_close_to_reference(
+            outs[layer],
+            ref,
+            backend="reference",
+            case=f"readme-layer{layer}",
+            tolerance=output_tolerance(torch.float32),
+        )
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
@@ -205,8 +221,10 @@ def test_an_engine_owned_strided_cache_is_written_and_read_like_eager():
     """k = pool[:, 0], v = pool[:, 1] of one [num_blocks, 2, block_size, H, D] pool (no spill block)."""
     backend = get("reference")
     meta = batch(*MIXED)
-    pools = [torch.randn(NUM_BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
-             for _ in range(2)]
+    pools = [
+        torch.randn(NUM_BLOCKS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+        for _ in range(2)
+    ]
     eager_cache, compiled_cache = (KVCache(p[:, 0], p[:, 1], dtype=torch.float32) for p in pools)
     q, k, v = inputs(meta)
     plan = backend.plan(meta)
@@ -268,8 +286,25 @@ def test_opcheck_forward(extras, planned):
         backend.plan(meta)
     lse = torch.empty(meta.num_tokens, HEADS) if extras != "plain" else None
     sinks = torch.randn(HEADS) if extras != "plain" else None
-    args = (backend._op_handle, q, cache.k, cache.v, None, None, "auto", meta.query_start_loc, meta.seq_lens,
-            meta.block_table, meta.slot_mapping, torch.empty_like(q), lse, sinks, 0.2, 0, 0.0)
+    args = (
+        backend._op_handle,
+        q,
+        cache.k,
+        cache.v,
+        None,
+        None,
+        "auto",
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_table,
+        meta.slot_mapping,
+        torch.empty_like(q),
+        lse,
+        sinks,
+        0.2,
+        0,
+        0.0,
+    )
     torch.library.opcheck(_ops.forward_op, args)
 
 
@@ -318,23 +353,39 @@ def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype
     head_dim, dtype = 128, torch.bfloat16
     kv_dtype, _, static = kv_dtype.partition("-")
     # Static scales: one per KV head, on the GPU (the compiled write must leave them as they are).
-    scales = dict(k_scale=torch.linspace(0.02, 0.04, KV_HEADS, device="cuda"),
-                  v_scale=torch.linspace(0.03, 0.05, KV_HEADS, device="cuda")) if static else {}
+    scales = (
+        dict(
+            k_scale=torch.linspace(0.02, 0.04, KV_HEADS, device="cuda"),
+            v_scale=torch.linspace(0.03, 0.05, KV_HEADS, device="cuda"),
+        )
+        if static
+        else {}
+    )
     # What the backend does not claim is skipped here, before any step: inside the loop an
     # UnsupportedSpecError is a failure.
-    reasons = backend.reasons(AttentionSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim,
-                                            block_size=block, dtype=dtype, kv_dtype=kv_dtype, device="cuda"))
+    reasons = backend.reasons(
+        AttentionSpec(
+            num_heads=HEADS,
+            num_kv_heads=KV_HEADS,
+            head_dim=head_dim,
+            block_size=block,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            device="cuda",
+        )
+    )
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
-    caches = [backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, kv_dtype=kv_dtype,
-                               device="cuda", **scales) for _ in range(2)]
+    caches = [
+        backend.allocate(NUM_BLOCKS, block, KV_HEADS, head_dim, dtype=dtype, kv_dtype=kv_dtype, device="cuda", **scales)
+        for _ in range(2)
+    ]
     for cache in caches:
         fill(backend, cache)  # the same random context in both
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for i, (query_lens, seq_lens) in enumerate([MIXED, *STEPS]):
-        meta = BatchMeta.from_lists(query_lens, seq_lens, TABLES, block_size=block, table_width=WIDTH,
-                                    device="cuda")
+        meta = BatchMeta.from_lists(query_lens, seq_lens, TABLES, block_size=block, table_width=WIDTH, device="cuda")
         g = torch.Generator().manual_seed(i)
         n = meta.num_tokens
         q = torch.randn(n, HEADS, head_dim, generator=g).to("cuda", dtype)
@@ -347,8 +398,9 @@ def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype
         for field in ("k", "v", "k_scale", "v_scale"):
             a, b = getattr(caches[1], field), getattr(caches[0], field)
             if a is not None:
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
                     f"[{name}/{case}] the compiled write left cache.{field} different from the eager write"
+                )
         check_against_reference(name, out, lse, q, caches[1], meta, case)
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse), (
             f"[{name}/{case}] compiled output differs from eager: max abs "

@@ -58,8 +58,7 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
         meta, cache, q, k_new, v_new, sinks = _whole_batch()
         stale = _stale(cache, meta)
         for name in BACKENDS:
-            backend = (registry.get(name, compute_dtype=torch.float64) if name == "reference"
-                       else registry.get(name))
+            backend = registry.get(name, compute_dtype=torch.float64) if name == "reference" else registry.get(name)
             for layout in LAYOUTS:
                 # The interpreter is slow: the Triton backend runs the compact pools only.
                 for compact in (True, False) if name == "reference" else (True,):
@@ -100,10 +99,18 @@ def test_every_rank_ends_with_attention_over_the_whole_context(world: int, tmp_p
     assert len(results) == world * len(LAYOUTS) * 3
     for (rank, name, layout, compact), (out, lse, _shares, pool_blocks) in sorted(results.items()):
         case = f"{world} ranks/rank {rank}/{layout}/{'compact' if compact else 'full pool'}"
-        assert_close_to_reference(out, want, backend=name, case=case, tolerance=output_tolerance(torch.float32),
-                                  query_start_loc=meta.query_start_loc.tolist(), seq_lens=SEQ_LENS)
-        assert_close_to_reference(lse[real], want_lse[real], backend=name, case=case, what="lse",
-                                  tolerance=lse_tolerance(torch.float32))
+        assert_close_to_reference(
+            out,
+            want,
+            backend=name,
+            case=case,
+            tolerance=output_tolerance(torch.float32),
+            query_start_loc=meta.query_start_loc.tolist(),
+            seq_lens=SEQ_LENS,
+        )
+        assert_close_to_reference(
+            lse[real], want_lse[real], backend=name, case=case, what="lse", tolerance=lse_tolerance(torch.float32)
+        )
         assert (out[~real] == 0).all() and torch.isneginf(lse[~real]).all(), f"[{name}/{case}] padding rows"
         if compact:
             assert pool_blocks < cache.num_blocks, f"[{case}] a compact pool holds the rank's blocks only"
@@ -121,8 +128,10 @@ def test_contiguous_and_interleaved_ownership():
     tables = {}
     for layout in LAYOUTS:
         shards = [shard_decode_batch(meta, r, 3, layout=layout, compact=False) for r in range(3)]
-        tables[layout] = [(s.block_table[0, : -(-int(s.seq_lens[0]) // 8)].tolist(), int(s.seq_lens[0]),
-                           int(s.slot_mapping[0])) for s in shards]
+        tables[layout] = [
+            (s.block_table[0, : -(-int(s.seq_lens[0]) // 8)].tolist(), int(s.seq_lens[0]), int(s.slot_mapping[0]))
+            for s in shards
+        ]
     # contiguous: blocks [r * 7 // 3, (r + 1) * 7 // 3); the last rank owns the last block.
     assert tables["contiguous"] == [([10, 11], 16, -1), ([12, 13], 16, -1), ([14, 15, 16], 20, 16 * 8 + 3)]
     # interleaved: block j on rank j % 3.
@@ -144,8 +153,9 @@ def test_a_shared_block_is_stored_once_in_a_compact_pool(kv_dtype: str):
     whole = allocate_kv_cache(8, 8, HKV, D, dtype=torch.float32, kv_dtype=kv_dtype, **fixed)
     g = torch.Generator().manual_seed(1)
     every_slot = BatchMeta.from_lists([64], [64], [list(range(8))], block_size=8)
-    registry.get("reference").write(whole, torch.randn(64, HKV, D, generator=g),
-                                    torch.randn(64, HKV, D, generator=g), every_slot)
+    registry.get("reference").write(
+        whole, torch.randn(64, HKV, D, generator=g), torch.randn(64, HKV, D, generator=g), every_slot
+    )
     pool = shard_kv_cache(whole, meta, 0, 1)
     assert pool.num_blocks == 4 and pool.kv_dtype == kv_dtype and pool.static_scales == bool(static)
     order = [5, 6, 7, 2]
@@ -158,15 +168,18 @@ def test_a_shared_block_is_stored_once_in_a_compact_pool(kv_dtype: str):
             got, want = got.view(torch.uint8), want.view(torch.uint8)
         assert torch.equal(got, want[order]), name
     # Rank 1 of 2, contiguous: request 0's logical blocks 1 and 2 (6, 7), request 1's block 1 (2).
-    assert torch.equal(shard_kv_cache(whole, meta, 1, 2).k.view(torch.uint8),
-                       whole.k.view(torch.uint8)[[6, 7, 2]])
+    assert torch.equal(shard_kv_cache(whole, meta, 1, 2).k.view(torch.uint8), whole.k.view(torch.uint8)[[6, 7, 2]])
 
 
-@pytest.mark.parametrize(("query_lens", "seq_lens", "match"), [
-    ([1, 4], [30, 40], "request 1 has query_len 4 .*prefill chunk or a verification block"),
-    ([1, 9], [30, 9], "request 1 has query_len 9 .*whole prompt"),
-    ([0, 1], [30, 9], "request 0 has query_len 0"),
-], ids=["prefill_chunk_or_verification", "whole_prompt", "no_query_row"])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "match"),
+    [
+        ([1, 4], [30, 40], "request 1 has query_len 4 .*prefill chunk or a verification block"),
+        ([1, 9], [30, 9], "request 1 has query_len 9 .*whole prompt"),
+        ([0, 1], [30, 9], "request 0 has query_len 0"),
+    ],
+    ids=["prefill_chunk_or_verification", "whole_prompt", "no_query_row"],
+)
 def test_refuses_what_is_not_a_decode_step(query_lens, seq_lens, match):
     meta = BatchMeta.build(query_lens, seq_lens, block_size=BS)
     with pytest.raises(InputError, match=match) as err:

@@ -58,9 +58,7 @@ def test_flashinfer_pages(seed, block_size):
 
 def test_flashinfer_pages_by_hand():
     # seq 17 in blocks [4, 7] (last page holds 1), seq 3 in [2], padding, seq 16 exactly one full page.
-    meta = BatchMeta.from_lists(
-        [1, 2, 1, 1], [17, 3, 0, 16], [[4, 7], [2], [], [9]], block_size=16, table_width=3
-    )
+    meta = BatchMeta.from_lists([1, 2, 1, 1], [17, 3, 0, 16], [[4, 7], [2], [], [9]], block_size=16, table_width=3)
     p = to_flashinfer_pages(meta)
     assert p.indptr.tolist() == [0, 2, 3, 3, 4]
     assert p.indices[:4].tolist() == [4, 7, 2, 9]

@@ -49,8 +49,12 @@ def _rank(rank: int, world: int, init_file: str, results: dict) -> None:
         lo = [0 if rank == 0 else s for s in SPLIT]
         hi = [s if rank == 0 else n for s, n in zip(SPLIT, SEQ_LENS, strict=True)]
         shard_lens = [h - lo_ for lo_, h in zip(lo, hi, strict=True)]
-        meta, cache = _paged([k[a:b] for k, a, b in zip(keys, lo, hi, strict=True)],
-                             [v[a:b] for v, a, b in zip(values, lo, hi, strict=True)], shard_lens, seed=rank)
+        meta, cache = _paged(
+            [k[a:b] for k, a, b in zip(keys, lo, hi, strict=True)],
+            [v[a:b] for v, a, b in zip(values, lo, hi, strict=True)],
+            shard_lens,
+            seed=rank,
+        )
         out, lse = reference_attention(q, cache, meta, compute_dtype=torch.float64, return_lse=True)
         sinks = torch.linspace(-1.0, 1.0, HQ)
         merged, merged_lse = merge_across_ranks(out.float(), lse.float(), sinks=sinks)

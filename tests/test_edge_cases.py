@@ -50,8 +50,9 @@ def _backend(name: str, options: dict, *, dtype=torch.float32, kv_dtype="auto", 
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
     backend = registry.get(name, validate=validate, **options)
-    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype=dtype,
-                         kv_dtype=kv_dtype, device=DEVICE)
+    spec = AttentionSpec(
+        num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype=dtype, kv_dtype=kv_dtype, device=DEVICE
+    )
     reasons = backend.reasons(spec)
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
@@ -77,8 +78,12 @@ def batch(qlens, slens, *, dtype=torch.float32, seed=0, num_blocks=NUM_BLOCKS, k
     tables = [t[: -(-s // BS)] for t, s in zip(meta.block_table.tolist(), slens, strict=True)]
     full = BatchMeta.from_lists(slens, slens, tables, block_size=BS).to(DEVICE)
     n = full.num_tokens
-    write_kv(cache, (mag * torch.randn(n, HKV, D, generator=gen)).to(dtype).to(DEVICE),
-             (mag * torch.randn(n, HKV, D, generator=gen)).to(dtype).to(DEVICE), full.slot_mapping)
+    write_kv(
+        cache,
+        (mag * torch.randn(n, HKV, D, generator=gen)).to(dtype).to(DEVICE),
+        (mag * torch.randn(n, HKV, D, generator=gen)).to(dtype).to(DEVICE),
+        full.slot_mapping,
+    )
     q = (mag * torch.randn(meta.num_tokens, HQ, D, generator=gen)).to(dtype).to(DEVICE)
     return q, cache, meta
 
@@ -93,8 +98,9 @@ def assert_close(got, want, dtype, *, rows=None, magnitude=1.0, what=""):
     for values ``magnitude`` times the unit-normal data it is stated for)."""
     if rows is not None:
         got, want = got[rows], want[rows]
-    assert_close_to_reference(got, want, backend=what, case="edge",
-                              tolerance=output_tolerance(dtype).for_values_of(magnitude))
+    assert_close_to_reference(
+        got, want, backend=what, case="edge", tolerance=output_tolerance(dtype).for_values_of(magnitude)
+    )
 
 
 # A decode batch (the split path of triton-splitkv) and a mixed one (the unified kernel).
@@ -146,7 +152,7 @@ def test_stale_nan_outside_every_context_reaches_nobody(backend_args, shape):
         t[0] = float("nan")
         for r, s in enumerate(meta.seq_lens.tolist()):
             if s % BS:
-                t[int(meta.block_table[r, (s - 1) // BS]), s % BS:] = float("nan")
+                t[int(meta.block_table[r, (s - 1) // BS]), s % BS :] = float("nan")
     # The oracle reads only each request's own keys: recompute it on a NaN-free copy.
     clean = KVCache(k=cache.k.nan_to_num(0.0), v=cache.v.nan_to_num(0.0), dtype=cache.dtype)
     want = oracle(q, clean, meta)
@@ -256,8 +262,9 @@ def bad_batch(kind):
     cache.k.copy_(clean.k)
     cache.v.copy_(clean.v)
     if kind.startswith("block-"):
-        value = {"block--1": -1, "block-num_blocks": NUM_BLOCKS, "block-2**31-1": 2**31 - 1,
-                 "block--2**31": -(2**31)}[kind]
+        value = {"block--1": -1, "block-num_blocks": NUM_BLOCKS, "block-2**31-1": 2**31 - 1, "block--2**31": -(2**31)}[
+            kind
+        ]
         meta.block_table[1, 1] = value  # request 1 (seq_len 20): its keys 16..19
         meta.block_table[2, 0] = value  # request 2 (seq_len 9): every key -> its rows are zeros
         needles = ["request 1", f"block_table[1, 1] = {value}", "outside the cache"]
@@ -462,6 +469,7 @@ def test_strided_sinks_are_read_by_head(backend_args, shape):
     sinks = buf[::2]
     assert not sinks.is_contiguous()
     out = backend.forward(q, cache, meta, sinks=sinks)
-    want = reference_attention(q, cache, meta, sinks=torch.tensor([1.5, -0.5, 2.5, 0.0], device=DEVICE),
-                               compute_dtype=torch.float64)
+    want = reference_attention(
+        q, cache, meta, sinks=torch.tensor([1.5, -0.5, 2.5, 0.0], device=DEVICE), compute_dtype=torch.float64
+    )
     assert_close(out, want, torch.float32, what=f"{name}/strided sinks")

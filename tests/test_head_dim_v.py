@@ -106,7 +106,8 @@ def test_capabilities_name_the_pairs():
     narrow = Capabilities(head_dims=frozenset({64, 128}), head_dim_pairs=frozenset({(192, 128)}))
     assert narrow.reasons(spec) == []
     assert narrow.reasons(dataclasses.replace(spec, head_dim_v=192)) == [
-        "head_dim 192 is not supported (accepted: 64, 128)"]
+        "head_dim 192 is not supported (accepted: 64, 128)"
+    ]
     assert "head_dim_v" not in Capabilities().summary()
     dims = Capabilities(head_dims=frozenset({64, 192}), head_dim_pairs=None)
     assert dims.reasons(spec) == ["head_dim_v 128 is not supported (accepted: 64, 192)"]
@@ -123,8 +124,11 @@ def test_out_and_write_take_v_width():
     with pytest.raises(InputError) as exc:
         ref.forward(q, cache, meta, out=torch.empty_like(q))
     assert f"accepted: the shape [num_tokens={meta.num_tokens}, num_heads=4, head_dim_v=32] and dtype" in str(exc.value)
-    with pytest.raises(InputError, match=r"v has shape \[3, 2, 48\]; accepted: \[num_tokens=3, num_kv_heads=2, "
-                                         r"head_dim_v=32\]"):
+    with pytest.raises(
+        InputError,
+        match=r"v has shape \[3, 2, 48\]; accepted: \[num_tokens=3, num_kv_heads=2, "
+        r"head_dim_v=32\]",
+    ):
         write_kv(cache, torch.zeros(3, 2, 48), torch.zeros(3, 2, 48), torch.arange(3))
 
 

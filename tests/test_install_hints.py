@@ -17,8 +17,17 @@ from paged_core.hookspecs import pip_install
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = sorted(
     p
-    for pattern in ("*.md", "docs/*.md", "*/README.md", "*/*/README.md", "*/src/**/*.py", "*/*/src/**/*.py",
-                    "examples/*.py", "scripts/*.py", "integrations/*/*.py")
+    for pattern in (
+        "*.md",
+        "docs/*.md",
+        "*/README.md",
+        "*/*/README.md",
+        "*/src/**/*.py",
+        "*/*/src/**/*.py",
+        "examples/*.py",
+        "scripts/*.py",
+        "integrations/*/*.py",
+    )
     for p in ROOT.glob(pattern)
     if ".nox" not in p.parts and "results" not in p.parts
 )

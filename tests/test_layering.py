@@ -35,7 +35,9 @@ def _distributions() -> dict[str, str]:
     for pyproject in sorted(ROOT.glob("**/pyproject.toml")):
         # Hidden folders (.git, .nox virtualenvs, scratch copies) hold no distribution of ours.
         if any(part.startswith(".") for part in pyproject.relative_to(ROOT).parts) or pyproject.parent in (
-                ROOT, CORE.parents[1]):
+            ROOT,
+            CORE.parents[1],
+        ):
             continue
         # Only [project].name is needed: a regex, since tomllib is Python 3.11+ and core supports 3.10.
         name = re.search(r'^\[project\]\s*$.*?^name\s*=\s*"([^"]+)"', pyproject.read_text(), re.M | re.S)
@@ -64,8 +66,15 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
 
 def test_the_other_distributions_are_found():
     names = _distributions()
-    assert {"paged_conformance", "paged_bench", "paged_triton_common", "paged_triton_unified", "paged_triton_splitkv",
-            "paged_flashinfer", "paged_flash_attn2"} <= set(names), names
+    assert {
+        "paged_conformance",
+        "paged_bench",
+        "paged_triton_common",
+        "paged_triton_unified",
+        "paged_triton_splitkv",
+        "paged_flashinfer",
+        "paged_flash_attn2",
+    } <= set(names), names
     assert "paged_core" not in names
 
 
@@ -81,7 +90,9 @@ def test_the_walker_sees_every_kind_of_import():
         "    importlib.import_module('paged_conformance.runner')\n"
     )
     assert imported_modules(source) == [
-        (1, "os"), (1, "paged_flashinfer.backend"), (5, "paged_triton_splitkv.launch"),
+        (1, "os"),
+        (1, "paged_flashinfer.backend"),
+        (5, "paged_triton_splitkv.launch"),
         (8, "paged_conformance.runner"),
     ]
 
@@ -110,8 +121,11 @@ def _repo_imports(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("path", sorted(TRITON_COMMON.rglob("*.py")), ids=lambda p: str(p.relative_to(TRITON_COMMON)))
 def test_the_triton_runtime_imports_core_only(path):
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in _repo_imports(path)
-           if module.split(".")[0] not in ("paged_core", "paged_triton_common")]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for line, module in _repo_imports(path)
+        if module.split(".")[0] not in ("paged_core", "paged_triton_common")
+    ]
     assert not bad, (
         "paged-triton-common is what the Triton plugins build on: it may import paged-core only, "
         "never a plugin (move what both plugins need into paged_triton_common instead):\n" + "\n".join(bad)
@@ -127,8 +141,11 @@ def test_the_triton_plugins_build_on_the_triton_runtime():
 
 @pytest.mark.parametrize("path", PLUGIN_SOURCES, ids=lambda p: str(p.relative_to(ROOT / "plugins")))
 def test_plugins_import_neither_conformance_nor_bench(path):
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in _repo_imports(path)
-           if module.split(".")[0] in ("paged_conformance", "paged_bench")]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for line, module in _repo_imports(path)
+        if module.split(".")[0] in ("paged_conformance", "paged_bench")
+    ]
     assert not bad, (
         "a backend plugin must not depend on the conformance suite or the bench (they test and time "
         "plugins, through the registry):\n" + "\n".join(bad)
@@ -140,16 +157,25 @@ def _sources_outside(folder: Path) -> list[Path]:
     virtualenvs) or build outputs."""
     found = []
     for here, dirs, files in os.walk(ROOT):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("build", "__pycache__")
-                         and not d.endswith(".egg-info") and Path(here, d) != folder)
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and d not in ("build", "__pycache__")
+            and not d.endswith(".egg-info")
+            and Path(here, d) != folder
+        )
         found += [Path(here, f) for f in sorted(files) if f.endswith(".py")]
     return found
 
 
 def test_nothing_imports_the_bench():
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in _sources_outside(BENCH) for line, module in imported_modules(path.read_text())
-           if module.split(".")[0] == "paged_bench"]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources_outside(BENCH)
+        for line, module in imported_modules(path.read_text())
+        if module.split(".")[0] == "paged_bench"
+    ]
     assert not bad, (
         "paged_bench is reached only through its command (the entry point paged_bench.commands); "
         "import what it shares from paged_conformance or paged_core instead:\n" + "\n".join(bad)
@@ -157,8 +183,12 @@ def test_nothing_imports_the_bench():
 
 
 def test_the_checks_see_the_plugins_and_the_rest_of_the_repository():
-    assert {p.parts[len(ROOT.parts) + 1] for p in PLUGIN_SOURCES} >= {"triton-unified", "triton-splitkv",
-                                                                      "flashinfer", "flash-attn2"}
+    assert {p.parts[len(ROOT.parts) + 1] for p in PLUGIN_SOURCES} >= {
+        "triton-unified",
+        "triton-splitkv",
+        "flashinfer",
+        "flash-attn2",
+    }
     outside = {p.relative_to(ROOT).parts[0] for p in _sources_outside(BENCH)}
     assert {"core", "conformance", "plugins", "integrations", "scripts", "tests"} <= outside
     assert "bench" not in outside

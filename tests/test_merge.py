@@ -40,8 +40,7 @@ def test_merge_equals_attention_over_the_union(splits, seed):
     v = torch.randn(L, H, D, generator=g, dtype=torch.float64)
     # Each (token, head) draws its own random key subset, split randomly (splits may be empty).
     union = [
-        [sorted(torch.randperm(L, generator=g)[: 1 + (n * 7 + h) % L].tolist()) for h in range(H)]
-        for n in range(N)
+        [sorted(torch.randperm(L, generator=g)[: 1 + (n * 7 + h) % L].tolist()) for h in range(H)] for n in range(N)
     ]
     union[2][1] = []  # one row sees no key at all
     part_of = {}
@@ -121,9 +120,8 @@ def test_shape_mismatch(outs, lses, needles):
         merge_states(outs, lses)
     for n in needles:
         assert n in str(exc.value), str(exc.value)
-    assert (
-        "accepted: outputs [S, num_tokens, num_heads, head_dim] with lses [S, num_tokens, num_heads]"
-        in str(exc.value)
+    assert "accepted: outputs [S, num_tokens, num_heads, head_dim] with lses [S, num_tokens, num_heads]" in str(
+        exc.value
     )
 
 
@@ -174,4 +172,3 @@ def test_a_nan_lse_gives_nan_for_its_row_only(sinks):
     keep = [0, 1, 3]
     out_k, lse_k = merge_states(outs[:, keep], lses[:, keep], sinks=sinks)
     assert torch.equal(out[keep], out_k) and torch.equal(lse[keep], lse_k)
-

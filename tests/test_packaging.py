@@ -10,7 +10,8 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = sorted(
-    p.parent for pattern in ("core", "conformance", "bench", "plugins/*", "integrations/*")
+    p.parent
+    for pattern in ("core", "conformance", "bench", "plugins/*", "integrations/*")
     for p in ROOT.glob(f"{pattern}/pyproject.toml")
 )
 # name, extras, the rest (version specifiers and markers)
@@ -36,8 +37,10 @@ def _literal(path: pathlib.Path, name: str):
 
 def _versions() -> dict[str, str]:
     """Distribution name -> its version (``__version__`` of its package)."""
-    return {_pyproject(d)["project"]["name"]: _literal(d / "src" / _package(d) / "__init__.py", "__version__")
-            for d in DISTRIBUTIONS}
+    return {
+        _pyproject(d)["project"]["name"]: _literal(d / "src" / _package(d) / "__init__.py", "__version__")
+        for d in DISTRIBUTIONS
+    }
 
 
 def _requirements(project: dict) -> list[tuple[str, str]]:
@@ -50,8 +53,15 @@ def _requirements(project: dict) -> list[tuple[str, str]]:
 
 def test_every_distribution_is_found():
     names = {_pyproject(d)["project"]["name"] for d in DISTRIBUTIONS}
-    assert {"paged-core", "paged-conformance", "paged-bench", "paged-triton-common", "paged-triton-unified",
-            "paged-transformers", "paged-vllm"} <= names
+    assert {
+        "paged-core",
+        "paged-conformance",
+        "paged-bench",
+        "paged-triton-common",
+        "paged-triton-unified",
+        "paged-transformers",
+        "paged-vllm",
+    } <= names
 
 
 def test_each_version_is_written_once_in_the_package():
@@ -73,8 +83,9 @@ def test_every_pin_between_distributions_names_the_version_of_the_one_it_pins():
             if not name.startswith("paged-"):
                 continue
             assert name in versions, f"{project['name']} {where} names {name}, not a distribution of this repo"
-            assert spec == f"=={versions[name]}", \
+            assert spec == f"=={versions[name]}", (
                 f"{project['name']} {where} requires {req!r}; {name} is {versions[name]}: pin =={versions[name]}"
+            )
 
 
 def test_every_backend_plugin_is_in_the_all_extra_and_registers_its_folder_name():

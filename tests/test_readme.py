@@ -37,14 +37,33 @@ def test_usage_example_computes_attention():
     # The example's last call (window 32, with the LSE) against the plain-loop float64 oracle.
     qlens, slens = meta.host()
     tables = [meta.block_table[r].tolist() for r in range(meta.num_reqs)]
-    want, want_lse = loop_attention(q.double().tolist(), cache.k.double().tolist(), cache.v.double().tolist(),
-                                    qlens, slens, tables, cache.block_size, window=32)
+    want, want_lse = loop_attention(
+        q.double().tolist(),
+        cache.k.double().tolist(),
+        cache.v.double().tolist(),
+        qlens,
+        slens,
+        tables,
+        cache.block_size,
+        window=32,
+    )
     from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
 
-    assert_close_to_reference(out, torch.tensor(want, dtype=torch.float64), backend="reference", case="readme",
-                              tolerance=output_tolerance(torch.float32))
-    assert_close_to_reference(lse, torch.tensor(want_lse, dtype=torch.float64), backend="reference",
-                              case="readme", what="lse", tolerance=lse_tolerance(torch.float32))
+    assert_close_to_reference(
+        out,
+        torch.tensor(want, dtype=torch.float64),
+        backend="reference",
+        case="readme",
+        tolerance=output_tolerance(torch.float32),
+    )
+    assert_close_to_reference(
+        lse,
+        torch.tensor(want_lse, dtype=torch.float64),
+        backend="reference",
+        case="readme",
+        what="lse",
+        tolerance=lse_tolerance(torch.float32),
+    )
 
 
 def test_minimal_plugin_backend_works_and_refuses_what_it_does_not_claim():

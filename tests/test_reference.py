@@ -109,18 +109,12 @@ def test_backend_float32_and_float64(case):
     for compute, tol in ((torch.float32, 2e-6), (torch.float64, 1e-7)):
         backend = ReferenceBackend(compute_dtype=compute)
         out, lse = backend.forward(q, cache, meta, return_lse=True, **_kw(opts))
-        assert (
-            out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (meta.num_tokens, hq)
-        )
+        assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (meta.num_tokens, hq)
         torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
         torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=tol * 10)
         assert torch.equal(out[PAD_ROWS], torch.zeros(2, hq, D))
     # float64 compute is closer to the float64 loop than float32 compute (it really is used).
-    e32 = (
-        (reference_attention(q, cache, meta, compute_dtype=torch.float32, **_kw(opts)).double() - want)
-        .abs()
-        .max()
-    )
+    e32 = (reference_attention(q, cache, meta, compute_dtype=torch.float32, **_kw(opts)).double() - want).abs().max()
     e64 = (reference_attention(q, cache, meta, compute_dtype=torch.float64, **_kw(opts)) - want).abs().max()
     assert e64 < 1e-12 < e32
 
@@ -207,7 +201,5 @@ def test_empty_batch():
 
 
 def test_compute_dtype_is_checked():
-    with pytest.raises(
-        InputError, match=r"compute_dtype is torch.float16; accepted: torch.float32, torch.float64"
-    ):
+    with pytest.raises(InputError, match=r"compute_dtype is torch.float16; accepted: torch.float32, torch.float64"):
         ReferenceBackend(compute_dtype=torch.float16)

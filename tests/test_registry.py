@@ -127,9 +127,7 @@ def test_get_of_a_broken_backend_names_cause_and_fix(fixture_plugins):
     with pytest.raises(BackendUnavailableError):
         reg.get("fixture-missing")
     assert len([p for p in reg.problems() if p.source == "fixture-missing"]) == 1
-    assert reg.unavailable("fixture-missing") == [
-        f"{MISSING_CAUSE} (to fix: pip install paged-fixture-extra)"
-    ]
+    assert reg.unavailable("fixture-missing") == [f"{MISSING_CAUSE} (to fix: pip install paged-fixture-extra)"]
     assert reg.capabilities("fixture-missing") is None
 
 
@@ -169,16 +167,24 @@ def test_reload_rediscovers(fixture_plugins, monkeypatch):
                 "Unknown backend 'nope'. Installed: fixture-good, fixture-missing, reference.",
                 "Not installed: triton-unified (pip install --find-links dist 'paged-core[triton]'" + WHEELS + ")",
                 "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")",
-                "Plugin problem: fixture-broken (import): ImportError: paged_fixture_broken needs "
-                "libfixture.so.3",
+                "Plugin problem: fixture-broken (import): ImportError: paged_fixture_broken needs libfixture.so.3",
             ],
         ),
         ("refrence", ["Unknown backend 'refrence'.", "Did you mean 'reference'?"]),
         ("fixture-god", ["Did you mean 'fixture-good'?"]),
-        ("flashinfr", ["Did you mean 'flashinfer'?", "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")"]),
+        (
+            "flashinfr",
+            [
+                "Did you mean 'flashinfer'?",
+                "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")",
+            ],
+        ),
         (
             "triton-unified",
-            ["Unknown backend 'triton-unified'.", "To install it: pip install --find-links dist 'paged-core[triton]'" + WHEELS + "."],
+            [
+                "Unknown backend 'triton-unified'.",
+                "To install it: pip install --find-links dist 'paged-core[triton]'" + WHEELS + ".",
+            ],
         ),
     ],
 )
@@ -207,8 +213,10 @@ def test_unknown_backend_left_out_by_paged_plugins_is_not_called_missing(fixture
     monkeypatch.setenv("PAGED_PLUGINS", "reference")
     with pytest.raises(BackendNotFoundError) as exc:
         Registry().get("fixture-good")
-    assert ("Its plugin 'fixture-good' is installed but PAGED_PLUGINS='reference' leaves it out: "
-            "add it to PAGED_PLUGINS, or unset PAGED_PLUGINS.") in str(exc.value)
+    assert (
+        "Its plugin 'fixture-good' is installed but PAGED_PLUGINS='reference' leaves it out: "
+        "add it to PAGED_PLUGINS, or unset PAGED_PLUGINS."
+    ) in str(exc.value)
     with pytest.raises(BackendNotFoundError) as exc:
         Registry().get("fixture-gooood")
     msg = str(exc.value)
@@ -242,9 +250,7 @@ def test_select_with_nothing_that_fits_explains_each_backend(fixture_plugins):
     lines = str(exc.value).splitlines()
     assert lines[0] == "No installed backend can run 6/4x16 bs16 float32 cpu:"
     assert lines[1].startswith("  fixture-good: num_heads 6 is not a multiple of num_kv_heads 4")
-    assert lines[2].startswith(
-        "  fixture-missing: importing paged_fixture_good.missing:MissingBackend failed"
-    )
+    assert lines[2].startswith("  fixture-missing: importing paged_fixture_good.missing:MissingBackend failed")
     assert lines[3].startswith("  reference: num_heads 6 is not a multiple of num_kv_heads 4")
 
 
@@ -350,17 +356,14 @@ def test_good_names_are_accepted(reference_only):
 def test_non_backends_are_refused(reference_only):
     reg = reference_only
     reg.add_plugin(
-        FakePlugin(
-            call("not-a-backend", NotABackend), call("no-colon", "paged_core.plugin"), call("an-int", 42)
-        ),
+        FakePlugin(call("not-a-backend", NotABackend), call("no-colon", "paged_core.plugin"), call("an-int", 42)),
         name="wrong",
     )
     assert reg.names() == ["reference"]
     msgs = [p.message for p in problems_of(reg, "wrong")]
     assert msgs == [
         "backend 'not-a-backend' target NotABackend is not a paged_core.Backend subclass",
-        "backend 'no-colon' target is 'paged_core.plugin'; accepted: 'module.path:ClassName' "
-        "or a Backend subclass",
+        "backend 'no-colon' target is 'paged_core.plugin'; accepted: 'module.path:ClassName' or a Backend subclass",
         "backend 'an-int' target is 42; accepted: 'module.path:ClassName' or a Backend subclass",
     ]
 
@@ -431,8 +434,7 @@ def test_unavailable_probe_that_raises_is_a_reason(reference_only):
     assert reg.available() == ["reference"]
     with pytest.raises(
         BackendUnavailableError,
-        match="Backend 'flaky' cannot run on this machine: "
-        "flaky.unavailable\\(\\) raised OSError: driver not loaded",
+        match="Backend 'flaky' cannot run on this machine: flaky.unavailable\\(\\) raised OSError: driver not loaded",
     ):
         reg.get("flaky")
 
@@ -566,23 +568,25 @@ def test_a_triton_backend_on_a_cpu_without_the_interpreter_is_unavailable_everyw
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine the Triton backends run compiled")
-    code = "\n".join([
-        "import json, torch",
-        "from paged_core import AttentionSpec, BackendUnavailableError, registry",
-        "from paged_core._cli import main",
-        "out = {}",
-        "for name in ('triton-unified', 'triton-splitkv'):",
-        "    try:",
-        "        registry.get(name)",
-        "        out[name] = 'got'",
-        "    except BackendUnavailableError as exc:",
-        "        out[name] = str(exc)",
-        "spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)",
-        "out['select'] = registry.select(spec).name",
-        "out['available'] = registry.available()",
-        "print(json.dumps(out))",
-        "main(['list'])",
-    ])
+    code = "\n".join(
+        [
+            "import json, torch",
+            "from paged_core import AttentionSpec, BackendUnavailableError, registry",
+            "from paged_core._cli import main",
+            "out = {}",
+            "for name in ('triton-unified', 'triton-splitkv'):",
+            "    try:",
+            "        registry.get(name)",
+            "        out[name] = 'got'",
+            "    except BackendUnavailableError as exc:",
+            "        out[name] = str(exc)",
+            "spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16)",
+            "out['select'] = registry.select(spec).name",
+            "out['available'] = registry.available()",
+            "print(json.dumps(out))",
+            "main(['list'])",
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PAGED_PLUGINS"] = "reference,triton-unified,triton-splitkv"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

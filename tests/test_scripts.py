@@ -21,8 +21,7 @@ SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
 def test_script_help(script):
     # kernel_resources.py compiles for the GPU and refuses the interpreter; --help needs neither.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:500]
 
@@ -46,21 +45,74 @@ def test_gpu_profile_reads_ncus_raw_csv(time_unit, scale):
     # The layout of `ncu --csv --page raw`: tool lines, a header of metric names, a row of
     # units, one row per kernel (numbers may carry thousands separators). The H200's ncu
     # (2026-12-01) writes times in "ns"; older releases spell units out.
-    names = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum",
-             "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
-             "sm__maximum_warps_per_active_cycle_pct", "dram__bytes_read.sum", "launch__registers_per_thread",
-             "launch__shared_mem_per_block_dynamic", "launch__shared_mem_per_block_static",
-             "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
-             "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
-             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
-             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
-             "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio"]
-    units = ["", "", "", "", time_unit, "%", "%", "%", "Mbyte", "register/thread", "Kbyte", "byte", "block", "block",
-             "", "", "", ""]
-    row = ["0", "unified_attention_kernel(float *, int)", "(64, 8, 1)", "(128, 1, 1)", f"{1260.35 * scale:,}",
-           "46.2", "18.9", "25", "553.6", "255", "40.96", "1,024", "2", "5", "12.5", "0.7", "3.1", "1.9"]
-    text = "\n".join(["==PROF== Connected to process 1", ",".join(f'"{x}"' for x in names),
-                      ",".join(f'"{x}"' for x in units), ",".join(f'"{x}"' for x in row)])
+    names = [
+        "ID",
+        "Kernel Name",
+        "Grid Size",
+        "Block Size",
+        "gpu__time_duration.sum",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "sm__warps_active.avg.pct_of_peak_sustained_active",
+        "sm__maximum_warps_per_active_cycle_pct",
+        "dram__bytes_read.sum",
+        "launch__registers_per_thread",
+        "launch__shared_mem_per_block_dynamic",
+        "launch__shared_mem_per_block_static",
+        "launch__occupancy_limit_registers",
+        "launch__occupancy_limit_shared_mem",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+    ]
+    units = [
+        "",
+        "",
+        "",
+        "",
+        time_unit,
+        "%",
+        "%",
+        "%",
+        "Mbyte",
+        "register/thread",
+        "Kbyte",
+        "byte",
+        "block",
+        "block",
+        "",
+        "",
+        "",
+        "",
+    ]
+    row = [
+        "0",
+        "unified_attention_kernel(float *, int)",
+        "(64, 8, 1)",
+        "(128, 1, 1)",
+        f"{1260.35 * scale:,}",
+        "46.2",
+        "18.9",
+        "25",
+        "553.6",
+        "255",
+        "40.96",
+        "1,024",
+        "2",
+        "5",
+        "12.5",
+        "0.7",
+        "3.1",
+        "1.9",
+    ]
+    text = "\n".join(
+        [
+            "==PROF== Connected to process 1",
+            ",".join(f'"{x}"' for x in names),
+            ",".join(f'"{x}"' for x in units),
+            ",".join(f'"{x}"' for x in row),
+        ]
+    )
     [k] = _load_script("gpu_profile").parse_raw_csv(text)
     assert k["kernel"] == "unified_attention_kernel"
     assert k["us"] == pytest.approx(1260.35)
@@ -77,8 +129,13 @@ def test_gpu_profile_reads_ncus_raw_csv(time_unit, scale):
 def test_gpu_profile_cases_run_on_the_cpu():
     # Every case builds its batch and runs its call (interpreter, tiny shapes, no ncu).
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "gpu_profile.py"), "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS[0].parent / "gpu_profile.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count(": ran") == len(_load_script("gpu_profile").CASES), proc.stdout
 
@@ -86,8 +143,13 @@ def test_gpu_profile_cases_run_on_the_cpu():
 def test_prefill_ceiling_variants_match_the_reference_on_the_cpu():
     # Each load path of the minimal kernel and triton-unified's prefill run once and are checked.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ceiling")]
     modes = _load_script("prefill_ceiling").MODES
@@ -99,8 +161,13 @@ def test_gpu_tune_variants_run_and_match_the_reference_on_the_cpu():
     # Every section's variants run once (interpreter, tiny shapes) and are checked; a variant whose
     # call reads a tensor on the host (which its CUDA-graph capture would refuse) fails here.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "gpu_tune.py"), "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS[0].parent / "gpu_tune.py"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if " | " in line]
     assert len(lines) >= 60, proc.stdout
@@ -111,14 +178,27 @@ def test_gpu_tune_variants_run_and_match_the_reference_on_the_cpu():
 def test_kernel_resources_lists_every_loop_in_address_order():
     # cuobjdump -sass lines: /*address*/ instruction ; a backward branch closes a loop. In its own
     # process: the script imports the kernels compiled, never interpreted.
-    body = ["MOV R1, R2", "LDS.U8 R2, [R3]", "HMMA.16816.F32 R4, R8, R12, R4", "STL [R1], R4", "@P0 BRA 0x10",
-            "MOV R5, R6", "LDL R7, [R1]", "FADD R8, R7, R7", "@!P1 BRA 0x50", "EXIT"]
+    body = [
+        "MOV R1, R2",
+        "LDS.U8 R2, [R3]",
+        "HMMA.16816.F32 R4, R8, R12, R4",
+        "STL [R1], R4",
+        "@P0 BRA 0x10",
+        "MOV R5, R6",
+        "LDL R7, [R1]",
+        "FADD R8, R7, R7",
+        "@!P1 BRA 0x50",
+        "EXIT",
+    ]
     sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(body))
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as r; "
-            "print(json.dumps([r.loop_stats(sys.argv[2], min_len=2), r.loop_stats(sys.argv[2], min_len=5)]))")
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as r; "
+        "print(json.dumps([r.loop_stats(sys.argv[2], min_len=2), r.loop_stats(sys.argv[2], min_len=5)]))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, str(SCRIPTS[0].parent), sass], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(SCRIPTS[0].parent), sass], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats, longer = json.loads(proc.stdout)
     assert stats["loops"] == [4, 4]  # 0x10..0x40 and 0x50..0x80, not only the longest
@@ -132,8 +212,13 @@ def test_prefill_ceiling_compiles_its_modes_offline():
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("this Triton wheel ships no cuobjdump: the offline compile report needs it")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--resources",
-                           "--modes", "paged-lean"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--resources", "--modes", "paged-lean"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("paged-lean")]
     assert len(rows) == 7, proc.stdout

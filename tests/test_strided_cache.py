@@ -35,8 +35,9 @@ DTYPES = [
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (bitwise comparison for every dtype, fp8 included)."""
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2
-                                                                     else torch.int32)
+    return (
+        t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    )
 
 
 def pool_cache(layout: str, dtype: torch.dtype, kv_dtype: str, device: str = "cpu"):
@@ -57,14 +58,24 @@ def pool_cache(layout: str, dtype: torch.dtype, kv_dtype: str, device: str = "cp
             return p[i].transpose(1, 2)
 
     quant = kv_dtype != "auto"
-    cache = KVCache(k=kv(codes, 0), v=kv(codes, 1), kv_dtype=kv_dtype, dtype=dtype,
-                    k_scale=kv(scales, 0) if quant else None, v_scale=kv(scales, 1) if quant else None)
+    cache = KVCache(
+        k=kv(codes, 0),
+        v=kv(codes, 1),
+        kv_dtype=kv_dtype,
+        dtype=dtype,
+        k_scale=kv(scales, 0) if quant else None,
+        v_scale=kv(scales, 1) if quant else None,
+    )
     assert not cache.k.is_contiguous()
     return cache, codes, scales, kv
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (the GPU machine)"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU machine)")
+    ),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,7 +121,9 @@ def test_backend_write_then_forward_through_the_views(layout, dtype, kv_dtype):
     backend.write(cache, k, v, meta)
     # The same step on a contiguous cache holding the same values gives the same result.
     flat = dataclasses.replace(
-        cache, k=cache.k.contiguous(), v=cache.v.contiguous(),
+        cache,
+        k=cache.k.contiguous(),
+        v=cache.v.contiguous(),
         k_scale=None if cache.k_scale is None else cache.k_scale.contiguous(),
         v_scale=None if cache.v_scale is None else cache.v_scale.contiguous(),
     )

@@ -274,8 +274,19 @@ def test_cli_bench_reference_and_plot(tmp_path, monkeypatch, capsys):
 def test_a_recorded_run_is_printed_again_without_timing(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "b.json"
-    argv = ["bench", "--device", "cpu", "--backend", "reference", "--cases", "decode,sweep", "--sweep-batches", "1,2",
-            "--json", str(out)]
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--backend",
+        "reference",
+        "--cases",
+        "decode,sweep",
+        "--sweep-batches",
+        "1,2",
+        "--json",
+        str(out),
+    ]
     assert _cli.main(argv) == 0
     first = capsys.readouterr().out
     table = [line for line in first.splitlines() if line.startswith(("decode", "sweep-"))]
@@ -334,8 +345,9 @@ def test_a_case_that_cannot_be_built_is_reported_and_the_rest_run(tmp_path, fake
 
     monkeypatch.setattr(_data, "build_pool", build)
     out = tmp_path / "b.json"
-    rc = _bench.main(_args("--backend", "reference", "--cases", "decode,prefill,cascade", "--json", str(out)),
-                     registry=fake_registry)
+    rc = _bench.main(
+        _args("--backend", "reference", "--cases", "decode,prefill,cascade", "--json", str(out)), registry=fake_registry
+    )
     assert rc == 1
     data = json.loads(out.read_text())
     assert data["complete"] is True
@@ -372,8 +384,10 @@ def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeyp
     reg = Registry()
     reg.add_plugin(Plugin(), name="cascade-fakes")
     out = tmp_path / "b.json"
-    _bench.main(_args("--cases", "cascade", "--backend", "fake-cascade,fake-planning", "--no-baselines",
-                      "--json", str(out)), registry=reg)
+    _bench.main(
+        _args("--cases", "cascade", "--backend", "fake-cascade,fake-planning", "--no-baselines", "--json", str(out)),
+        registry=reg,
+    )
     rows = json.loads(out.read_text())["rows"]
     labels = {r["label"]: r["status"] for r in rows}
     assert labels == {"fake-cascade": "ok", "fake-planning": "ok", "fake-cascade (cascade)": "ok"}
@@ -381,19 +395,24 @@ def test_cascade_case_adds_a_row_for_backends_offering_cascade(tmp_path, monkeyp
     # Every backend's row, then the variants; each row gets one progress line as it finishes.
     assert [r["label"] for r in rows] == ["fake-cascade", "fake-planning", "fake-cascade (cascade)"]
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[1/1]")]
-    heads = [f"[1/1] {'cascade':<16} {'4x(32+8)':<14} {label:<24} " for label in (
-        "fake-cascade", "fake-planning", "fake-cascade (cascade)")]
+    heads = [
+        f"[1/1] {'cascade':<16} {'4x(32+8)':<14} {label:<24} "
+        for label in ("fake-cascade", "fake-planning", "fake-cascade (cascade)")
+    ]
     assert [line[: len(head)] for line, head in zip(progress, heads, strict=True)] == heads
     assert all(line.endswith(" ms") for line in progress), progress
 
 
-@pytest.mark.parametrize("argv, words", [
-    (("--block-size", "0"), "--block-size"),
-    (("--heads", "0"), "--heads"),
-    (("--heads", "6", "--kv-heads", "4"), "not a multiple"),
-    (("--sweep-len", "abc"), "--sweep-len"),
-    (("--sweep-batches", "1,-2"), "--sweep-batches"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (("--block-size", "0"), "--block-size"),
+        (("--heads", "0"), "--heads"),
+        (("--heads", "6", "--kv-heads", "4"), "not a multiple"),
+        (("--sweep-len", "abc"), "--sweep-len"),
+        (("--sweep-batches", "1,-2"), "--sweep-batches"),
+    ],
+)
 def test_bad_shape_options_exit_2_with_the_option_named(fake_registry, capsys, argv, words):
     # These used to end in a ZeroDivisionError/ValueError traceback, a silent default (heads 0)
     # or an einsum error reported as a failed case.
@@ -420,8 +439,10 @@ def test_a_256_token_block_backend_runs_on_16_token_blocks_through_the_bridge(tm
     reg = Registry()
     reg.add_plugin(Plugin(), name="bridge-fakes")
     out = tmp_path / "b.json"
-    _bench.main(_args("--cases", "decode,mixed", "--backend", "fake-big-blocks", "--no-baselines", "--json", str(out)),
-                registry=reg)
+    _bench.main(
+        _args("--cases", "decode,mixed", "--backend", "fake-big-blocks", "--no-baselines", "--json", str(out)),
+        registry=reg,
+    )
     rows = json.loads(out.read_text())["rows"]
     by_label = {(r["case"], r["label"]): r for r in rows}
     for case in ("decode", "mixed"):
@@ -434,8 +455,21 @@ def test_a_256_token_block_backend_runs_on_16_token_blocks_through_the_bridge(tm
 def test_mla_shaped_heads_run_with_v_of_its_own_head_dim(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "b.json"
-    argv = ["bench", "--device", "cpu", "--backend", "reference,triton-unified,sdpa-flash", "--cases", "decode",
-            "--head-dim", "64", "--head-dim-v", "32", "--json", str(out)]
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--backend",
+        "reference,triton-unified,sdpa-flash",
+        "--cases",
+        "decode",
+        "--head-dim",
+        "64",
+        "--head-dim-v",
+        "32",
+        "--json",
+        str(out),
+    ]
     assert _cli.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["config"]["head_dim_v"] == 32

@@ -13,8 +13,9 @@ import pytest
 
 def _paged(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PAGED_PLUGINS"}
-    return subprocess.run([sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_the_plugin_is_an_entry_point_of_the_paged_core_group():
@@ -40,14 +41,33 @@ def test_paged_help_lists_bench_from_the_plugin():
 def test_paged_bench_help_keeps_its_options():
     proc = _paged("bench", "--help")
     assert proc.returncode == 0, proc.stderr
-    for option in ("--backend", "--cases", "--heads", "--kv-heads", "--head-dim", "--block-size", "--dtype",
-                   "--sweep-len", "--sweep-batches", "--json", "--plot", "--from-json", "--quick", "--device",
-                   "--warmup", "--rep", "--no-cuda-graph", "--no-baselines", "--seed"):
+    for option in (
+        "--backend",
+        "--cases",
+        "--heads",
+        "--kv-heads",
+        "--head-dim",
+        "--block-size",
+        "--dtype",
+        "--sweep-len",
+        "--sweep-batches",
+        "--json",
+        "--plot",
+        "--from-json",
+        "--quick",
+        "--device",
+        "--warmup",
+        "--rep",
+        "--no-cuda-graph",
+        "--no-baselines",
+        "--seed",
+    ):
         assert option in proc.stdout, option
 
 
-@pytest.mark.parametrize("option, name", [("--json", "bench.json"), ("--plot", "bench.png")],
-                         ids=["bench-json", "bench-plot"])
+@pytest.mark.parametrize(
+    "option, name", [("--json", "bench.json"), ("--plot", "bench.png")], ids=["bench-json", "bench-plot"]
+)
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, option, name):
     # A regular file where a folder should be: no folder can be created under it.
     blocker = tmp_path / "a-file"

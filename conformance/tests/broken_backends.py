@@ -61,8 +61,14 @@ class WrongKVHead(Wrapping):
         def roll(t):
             return None if t is None else t.roll(-1, dims=2)
 
-        rolled = dataclasses.replace(cache, k=roll(cache.k), v=roll(cache.v),
-                                     k_scale=roll(cache.k_scale), v_scale=roll(cache.v_scale), _spill=None)
+        rolled = dataclasses.replace(
+            cache,
+            k=roll(cache.k),
+            v=roll(cache.v),
+            k_scale=roll(cache.k_scale),
+            v_scale=roll(cache.v_scale),
+            _spill=None,
+        )
         return super().attend(q, rolled, meta, **kw)
 
 
@@ -96,8 +102,9 @@ class QuantSkipsScale(Wrapping):
 
     def attend(self, q, cache, meta, **kw):
         if cache.quantized:
-            cache = dataclasses.replace(cache, k_scale=torch.ones_like(cache.k_scale),
-                                        v_scale=torch.ones_like(cache.v_scale), _spill=None)
+            cache = dataclasses.replace(
+                cache, k_scale=torch.ones_like(cache.k_scale), v_scale=torch.ones_like(cache.v_scale), _spill=None
+            )
         return super().attend(q, cache, meta, **kw)
 
 
@@ -196,8 +203,7 @@ class ReadsPastLastBlock(Wrapping):
                 tables.append(row[:n])
                 longer.append(s)
         qsl = meta.query_start_loc.cpu()
-        wider = BatchMeta.from_lists((qsl[1:] - qsl[:-1]).tolist(), longer, tables, block_size=bs,
-                                     device=q.device)
+        wider = BatchMeta.from_lists((qsl[1:] - qsl[:-1]).tolist(), longer, tables, block_size=bs, device=q.device)
         return super().attend(q, cache, wider, **kw)
 
 
@@ -223,9 +229,13 @@ class WritesIntoACopy(Wrapping):
     def write(self, cache, k, v, meta):
         if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
             cache = dataclasses.replace(
-                cache, k=cache.k.contiguous(), v=cache.v.contiguous(),
+                cache,
+                k=cache.k.contiguous(),
+                v=cache.v.contiguous(),
                 k_scale=None if cache.k_scale is None else cache.k_scale.contiguous(),
-                v_scale=None if cache.v_scale is None else cache.v_scale.contiguous(), _spill=None)
+                v_scale=None if cache.v_scale is None else cache.v_scale.contiguous(),
+                _spill=None,
+            )
         write_kv(cache, k, v, meta.slot_mapping)
 
 
@@ -262,8 +272,9 @@ class SeqLensReadContiguous(Wrapping):
     def attend(self, q, cache, meta, **kw):
         sl = self._given.seq_lens
         misread = sl.as_strided(tuple(sl.shape), (1,), sl.storage_offset())
-        return super().attend(q, cache, dataclasses.replace(meta, seq_lens=misread.clone(),
-                                                            seq_lens_cpu=misread.cpu().clone()), **kw)
+        return super().attend(
+            q, cache, dataclasses.replace(meta, seq_lens=misread.clone(), seq_lens_cpu=misread.cpu().clone()), **kw
+        )
 
 
 class PrefixDeclarationTrusted(Wrapping):
@@ -284,10 +295,9 @@ class PrefixDeclarationTrusted(Wrapping):
         meta = plan.meta if isinstance(plan, self.Plan) else plan
         if isinstance(plan, self.Plan) and plan.prefix:
             table = meta.block_table.clone()
-            table[:, :plan.prefix] = table[0, :plan.prefix]
+            table[:, : plan.prefix] = table[0, : plan.prefix]
             meta = dataclasses.replace(meta, block_table=table)
-        super()._forward(q, cache, meta, out=out, lse=lse, scale=scale, window=window, softcap=softcap,
-                         sinks=sinks)
+        super()._forward(q, cache, meta, out=out, lse=lse, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 class PaddingRowsUnwritten(Wrapping):
@@ -307,10 +317,25 @@ class PaddingRowsUnwritten(Wrapping):
 
 #: Every broken backend.
 BROKEN: tuple[type[Backend], ...] = (
-    CausalOffByOne, WindowIgnored, ScaleIgnored, WrongKVHead, PaddingLeftNaN, QuantSkipsScale, Base2Lse,
-    RowsUnwritten, PaddingSlotsWritten, NotBatchInvariant, ReadsPastLastBlock, GridCappedAt32Requests,
-    WritesIntoACopy, SinksReadContiguous, PaddingRowsUnwritten, StaticScalesIgnored, LayerScalesReused,
-    SeqLensReadContiguous, PrefixDeclarationTrusted,
+    CausalOffByOne,
+    WindowIgnored,
+    ScaleIgnored,
+    WrongKVHead,
+    PaddingLeftNaN,
+    QuantSkipsScale,
+    Base2Lse,
+    RowsUnwritten,
+    PaddingSlotsWritten,
+    NotBatchInvariant,
+    ReadsPastLastBlock,
+    GridCappedAt32Requests,
+    WritesIntoACopy,
+    SinksReadContiguous,
+    PaddingRowsUnwritten,
+    StaticScalesIgnored,
+    LayerScalesReused,
+    SeqLensReadContiguous,
+    PrefixDeclarationTrusted,
 )
 
 

@@ -18,8 +18,9 @@ from paged_core import ReferenceBackend, Registry
 
 def _paged(*argv: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PAGED_PLUGINS"}
-    return subprocess.run([sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_the_plugin_is_an_entry_point_of_the_paged_core_group():
@@ -66,8 +67,13 @@ def test_progress_counts_from_one_over_the_cases_that_run(cpu):
     registry = Registry(group="paged_conformance_tests", env_var="PAGED_CONFORMANCE_TESTS_PLUGINS")
     registry.add_plugin(BackendsPlugin(ReferenceBackend, _NotHere), name="progress")
     stream = io.StringIO()
-    matrix = runner.run(["reference", "not-here"], case_filter=["first_token", "random_batches"], device=cpu,
-                        registry=registry, progress=stream)
+    matrix = runner.run(
+        ["reference", "not-here"],
+        case_filter=["first_token", "random_batches"],
+        device=cpu,
+        registry=registry,
+        progress=stream,
+    )
     counters = [re.match(r"\[\s*(\S+)/(\d+)\] (\S+)", line).groups() for line in stream.getvalue().splitlines()]
     cases, total = len(matrix.cases), str(len(matrix.cases))
     assert cases >= 2

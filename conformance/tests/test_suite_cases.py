@@ -99,8 +99,9 @@ def test_assert_close_reports_where_and_how_much():
     out[3, 1, 2] = 0.25
     out[0, 0, 0] = 0.01
     with pytest.raises(ConformanceFailure) as err:
-        assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1e-3, 0),
-                                  query_start_loc=[0, 2, 5], seq_lens=[10, 3])
+        assert_close_to_reference(
+            out, ref, backend="b", case="c", tolerance=Tolerance(1e-3, 0), query_start_loc=[0, 2, 5], seq_lens=[10, 3]
+        )
     msg = str(err.value)
     assert msg.startswith("[b/c] output differs from the float64 reference: max abs error 2.5e-01")
     assert "request 1, head 1, row 3 (token 1 of 3, position 1 of seq_len 3)" in msg
@@ -113,21 +114,27 @@ def test_assert_close_treats_nan_as_failure_and_masks_rows():
     out = torch.full((3, 1, 2), math.nan)
     with pytest.raises(ConformanceFailure, match="max abs error inf"):
         assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1, 1))
-    assert assert_close_to_reference(out, ref, backend="b", case="c", tolerance=Tolerance(1, 1),
-                                     rows=torch.tensor([False, False, False])) == 0.0
+    assert (
+        assert_close_to_reference(
+            out, ref, backend="b", case="c", tolerance=Tolerance(1, 1), rows=torch.tensor([False, False, False])
+        )
+        == 0.0
+    )
 
 
 def test_equal_infinities_match():
     lse = torch.tensor([[-math.inf, 1.0]])
-    assert assert_close_to_reference(lse, lse.double(), backend="b", case="c", what="lse",
-                                     tolerance=Tolerance(1e-6, 0)) == 0.0
+    assert (
+        assert_close_to_reference(lse, lse.double(), backend="b", case="c", what="lse", tolerance=Tolerance(1e-6, 0))
+        == 0.0
+    )
     with pytest.raises(ConformanceFailure, match="lse differs"):
-        assert_close_to_reference(torch.tensor([[0.0, 1.0]]), lse.double(), backend="b", case="c",
-                                  what="lse", tolerance=Tolerance(1e-6, 0))
+        assert_close_to_reference(
+            torch.tensor([[0.0, 1.0]]), lse.double(), backend="b", case="c", what="lse", tolerance=Tolerance(1e-6, 0)
+        )
 
 
-@pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances,
-                                    paged_conformance.workload])
+@pytest.mark.parametrize("module", [paged_conformance.cases, paged_conformance.tolerances, paged_conformance.workload])
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
@@ -151,7 +158,12 @@ def test_random_batches_at_full_size_vary_batches_not_shapes():
     @given(case=strategy)
     def draws(case):
         assert (case.head_dim, case.block_size, case.dtype, case.kv_dtype, case.softcap) == (
-            128, 16, torch.bfloat16, "auto", 0.0)
+            128,
+            16,
+            torch.bfloat16,
+            "auto",
+            0.0,
+        )
         seen.add((len(case.seq_lens), case.query_lens))
 
     draws()
@@ -239,7 +251,8 @@ def test_the_reference_meets_the_static_int8_bound_at_full_size():
     from paged_conformance.checks import check_close_to_full_precision
     from paged_core import registry
 
-    result = check_close_to_full_precision(registry.get("reference"), get_case("kv_int8-static", "full"),
-                                           torch.device("cpu"))
+    result = check_close_to_full_precision(
+        registry.get("reference"), get_case("kv_int8-static", "full"), torch.device("cpu")
+    )
     assert 0 < result.max_error < 0.1
     clear_workloads()

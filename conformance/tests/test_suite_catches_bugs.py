@@ -95,8 +95,7 @@ EXPOSED = [
 BATCH_SIZE_BUGS = (bb.GridCappedAt32Requests,)
 
 
-@pytest.mark.parametrize(("cls", "check", "exposed"), EXPOSED,
-                         ids=[f"{cls.name}-{check}" for cls, check, _ in EXPOSED])
+@pytest.mark.parametrize(("cls", "check", "exposed"), EXPOSED, ids=[f"{cls.name}-{check}" for cls, check, _ in EXPOSED])
 def test_broken_backend_fails_exactly_where_exposed(cls, check, exposed, cpu):
     # The batches of more than 32 requests cost seconds per call even here: they run for the
     # bugs that depend on the batch size (and for the reference, below).
@@ -133,10 +132,14 @@ def test_a_backend_whose_graph_replays_a_stale_result_fails_the_graph_check():
 
     cuda = torch.device("cuda")
     graph_cases = {c.id for c in SMALL if c.id in GRAPH_CASES}
-    assert failing_cases(StaleReplay(validate=True), "cuda_graph_replay", cuda,
-                         only=lambda c: c.id in GRAPH_CASES) == graph_cases
-    assert failing_cases(StaleReplay(validate=True), "matches_reference", cuda,
-                         only=lambda c: c.id in GRAPH_CASES) == set()
+    assert (
+        failing_cases(StaleReplay(validate=True), "cuda_graph_replay", cuda, only=lambda c: c.id in GRAPH_CASES)
+        == graph_cases
+    )
+    assert (
+        failing_cases(StaleReplay(validate=True), "matches_reference", cuda, only=lambda c: c.id in GRAPH_CASES)
+        == set()
+    )
 
 
 def test_failure_says_where(cpu):
@@ -161,8 +164,11 @@ def test_unwritten_rows_are_reported_as_such(cpu):
         CHECKS["matches_reference"].func(bb.RowsUnwritten(), SMALL[0], cpu)
 
 
-@pytest.mark.parametrize("cls", [bb.CausalOffByOne, bb.WindowIgnored, bb.WrongKVHead,
-                                 bb.QuantSkipsScale, bb.PaddingLeftNaN], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "cls",
+    [bb.CausalOffByOne, bb.WindowIgnored, bb.WrongKVHead, bb.QuantSkipsScale, bb.PaddingLeftNaN],
+    ids=lambda c: c.name,
+)
 def test_random_batches_catch_it(cls, cpu):
     with pytest.raises(ConformanceFailure):
         check_random_batches(cls(validate=True), cpu, "small")
@@ -198,10 +204,14 @@ def test_runner_reports_each_broken_backend(use_registry, tmp_path):
     verdict = {(b, c): matrix.cell(b, c).status for b in matrix.backends for c in matrix.cases}
     assert all(verdict[("reference", c)] == "pass" for c in matrix.cases)
     for backend, case in [
-        ("window-ignored", "sliding_window"), ("wrong-kv-head", "mixed_prefill_and_decode-g1"),
-        ("padding-nan", "padding_rows"), ("quant-skips-scale", "kv_int8"),
-        ("padding-slots-written", "padding_rows"), ("causal-off-by-one", "kv_int8"),
-        ("reads-past-last-block", "mixed_prefill_and_decode-g1"), ("padding-rows-unwritten", "padding_rows"),
+        ("window-ignored", "sliding_window"),
+        ("wrong-kv-head", "mixed_prefill_and_decode-g1"),
+        ("padding-nan", "padding_rows"),
+        ("quant-skips-scale", "kv_int8"),
+        ("padding-slots-written", "padding_rows"),
+        ("causal-off-by-one", "kv_int8"),
+        ("reads-past-last-block", "mixed_prefill_and_decode-g1"),
+        ("padding-rows-unwritten", "padding_rows"),
     ]:
         assert verdict[(backend, case)] == "fail", (backend, case)
     assert verdict[("window-ignored", "padding_rows")] == "pass"
@@ -224,8 +234,7 @@ def test_a_claim_that_crashes_is_a_failure_not_a_skip(cpu, broken_registry):
             return super().attend(q, cache, meta, **kw)
 
     broken_registry.add_plugin(bb.BackendsPlugin(ClaimsFp8), name="claims-fp8")
-    matrix = runner.run(["claims-fp8"], case_filter=["kv_fp8", "kv_int8"], registry=broken_registry,
-                        progress=False)
+    matrix = runner.run(["claims-fp8"], case_filter=["kv_fp8", "kv_int8"], registry=broken_registry, progress=False)
     cell = matrix.cell("claims-fp8", "kv_fp8")
     assert cell.status == "fail"
     assert "NotImplementedError: fp8 is not implemented yet" in cell.outcomes[0].message
@@ -238,15 +247,19 @@ def test_unclaimed_spec_is_skipped_with_the_backends_reason(cpu, broken_registry
         capabilities = Capabilities(head_dims=frozenset({64}))
 
     broken_registry.add_plugin(bb.BackendsPlugin(OnlyHeadDim64), name="only-head-dim-64")
-    matrix = runner.run(["only-head-dim-64"], case_filter=["head_dim"], registry=broken_registry,
-                        progress=False)
+    matrix = runner.run(["only-head-dim-64"], case_filter=["head_dim"], registry=broken_registry, progress=False)
     assert matrix.cell("only-head-dim-64", "head_dim_64").status == "pass"
     skipped = matrix.cell("only-head-dim-64", "head_dim_96")
     assert skipped.status == "skip"
     assert skipped.detail == "head_dim 96 is not supported (accepted: 64)"
     with pytest.raises(NotApplicable, match="head_dim 96 is not supported"):
-        run(BackendPool(["only-head-dim-64"], registry=broken_registry), "only-head-dim-64",
-            "matches_reference", next(c for c in SMALL if c.id == "head_dim_96"), cpu)
+        run(
+            BackendPool(["only-head-dim-64"], registry=broken_registry),
+            "only-head-dim-64",
+            "matches_reference",
+            next(c for c in SMALL if c.id == "head_dim_96"),
+            cpu,
+        )
 
 
 class OnlyLargeBlocks(bb.Wrapping):
@@ -268,9 +281,12 @@ def test_a_backend_of_larger_blocks_runs_the_cases_at_its_block_size(cpu, broken
     windows, padding, mixed batches... are checked; the report says at which block size."""
     for cls in (OnlyLargeBlocks, LargeBlocksWindowIgnored):
         broken_registry.add_plugin(bb.BackendsPlugin(cls), name=cls.name)
-    matrix = runner.run(["only-large-blocks", "large-blocks-window-ignored"], registry=broken_registry,
-                        case_filter=["sliding_window", "padding_rows", "block_size", "shared_prefix"],
-                        progress=False)
+    matrix = runner.run(
+        ["only-large-blocks", "large-blocks-window-ignored"],
+        registry=broken_registry,
+        case_filter=["sliding_window", "padding_rows", "block_size", "shared_prefix"],
+        progress=False,
+    )
     good = matrix.cell("only-large-blocks", "sliding_window")
     assert good.status == "pass"
     assert all(o.message.startswith("at block_size 64 ") for o in good.outcomes if o.status == "pass")
@@ -296,8 +312,9 @@ class _MultiplesOf256(Capabilities):
 
 class OnlyMultiplesOf256(bb.Wrapping):
     name = "only-multiples-of-256"
-    capabilities = _MultiplesOf256(**{f.name: getattr(ReferenceBackend.capabilities, f.name)
-                                      for f in dataclasses.fields(Capabilities)})
+    capabilities = _MultiplesOf256(
+        **{f.name: getattr(ReferenceBackend.capabilities, f.name) for f in dataclasses.fields(Capabilities)}
+    )
 
 
 def test_random_batches_draw_a_block_size_the_backend_takes(cpu):

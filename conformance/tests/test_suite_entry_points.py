@@ -17,16 +17,24 @@ SELECTION = ["sliding_window", "first_token", "padding_rows"]
 def test_pytest_and_runner_agree_on_broken_backends(pytester, use_registry):
     backends = "reference,window-ignored,padding-nan,padding-slots-written"
     result = pytester.runpytest_inprocess(
-        "--pyargs", "paged_conformance", "--backends", backends, "-p", "no:cacheprovider",
-        "-k", " or ".join(SELECTION),
+        "--pyargs",
+        "paged_conformance",
+        "--backends",
+        backends,
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        " or ".join(SELECTION),
     )
-    result.stdout.fnmatch_lines([
-        "*paged conformance matrix*",
-        "*FAILED*test_matches_reference[[]window-ignored-sliding_window[]]*",
-        "*FAILED*test_matches_reference[[]padding-nan-padding_rows[]]*",
-        "*FAILED*test_write_then_read[[]padding-slots-written-padding_rows[]]*",
-        "*FAILED*test_layers_share_a_plan[[]padding-nan-padding_rows[]]*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*paged conformance matrix*",
+            "*FAILED*test_matches_reference[[]window-ignored-sliding_window[]]*",
+            "*FAILED*test_matches_reference[[]padding-nan-padding_rows[]]*",
+            "*FAILED*test_write_then_read[[]padding-slots-written-padding_rows[]]*",
+            "*FAILED*test_layers_share_a_plan[[]padding-nan-padding_rows[]]*",
+        ]
+    )
     outcomes = result.parseoutcomes()
     # window-ignored: output and LSE on both windowed cases; padding-nan: output, LSE and the
     # layers check on padding_rows; padding-slots-written: the write check on padding_rows.
@@ -52,8 +60,17 @@ def test_unavailable_backend_is_skipped_with_its_reason(pytester, use_registry):
             return ["needs a CUDA GPU (run on a machine with one)"]
 
     use_registry.add_plugin(bb.BackendsPlugin(NeedsGpu), name="needs-gpu")
-    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "--backends", "needs-gpu",
-                                          "-p", "no:cacheprovider", "-rs", "-k", "first_token or random")
+    result = pytester.runpytest_inprocess(
+        "--pyargs",
+        "paged_conformance",
+        "--backends",
+        "needs-gpu",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "-k",
+        "first_token or random",
+    )
     result.assert_outcomes(skipped=5)
     result.stdout.fnmatch_lines(["*SKIPPED*needs a CUDA GPU (run on a machine with one)*"])
 
@@ -64,20 +81,39 @@ def test_skip_reason_comes_from_the_backend(pytester, use_registry):
         capabilities = Capabilities(kv_dtypes=frozenset(KV_DTYPES), sinks=True, softcap=True)
 
     use_registry.add_plugin(bb.BackendsPlugin(NoWindow), name="no-window")
-    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "--backends", "no-window",
-                                          "-p", "no:cacheprovider", "-rs",
-                                          "-k", "test_matches_reference and (sliding_window or g4)")
+    result = pytester.runpytest_inprocess(
+        "--pyargs",
+        "paged_conformance",
+        "--backends",
+        "no-window",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "-k",
+        "test_matches_reference and (sliding_window or g4)",
+    )
     result.stdout.fnmatch_lines(["*SKIPPED*sliding window attention is not supported*"])
     report = json.loads((pytester.path / "conformance-report.json").read_text())
     assert report["matrix"]["no-window"]["sliding_window"] == {
-        "status": "skip", "detail": "sliding window attention is not supported"}
+        "status": "skip",
+        "detail": "sliding window attention is not supported",
+    }
     assert report["matrix"]["no-window"]["mixed_prefill_and_decode-g4"]["status"] == "pass"
 
 
 def test_report_path_option(pytester, use_registry):
-    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "--backends", "reference",
-                                          "--paged-report", "out/matrix", "-p", "no:cacheprovider",
-                                          "-k", "first_token")
+    result = pytester.runpytest_inprocess(
+        "--pyargs",
+        "paged_conformance",
+        "--backends",
+        "reference",
+        "--paged-report",
+        "out/matrix",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "first_token",
+    )
     result.assert_outcomes(passed=4)
     assert json.loads((pytester.path / "out" / "matrix.json").read_text())["passed"] is True
 
@@ -85,8 +121,16 @@ def test_report_path_option(pytester, use_registry):
 def test_explicit_plugin_flag_does_not_register_twice(pytester):
     """``-p paged_conformance.plugin`` (noxfile.py's spelling) next to the pytest11 entry point."""
     result = pytester.runpytest_subprocess(
-        "--pyargs", "paged_conformance", "-p", "paged_conformance.plugin", "--backends", "reference",
-        "-k", "first_token", "-p", "no:cacheprovider",
+        "--pyargs",
+        "paged_conformance",
+        "-p",
+        "paged_conformance.plugin",
+        "--backends",
+        "reference",
+        "-k",
+        "first_token",
+        "-p",
+        "no:cacheprovider",
     )
     result.assert_outcomes(passed=4)
 
@@ -110,8 +154,9 @@ def test_paged_check_prints_the_table_and_exits_zero(use_registry, tmp_path, cap
 
 
 def test_paged_check_exits_one_on_a_failure(use_registry, tmp_path, capsys):
-    rc = paged_main(["check", "--backend", "reference,window-ignored", "--case", "sliding_window",
-                     "--report", str(tmp_path / "r")])
+    rc = paged_main(
+        ["check", "--backend", "reference,window-ignored", "--case", "sliding_window", "--report", str(tmp_path / "r")]
+    )
     out, _ = capsys.readouterr()
     assert rc == 1
     assert "FAIL 1.2e+00 [1]" in out
@@ -120,8 +165,9 @@ def test_paged_check_exits_one_on_a_failure(use_registry, tmp_path, capsys):
 
 
 def test_paged_check_json(use_registry, tmp_path, capsys):
-    rc = paged_main(["check", "--backend", "reference", "--case", "first_token", "--json",
-                     "--report", str(tmp_path / "r")])
+    rc = paged_main(
+        ["check", "--backend", "reference", "--case", "first_token", "--json", "--report", str(tmp_path / "r")]
+    )
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["passed"] is True
 
@@ -153,15 +199,36 @@ def test_paged_check_merge_resumed_runs(use_registry, tmp_path, capsys):
     """Runs split across machines or interrupted ones merge into one report; for a cell checked
     in several, the later report wins (a re-run after a fix replaces the failure)."""
     first, second, merged = tmp_path / "first", tmp_path / "second", tmp_path / "merged"
-    assert paged_main(["check", "--backend", "reference,window-ignored", "--case", "sliding_window",
-                       "--report", str(first)]) == 1
-    assert paged_main(["check", "--backend", "reference", "--case", "first_token", "--case", "sliding_window",
-                       "--report", str(second)]) == 0
+    assert (
+        paged_main(
+            ["check", "--backend", "reference,window-ignored", "--case", "sliding_window", "--report", str(first)]
+        )
+        == 1
+    )
+    assert (
+        paged_main(
+            [
+                "check",
+                "--backend",
+                "reference",
+                "--case",
+                "first_token",
+                "--case",
+                "sliding_window",
+                "--report",
+                str(second),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert paged_main(["check", "--merge", f"{first}.json", f"{second}.json", "--report", str(merged)]) == 1
     data = json.loads((tmp_path / "merged.json").read_text())
     assert {c: v["status"] for c, v in data["matrix"]["reference"].items()} == {
-        "first_token": "pass", "sliding_window": "pass", "sliding_window-decode_only": "pass"}
+        "first_token": "pass",
+        "sliding_window": "pass",
+        "sliding_window-decode_only": "pass",
+    }
     assert data["matrix"]["window-ignored"]["sliding_window"]["status"] == "fail"
     # The case table's order, not the order the files listed the cases in.
     assert list(data["matrix"]["reference"]) == ["first_token", "sliding_window", "sliding_window-decode_only"]
@@ -171,10 +238,8 @@ def test_paged_check_merge_resumed_runs(use_registry, tmp_path, capsys):
     for r in fixed["results"]:
         r["status"], r["message"] = "pass", ""
     (tmp_path / "fixed.json").write_text(json.dumps(fixed))
-    assert paged_main(["check", "--merge", f"{first}.json", str(tmp_path / "fixed.json"),
-                       "--report", str(merged)]) == 0
-    assert paged_main(["check", "--merge", str(tmp_path / "fixed.json"), f"{first}.json",
-                       "--report", str(merged)]) == 1
+    assert paged_main(["check", "--merge", f"{first}.json", str(tmp_path / "fixed.json"), "--report", str(merged)]) == 0
+    assert paged_main(["check", "--merge", str(tmp_path / "fixed.json"), f"{first}.json", "--report", str(merged)]) == 1
 
 
 def test_paged_check_merge_refuses_what_it_cannot_merge(use_registry, tmp_path, capsys):
@@ -212,10 +277,22 @@ def test_reports_from_before_the_block_size_field_still_say_where_a_case_ran():
     """The H200 reports of 2026-11-29 said a rebased cell's block size only in the note."""
     from paged_conformance.report import Matrix
 
-    legacy = {"size": "full", "device": "cuda", "backends": {"fa": {"available": True, "reasons": []}},
-              "results": [{"backend": "fa", "case": "softcap", "check": "matches_reference", "status": "pass",
-                           "message": "at block_size 256 (fa does not take blocks of 16)", "max_error": 1e-3,
-                           "seconds": 1.0}]}
+    legacy = {
+        "size": "full",
+        "device": "cuda",
+        "backends": {"fa": {"available": True, "reasons": []}},
+        "results": [
+            {
+                "backend": "fa",
+                "case": "softcap",
+                "check": "matches_reference",
+                "status": "pass",
+                "message": "at block_size 256 (fa does not take blocks of 16)",
+                "max_error": 1e-3,
+                "seconds": 1.0,
+            }
+        ],
+    }
     matrix = Matrix.from_json(legacy)
     assert matrix.outcomes[0].block_size == 256
     assert "| `softcap` | pass (block 256) |" in matrix.to_markdown()
@@ -227,8 +304,11 @@ class _UnimportablePlugin:
 
     @hookimpl
     def register_backends(self, register):
-        register("cannot-import", "paged_conformance_tests_no_such_module.backend:Backend",
-                 install="pip install paged-cannot-import")
+        register(
+            "cannot-import",
+            "paged_conformance_tests_no_such_module.backend:Backend",
+            install="pip install paged-cannot-import",
+        )
 
 
 def _only_reference_and_unimportable(monkeypatch) -> Registry:
@@ -245,16 +325,26 @@ def _only_reference_and_unimportable(monkeypatch) -> Registry:
 def test_a_named_backend_that_cannot_be_imported_fails_the_run(pytester, monkeypatch):
     """It used to be skipped everywhere: 0 failed, exit 0, "passed": true."""
     _only_reference_and_unimportable(monkeypatch)
-    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "--backends", "cannot-import",
-                                          "-p", "no:cacheprovider", "-k", "first_token or random")
+    result = pytester.runpytest_inprocess(
+        "--pyargs",
+        "paged_conformance",
+        "--backends",
+        "cannot-import",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "first_token or random",
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 5 and "skipped" not in outcomes and "passed" not in outcomes
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines([
-        "*[[]cannot-import/first_token[]] cannot-import was asked for by name*cannot be loaded*"
-        "ModuleNotFoundError: No module named 'paged_conformance_tests_no_such_module'*"
-        "pip install paged-cannot-import*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*[[]cannot-import/first_token[]] cannot-import was asked for by name*cannot be loaded*"
+            "ModuleNotFoundError: No module named 'paged_conformance_tests_no_such_module'*"
+            "pip install paged-cannot-import*",
+        ]
+    )
     report = json.loads((pytester.path / "conformance-report.json").read_text())
     assert report["passed"] is False
     assert report["matrix"]["cannot-import"]["first_token"]["status"] == "fail"
@@ -263,17 +353,20 @@ def test_a_named_backend_that_cannot_be_imported_fails_the_run(pytester, monkeyp
 def test_a_discovered_backend_that_cannot_be_imported_is_skipped_with_the_import_error(pytester, monkeypatch):
     """Not asked for: nothing to prove here, so a skip, but one that says why and what to install."""
     _only_reference_and_unimportable(monkeypatch)
-    result = pytester.runpytest_inprocess("--pyargs", "paged_conformance", "-p", "no:cacheprovider", "-rs",
-                                          "-k", "test_matches_reference and first_token")
+    result = pytester.runpytest_inprocess(
+        "--pyargs", "paged_conformance", "-p", "no:cacheprovider", "-rs", "-k", "test_matches_reference and first_token"
+    )
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*SKIPPED*No module named 'paged_conformance_tests_no_such_module'*"
-                                 "pip install paged-cannot-import*"])
+    result.stdout.fnmatch_lines(
+        ["*SKIPPED*No module named 'paged_conformance_tests_no_such_module'*pip install paged-cannot-import*"]
+    )
 
 
 def test_paged_check_fails_on_a_named_backend_that_cannot_be_imported(monkeypatch, tmp_path, capsys):
     _only_reference_and_unimportable(monkeypatch)
-    rc = paged_main(["check", "--backend", "cannot-import", "--case", "first_token", "--json",
-                     "--report", str(tmp_path / "r")])
+    rc = paged_main(
+        ["check", "--backend", "cannot-import", "--case", "first_token", "--json", "--report", str(tmp_path / "r")]
+    )
     data = json.loads(capsys.readouterr().out)
     assert rc == 1
     assert data["passed"] is False

@@ -39,16 +39,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is reported)")
     p.add_argument("--block-size", type=int, default=256, help="transformers' cache block size (its default)")
-    p.add_argument("--num-blocks", type=int, default=256,
-                   help="cache blocks (256 x 256 tokens hold the 24 requests 3.6 times over)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=256,
+        help="cache blocks (256 x 256 tokens hold the 24 requests 3.6 times over)",
+    )
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--backends", default="", help="comma-separated paged backends (default: every available one)")
-    p.add_argument("--transformers-paths", default="paged|sdpa,paged|eager,paged|flash_attention_2",
-                   help="transformers' own implementations to time next to them (unavailable ones are reported)")
+    p.add_argument(
+        "--transformers-paths",
+        default="paged|sdpa,paged|eager,paged|flash_attention_2",
+        help="transformers' own implementations to time next to them (unavailable ones are reported)",
+    )
     p.add_argument("--modes", default="eager,graphs")
     p.add_argument("--json", default="", help="also write the rows to this file")
-    p.add_argument("--small", action="store_true",
-                   help="a tiny CPU smoke run (2 layers, small dims, 4 short prompts, fp32)")
+    p.add_argument(
+        "--small", action="store_true", help="a tiny CPU smoke run (2 layers, small dims, 4 short prompts, fp32)"
+    )
     return p.parse_args(argv)
 
 
@@ -68,8 +76,11 @@ def generate(model, implementation, prompts, args, use_cuda_graph):
     model.set_attn_implementation(implementation)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     cb = ContinuousBatchingConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-        return_logprobs=True, use_cuda_graph=use_cuda_graph,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_tokens=args.max_batch_tokens,
+        return_logprobs=True,
+        use_cuda_graph=use_cuda_graph,
     )
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -99,8 +110,9 @@ def implementations(args) -> list[tuple[str, str, bool]]:
         rows.append((name, name, True))
     wanted = [b for b in args.backends.split(",") if b] or paged_core.registry.names()
     for backend in wanted:
-        reasons = paged_core.registry.unavailable(backend) if backend in paged_core.registry.names() else [
-            "not installed"]
+        reasons = (
+            paged_core.registry.unavailable(backend) if backend in paged_core.registry.names() else ["not installed"]
+        )
         if reasons:
             rows.append((f"paged: {backend}", "unavailable: " + "; ".join(reasons), False))
             continue
@@ -127,8 +139,10 @@ def main(argv=None) -> int:
         modes.remove("graphs")  # transformers turns CUDA graphs off without CUDA anyway
 
     print(f"# generate_batch, {describe_environment()}")
-    print(f"# Qwen3-shaped, {args.layers} layers, {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} "
-          f"tokens, {args.new_tokens} new tokens each, block_size {args.block_size}")
+    print(
+        f"# Qwen3-shaped, {args.layers} layers, {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} "
+        f"tokens, {args.new_tokens} new tokens each, block_size {args.block_size}"
+    )
 
     # The accuracy baseline: transformers' own paged path in fp32 on the same weights.
     model = qwen3_shaped_model(args.layers, small=args.small, dtype=torch.float32, device=device)
@@ -159,12 +173,17 @@ def main(argv=None) -> int:
                 generated = sum(len(t) for t in tokens)
                 if baseline_tokens is None and impl == "paged|sdpa" and mode == "eager":
                     baseline_tokens = tokens
-                first = [abs(lp[0] - r[0]) for lp, r, t, rt in zip(logprobs, ref32_logprobs, tokens, ref32_tokens,
-                                                                     strict=True) if t[:1] == rt[:1]]
+                first = [
+                    abs(lp[0] - r[0])
+                    for lp, r, t, rt in zip(logprobs, ref32_logprobs, tokens, ref32_tokens, strict=True)
+                    if t[:1] == rt[:1]
+                ]
                 row.update(
-                    tokens_per_s=generated / seconds, seconds=seconds,
-                    same_tokens_as_sdpa=None if baseline_tokens is None else sum(
-                        a == b for a, b in zip(tokens, baseline_tokens, strict=True)),
+                    tokens_per_s=generated / seconds,
+                    seconds=seconds,
+                    same_tokens_as_sdpa=None
+                    if baseline_tokens is None
+                    else sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True)),
                     first_token_same_as_fp32=sum(t[:1] == r[:1] for t, r in zip(tokens, ref32_tokens, strict=True)),
                     first_logprob_err_vs_fp32=max(first) if first else None,
                     requests=len(tokens),
@@ -184,8 +203,10 @@ def main(argv=None) -> int:
 
 def print_row(row: dict, header: bool) -> None:
     if header:
-        print(f"| {'implementation':<34} | {'mode':<6} | {'tokens/s':>9} | {'s':>7} | {'=sdpa':>6} "
-              f"| {'1st=fp32':>8} | {'1st logprob err':>15} |")
+        print(
+            f"| {'implementation':<34} | {'mode':<6} | {'tokens/s':>9} | {'s':>7} | {'=sdpa':>6} "
+            f"| {'1st=fp32':>8} | {'1st logprob err':>15} |"
+        )
         print(f"|{'-' * 36}|{'-' * 8}|{'-' * 11}|{'-' * 9}|{'-' * 8}|{'-' * 10}|{'-' * 17}|")
     if "error" in row:
         print(f"| {row['implementation']:<34} | {row['mode']:<6} | {row['error']}")
@@ -193,8 +214,11 @@ def print_row(row: dict, header: bool) -> None:
     n = row["requests"]
     same = "-" if row["same_tokens_as_sdpa"] is None else f"{row['same_tokens_as_sdpa']}/{n}"
     err = "-" if row["first_logprob_err_vs_fp32"] is None else f"{row['first_logprob_err_vs_fp32']:.2e}"
-    print(f"| {row['implementation']:<34} | {row['mode']:<6} | {row['tokens_per_s']:>9.1f} | {row['seconds']:>7.3f} "
-          f"| {same:>6} | {row['first_token_same_as_fp32']:>3}/{n:<4} | {err:>15} |", flush=True)
+    print(
+        f"| {row['implementation']:<34} | {row['mode']:<6} | {row['tokens_per_s']:>9.1f} | {row['seconds']:>7.3f} "
+        f"| {same:>6} | {row['first_token_same_as_fp32']:>3}/{n:<4} | {err:>15} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

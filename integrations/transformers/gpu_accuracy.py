@@ -63,16 +63,22 @@ def cb_generate(model, implementation, prompts, args, *, new_tokens, use_cuda_gr
     logits: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda mod, a, out: logits.append(out.detach().float()[0]))
     total = sum(len(p) for p in prompts)
-    options = dict(num_blocks=64, max_batch_tokens=max(total, 64), max_requests_per_batch=len(prompts),
-                   use_cuda_graph=use_cuda_graph, allow_block_sharing=False)
+    options = dict(
+        num_blocks=64,
+        max_batch_tokens=max(total, 64),
+        max_requests_per_batch=len(prompts),
+        use_cuda_graph=use_cuda_graph,
+        allow_block_sharing=False,
+    )
     if "page_size" in ContinuousBatchingConfig.__dataclass_fields__:  # 5.24
         options.update(page_size=args.block_size, auto_switch_to_flash=False)
     else:
         options.update(block_size=args.block_size)
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     try:
-        out = model.generate_batch(prompts, generation_config=gen,
-                                   continuous_batching_config=ContinuousBatchingConfig(**options))
+        out = model.generate_batch(
+            prompts, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**options)
+        )
     finally:
         hook.remove()
     ids = sorted(out, key=lambda r: int(r.split("_")[-1]))
@@ -118,8 +124,9 @@ def main(argv=None) -> int:
 
     lengths = [min(n, 40) for n in PROMPT_LENGTHS] if args.small else PROMPT_LENGTHS
     print(f"# generate_batch accuracy and CUDA graphs, {describe_environment()}")
-    print(f"# Qwen3-shaped, {args.layers} layers, prompts of {lengths} tokens, block_size {args.block_size}",
-          flush=True)
+    print(
+        f"# Qwen3-shaped, {args.layers} layers, prompts of {lengths} tokens, block_size {args.block_size}", flush=True
+    )
     model = qwen3_shaped_model(args.layers, small=args.small, dtype=torch.float32, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
@@ -131,19 +138,31 @@ def main(argv=None) -> int:
 
     paged = []
     for backend in [b for b in args.backends.split(",") if b]:
-        reasons = (paged_core.registry.unavailable(backend) if backend in paged_core.registry.names()
-                   else [f"not installed (installed: {', '.join(paged_core.registry.names())})"])
+        reasons = (
+            paged_core.registry.unavailable(backend)
+            if backend in paged_core.registry.names()
+            else [f"not installed (installed: {', '.join(paged_core.registry.names())})"]
+        )
         paged.append((backend, reasons))
 
     accuracy = []
     print("\n| bf16 path (vs fp32 transformers paged) | max abs err | mean abs err |")
     print("|---|---|---|", flush=True)
-    rows = [(f"paged {b}", (lambda b=b: cb_generate(model, paged_transformers.enable(b), prompts, args,
-                                                     new_tokens=1)[0]), why) for b, why in paged]
-    rows += [(f"transformers {own} (generate_batch)", lambda: cb_generate(model, own, prompts, args,
-                                                                          new_tokens=1)[0], [])]
-    rows += [(f"transformers {impl} (plain forward)", lambda impl=impl: plain_forward(model, impl, prompts), [])
-             for impl in ("sdpa", "eager")]
+    rows = [
+        (
+            f"paged {b}",
+            (lambda b=b: cb_generate(model, paged_transformers.enable(b), prompts, args, new_tokens=1)[0]),
+            why,
+        )
+        for b, why in paged
+    ]
+    rows += [
+        (f"transformers {own} (generate_batch)", lambda: cb_generate(model, own, prompts, args, new_tokens=1)[0], [])
+    ]
+    rows += [
+        (f"transformers {impl} (plain forward)", lambda impl=impl: plain_forward(model, impl, prompts), [])
+        for impl in ("sdpa", "eager")
+    ]
     for label, run, why in rows:
         row = {"path": label}
         if why:
@@ -177,11 +196,13 @@ def main(argv=None) -> int:
                 try:
                     name = paged_transformers.enable(backend) if backend else own
                     _, eager = cb_generate(model, name, prompts, args, new_tokens=args.new_tokens)
-                    _, captured = cb_generate(model, name, prompts, args, new_tokens=args.new_tokens,
-                                              use_cuda_graph=True)
+                    _, captured = cb_generate(
+                        model, name, prompts, args, new_tokens=args.new_tokens, use_cuda_graph=True
+                    )
                     same = [a == b for a, b in zip(eager, captured, strict=True)]
-                    first = next((f"request {i}: {eager[i]} vs {captured[i]}" for i, s in enumerate(same) if not s),
-                                 "-")
+                    first = next(
+                        (f"request {i}: {eager[i]} vs {captured[i]}" for i, s in enumerate(same) if not s), "-"
+                    )
                     row.update(same=sum(same), requests=len(same), first_difference=first)
                 except Exception as exc:  # reported in the table; the other rows still run
                     row["error"] = _error(exc)
@@ -193,8 +214,16 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": describe_environment(), "prompt_lengths": lengths, "accuracy": accuracy,
-                       "cuda_graphs": graphs}, f, indent=2)
+            json.dump(
+                {
+                    "environment": describe_environment(),
+                    "prompt_lengths": lengths,
+                    "accuracy": accuracy,
+                    "cuda_graphs": graphs,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

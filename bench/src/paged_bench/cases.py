@@ -18,8 +18,18 @@ __all__ = ["CASE_IDS", "CPU_CASES", "STATIC_SCALE", "Case", "build_cases"]
 
 #: Case ids in the order they run; ``--cases`` takes any of these ("sweep" = every sweep point).
 CASE_IDS = (
-    "decode", "decode-long", "decode-short", "decode-medium", "decode-single",
-    "mixed", "prefill", "decode-int8", "decode-fp8", "decode-fp8-static", "cascade", "sweep",
+    "decode",
+    "decode-long",
+    "decode-short",
+    "decode-medium",
+    "decode-single",
+    "mixed",
+    "prefill",
+    "decode-int8",
+    "decode-fp8",
+    "decode-fp8-static",
+    "cascade",
+    "sweep",
 )
 #: What runs on a machine without a GPU unless ``--cases`` says otherwise (minuscule sizes).
 CPU_CASES = ("decode", "mixed", "prefill", "decode-int8", "decode-fp8", "decode-fp8-static", "cascade", "sweep")
@@ -94,35 +104,47 @@ def build_cases(cfg: Config) -> list[Case]:
             n = 512 if t else 131072
             out.append(decode(cid, 1, n, "one very long context"))
         elif cid == "mixed":
-            chunk, ctxs, ndec, dlen, spread = (
-                (8, [8, 24], 2, 40, 8) if t else (512, [1024, 3072], 30, 2000, 100))
+            chunk, ctxs, ndec, dlen, spread = (8, [8, 24], 2, 40, 8) if t else (512, [1024, 3072], 30, 2000, 100)
             dec = [dlen + int(x) for x in torch.randint(-spread, spread + 1, (ndec,), generator=g)]
             qlens = (1,) * ndec + (chunk,) * len(ctxs)
             slens = (*dec, *(c + chunk for c in ctxs))
-            out.append(Case(cid, "mixed", f"{len(ctxs)}x{chunk}+{ndec}x~{dlen}", Batch(qlens, slens),
-                            description=f"{len(ctxs)} prefill chunks of {chunk} (context {ctxs}) + "
-                                        f"{ndec} decodes at ~{dlen}"))
+            out.append(
+                Case(
+                    cid,
+                    "mixed",
+                    f"{len(ctxs)}x{chunk}+{ndec}x~{dlen}",
+                    Batch(qlens, slens),
+                    description=f"{len(ctxs)} prefill chunks of {chunk} (context {ctxs}) + {ndec} decodes at ~{dlen}",
+                )
+            )
         elif cid == "prefill":
             b, n = (2, 16) if t else (8, 2048)
-            out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b),
-                            description="whole prompts, causal"))
+            out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b), description="whole prompts, causal"))
         elif cid in ("decode-int8", "decode-fp8"):
             b, n = (2, 64) if t else (64, 4096)
             kv = cid.rsplit("-", 1)[1]
             out.append(decode(cid, b, n, f"headline decode, {kv} cache", kv=kv))
         elif cid == "decode-fp8-static":
             b, n = (2, 64) if t else (64, 4096)
-            out.append(dataclasses.replace(
-                decode(cid, b, n, "headline decode, fp8 cache with one static scale per tensor (vLLM's)", kv="fp8"),
-                static_scales=True))
+            out.append(
+                dataclasses.replace(
+                    decode(cid, b, n, "headline decode, fp8 cache with one static scale per tensor (vLLM's)", kv="fp8"),
+                    static_scales=True,
+                )
+            )
         elif cid == "cascade":
             b, prefix, suffix = (4, 32, 8) if t else (64, 4000, 100)
             shared = prefix // cfg.block_size * cfg.block_size
-            out.append(Case(cid, "cascade", f"{b}x({prefix}+{suffix})",
-                            Batch((1,) * b, (prefix + suffix,) * b,
-                                  shared_prefix_blocks=prefix // cfg.block_size),
-                            description=f"{b} decodes sharing a {prefix}-token prefix ({shared} tokens "
-                                        f"in the same physical blocks) + {suffix}-token suffixes"))
+            out.append(
+                Case(
+                    cid,
+                    "cascade",
+                    f"{b}x({prefix}+{suffix})",
+                    Batch((1,) * b, (prefix + suffix,) * b, shared_prefix_blocks=prefix // cfg.block_size),
+                    description=f"{b} decodes sharing a {prefix}-token prefix ({shared} tokens "
+                    f"in the same physical blocks) + {suffix}-token suffixes",
+                )
+            )
         elif cid == "sweep":
             for n in cfg.sweep_lens:
                 for b in cfg.sweep_batches:
@@ -130,5 +152,3 @@ def build_cases(cfg: Config) -> list[Case]:
                     c.group, c.batch = "sweep", b
                     out.append(c)
     return out
-
-

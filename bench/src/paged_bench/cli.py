@@ -73,8 +73,7 @@ def _lineup(args: argparse.Namespace, cfg: Config, registry: Registry) -> tuple[
     else:
         chosen = [n for n in names if not (n == "reference" and cfg.device.type == "cuda")]
     if not asked and "reference" in names and cfg.device.type == "cuda":
-        not_run["reference"] = ("the oracle (host loops, slow) is not timed on a GPU; "
-                                "--backend reference times it")
+        not_run["reference"] = "the oracle (host loops, slow) is not timed on a GPU; --backend reference times it"
     backends: dict[str, Backend] = {}
     versions: dict[str, Any] = {}
     for name in chosen:
@@ -108,10 +107,11 @@ class _Record:
 
     def snapshot(self, complete: bool) -> dict:
         self.result.update(
-            cases=self.cases, rows=[dataclasses.asdict(r) for r in self.rows], not_run=self.not_run,
+            cases=self.cases,
+            rows=[dataclasses.asdict(r) for r in self.rows],
+            not_run=self.not_run,
             complete=complete,
-            problems=[{"source": p.source, "stage": p.stage, "message": p.message}
-                      for p in self.registry.problems()],
+            problems=[{"source": p.source, "stage": p.stage, "message": p.message} for p in self.registry.problems()],
         )
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -140,8 +140,10 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
     bw = floor.read_bandwidth(cfg.device, gbytes=1.0 if cfg.quick else 4.0)
     mm = floor.matmul_rate(cfg.device, cfg.dtype)
     env = report.make_env(cfg, bw, mm, versions)
-    _progress(f"[bench] read {bw['value'] / 1e9:.0f} GB/s ({bw['method']}); "
-              f"matmul {mm['value'] / 1e12:.1f} TFLOP/s ({mm['method']})")
+    _progress(
+        f"[bench] read {bw['value'] / 1e9:.0f} GB/s ({bw['method']}); "
+        f"matmul {mm['value'] / 1e12:.1f} TFLOP/s ({mm['method']})"
+    )
     if cfg.device.type != "cuda":
         _progress(f"[bench] {CPU_NOTE}; Triton backends run under TRITON_INTERPRET=1 (slow)")
 
@@ -152,8 +154,10 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
         if isinstance(data, BaseException):
             msg = f"error: building the case failed: {short(data)}"
             _case_progress(step, case, msg)
-            record.add(report.failed_case_record(case, msg),
-                       [Row(case.id, case.shape, case.kind, case.group, case.batch, "-", "-", True, status=msg)])
+            record.add(
+                report.failed_case_record(case, msg),
+                [Row(case.id, case.shape, case.kind, case.group, case.batch, "-", "-", True, status=msg)],
+            )
             continue
         info = report.case_record(cfg, case, data)
         tol = output_tolerance(cfg.dtype, case.kv_dtype)
@@ -216,7 +220,6 @@ def main(args: argparse.Namespace, *, registry: Registry | None = None) -> int:
         return 2
     bad = [r for r in result["rows"] if r["status"].startswith(("WRONG", "error"))]
     if bad:
-        print(f"paged bench: {len(bad)} result(s) WRONG or failed (see status); they were not timed",
-              file=sys.stderr)
+        print(f"paged bench: {len(bad)} result(s) WRONG or failed (see status); they were not timed", file=sys.stderr)
         return 1
     return 0

@@ -14,9 +14,13 @@ from .cases import CASE_IDS, CPU_CASES
 __all__ = ["CPU_NOTE", "DTYPES", "Config", "add_arguments", "dtype_name", "make_config", "split_values"]
 
 DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
 }
 #: Printed above and below a table timed on the CPU, and recorded in the JSON.
 CPU_NOTE = "CPU timings — not representative; run on a GPU for real numbers"
@@ -28,38 +32,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "read-bandwidth floor measured in the same run; each result is checked against the "
         "reference before it is timed. Without a GPU it runs minuscule cases on the CPU."
     )
-    p.add_argument("--backend", action="append", metavar="A,B",
-                   help="only these backends (repeatable or comma-separated); the non-paged "
-                        "baselines are named sdpa-flash and sdpa-cudnn")
-    p.add_argument("--cases", action="append", metavar="A,B",
-                   help=f"only these cases (repeatable or comma-separated): {', '.join(CASE_IDS)}")
+    p.add_argument(
+        "--backend",
+        action="append",
+        metavar="A,B",
+        help="only these backends (repeatable or comma-separated); the non-paged "
+        "baselines are named sdpa-flash and sdpa-cudnn",
+    )
+    p.add_argument(
+        "--cases",
+        action="append",
+        metavar="A,B",
+        help=f"only these cases (repeatable or comma-separated): {', '.join(CASE_IDS)}",
+    )
     p.add_argument("--heads", type=int, default=None, help="query heads (default 32; CPU 4)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8; CPU 1)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; CPU 64)")
-    p.add_argument("--head-dim-v", type=int, default=None,
-                   help="V's and the output's head dim when it differs (MLA-shaped: --head-dim 192 --head-dim-v 128)")
+    p.add_argument(
+        "--head-dim-v",
+        type=int,
+        default=None,
+        help="V's and the output's head dim when it differs (MLA-shaped: --head-dim 192 --head-dim-v 128)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
-                   help="model dtype (default bfloat16)")
-    p.add_argument("--sweep-len", action="append", metavar="L,L",
-                   help="context length(s) of the batch-size sweep (default 4096; e.g. 4096,32768)")
-    p.add_argument("--sweep-batches", default=None, metavar="B,B",
-                   help="batch sizes of the sweep (default 1,2,4,8,16,32,64,128,256)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="model dtype (default bfloat16)")
+    p.add_argument(
+        "--sweep-len",
+        action="append",
+        metavar="L,L",
+        help="context length(s) of the batch-size sweep (default 4096; e.g. 4096,32768)",
+    )
+    p.add_argument(
+        "--sweep-batches",
+        default=None,
+        metavar="B,B",
+        help="batch sizes of the sweep (default 1,2,4,8,16,32,64,128,256)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every result (env + rows) as JSON")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="write a PNG: achieved bandwidth vs the floor across the sweep (matplotlib)")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="time nothing: print the table of a run recorded with --json (and --plot its sweep)")
-    p.add_argument("--quick", action="store_true",
-                   help="shorter timing and a thinner sweep (implied without a GPU, with tiny sizes)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="where to run (default: cuda if available)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG: achieved bandwidth vs the floor across the sweep (matplotlib)",
+    )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="time nothing: print the table of a run recorded with --json (and --plot its sweep)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="shorter timing and a thinner sweep (implied without a GPU, with tiny sizes)",
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cuda", "cpu"], help="where to run (default: cuda if available)"
+    )
     p.add_argument("--warmup", type=float, default=None, help="warm-up per timing, ms (default 25)")
     p.add_argument("--rep", type=float, default=None, help="timed repetitions per timing, ms (default 100)")
-    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
-                   help="time eager calls only. By default, backends that claim cuda_graphs are also "
-                        "timed as CUDA-graph replays (as engines run decode) and 'ms' is the replay time; "
-                        "'eager ms' always includes the host-side launch cost")
+    p.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        help="time eager calls only. By default, backends that claim cuda_graphs are also "
+        "timed as CUDA-graph replays (as engines run decode) and 'ms' is the replay time; "
+        "'eager ms' always includes the host-side launch cost",
+    )
     p.add_argument("--no-baselines", action="store_true", help="skip the non-paged SDPA baselines")
     p.add_argument("--seed", type=int, default=0, help="random seed of data and block placement")
 
@@ -153,8 +192,7 @@ def make_config(args: argparse.Namespace) -> Config:
     kv_heads = args.kv_heads or (1 if tiny else 8)
     if heads % kv_heads:
         raise PagedError(
-            f"--heads {heads} is not a multiple of --kv-heads {kv_heads}; accepted: "
-            "heads = group_size * kv_heads"
+            f"--heads {heads} is not a multiple of --kv-heads {kv_heads}; accepted: heads = group_size * kv_heads"
         )
     return Config(
         device=device,
@@ -176,5 +214,3 @@ def make_config(args: argparse.Namespace) -> Config:
         min_pool_bytes=0 if tiny else 256 * 1024 * 1024,
         head_dim_v=getattr(args, "head_dim_v", None),
     )
-
-

@@ -23,8 +23,17 @@ from paged_core import (
 from .cases import Case
 from .config import Config
 
-__all__ = ["CaseData", "build_pool", "count_flops", "free", "materialize_safely", "pick_checked", "pool_bytes",
-           "recover", "unique_kv_tokens"]
+__all__ = [
+    "CaseData",
+    "build_pool",
+    "count_flops",
+    "free",
+    "materialize_safely",
+    "pick_checked",
+    "pool_bytes",
+    "recover",
+    "unique_kv_tokens",
+]
 
 
 @dataclasses.dataclass
@@ -91,8 +100,9 @@ def pick_checked(qlens: Sequence[int], limit_reqs: int = 8, limit_rows: int = 40
         if len(singles) <= room:
             chosen += singles
         else:
-            chosen += [singles[round(i * (len(singles) - 1) / (room - 1))] for i in range(room)] if room > 1 \
-                else [singles[0]]
+            chosen += (
+                [singles[round(i * (len(singles) - 1) / (room - 1))] for i in range(room)] if room > 1 else [singles[0]]
+            )
     return sorted(set(chosen))
 
 
@@ -105,23 +115,30 @@ def _reference_subset(q, cache, meta, tables, reqs) -> tuple[torch.Tensor, torch
     remap = {b: i for i, b in enumerate(uniq)}
     idx = torch.tensor(uniq or [0], dtype=torch.long, device=cache.device)
     sub = KVCache(
-        k=_index_blocks(cache.k, idx), v=_index_blocks(cache.v, idx), kv_dtype=cache.kv_dtype,
+        k=_index_blocks(cache.k, idx),
+        v=_index_blocks(cache.v, idx),
+        kv_dtype=cache.kv_dtype,
         k_scale=None if cache.k_scale is None else cache.k_scale.index_select(0, idx),
         v_scale=None if cache.v_scale is None else cache.v_scale.index_select(0, idx),
         dtype=cache.dtype,
     )
-    sub_meta = BatchMeta.from_lists([qlens[r] for r in reqs], [slens[r] for r in reqs],
-                                    [[remap[b] for b in t] for t in used], block_size=bs, device=cache.device)
+    sub_meta = BatchMeta.from_lists(
+        [qlens[r] for r in reqs],
+        [slens[r] for r in reqs],
+        [[remap[b] for b in t] for t in used],
+        block_size=bs,
+        device=cache.device,
+    )
     qsl_t = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc
     qsl = qsl_t.tolist()
-    rows = torch.tensor([i for r in reqs for i in range(qsl[r], qsl[r + 1])], dtype=torch.long,
-                        device=q.device)
+    rows = torch.tensor([i for r in reqs for i in range(qsl[r], qsl[r + 1])], dtype=torch.long, device=q.device)
     ref = reference_attention(q.index_select(0, rows), sub, sub_meta, compute_dtype=torch.float32)
     return rows, ref
 
 
-def count_flops(qlens: Sequence[int], slens: Sequence[int], heads: int, head_dim: int,
-                head_dim_v: int | None = None) -> int:
+def count_flops(
+    qlens: Sequence[int], slens: Sequence[int], heads: int, head_dim: int, head_dim_v: int | None = None
+) -> int:
     """Exact causal count: each query sees (its position + 1) keys; QK^T and PV are 2 FLOPs per
     element of their head dims (V's own when given)."""
     visible = sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
@@ -148,11 +165,18 @@ def build_pool(cfg: Config, case: Case, seed: int):
     num_blocks = max(need + 1, cfg.min_pool_bytes // per_block)
     alloc = BlockAllocator(num_blocks, shuffle=True, seed=seed)
     tables = allocate_tables(case.seq_lens, bs, alloc, shared_prefix_blocks=pb)
-    meta = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
-                                device=cfg.device)
-    cache = allocate_kv_cache(num_blocks, bs, cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype,
-                              kv_dtype=case.kv_dtype, device=cfg.device, head_dim_v=cfg.dim_v,
-                              **case.allocate_kwargs())
+    meta = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs, device=cfg.device)
+    cache = allocate_kv_cache(
+        num_blocks,
+        bs,
+        cfg.kv_heads,
+        cfg.head_dim,
+        dtype=cfg.dtype,
+        kv_dtype=case.kv_dtype,
+        device=cfg.device,
+        head_dim_v=cfg.dim_v,
+        **case.allocate_kwargs(),
+    )
     _fill_cache(cache, seed)
     return meta, cache, tables
 
@@ -160,8 +184,9 @@ def build_pool(cfg: Config, case: Case, seed: int):
 def _bytes_per_token(cfg: Config, case: Case) -> int:
     """K/V bytes a token of ``case``'s cache takes (per-slot scales included; static ones are
     one value for the whole cache)."""
-    per_tok = kv_bytes_per_token(cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype,
-                                 head_dim_v=cfg.dim_v)
+    per_tok = kv_bytes_per_token(
+        cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype, head_dim_v=cfg.dim_v
+    )
     return per_tok - (2 * cfg.kv_heads * 4 if case.static_scales else 0)
 
 
@@ -175,7 +200,13 @@ def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables,
     per_tok = _bytes_per_token(cfg, case)
     elem = torch.tensor([], dtype=cfg.dtype).element_size()
     return CaseData(
-        meta=meta, cache=cache, tables=tables, q=q, rows=rows, ref=ref, checked_reqs=reqs,
+        meta=meta,
+        cache=cache,
+        tables=tables,
+        q=q,
+        rows=rows,
+        ref=ref,
+        checked_reqs=reqs,
         kv_bytes=unique_kv_tokens(tables, slens, cfg.block_size) * per_tok,
         kv_bytes_logical=sum(slens) * per_tok,
         qo_bytes=n * cfg.heads * (cfg.head_dim + cfg.dim_v) * elem,

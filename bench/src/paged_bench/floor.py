@@ -50,14 +50,14 @@ def _read_kernel():
     return _READ_KERNEL
 
 
-def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: float = 10,
-                   rep_ms: float = 50) -> Ceiling:
+def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: float = 10, rep_ms: float = 50) -> Ceiling:
     """Bytes per second the device reads, measured now (the denominator of every floor)."""
     if device.type != "cuda":
         x = torch.randn(16 * 1024 * 1024, dtype=torch.float32)  # 64 MB
         ms = host_time(lambda: torch.sum(x), device, rep_ms=200, max_reps=10)
-        return Ceiling(value=x.numel() * 4 / (ms / 1000), method="torch.sum of 64 MB float32 (CPU)",
-                       bytes=x.numel() * 4)
+        return Ceiling(
+            value=x.numel() * 4 / (ms / 1000), method="torch.sum of 64 MB float32 (CPU)", bytes=x.numel() * 4
+        )
     results: dict[str, float] = {}
     free = torch.cuda.mem_get_info(device)[0]
     nbytes = int(min(gbytes * 1e9, free * 0.4))
@@ -76,17 +76,23 @@ def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: floa
         try:
             kernel = _read_kernel()
             want = float(torch.sum(x, dtype=torch.float64))
-            for chunk, block, warps in ((1 << 16, 4096, 8), (1 << 16, 2048, 4), (1 << 18, 4096, 8),
-                                        (1 << 14, 2048, 4), (1 << 17, 8192, 8)):
+            for chunk, block, warps in (
+                (1 << 16, 4096, 8),
+                (1 << 16, 2048, 4),
+                (1 << 18, 4096, 8),
+                (1 << 14, 2048, 4),
+                (1 << 17, 8192, 8),
+            ):
                 if n % chunk:
                     continue
                 grid = (n // chunk,)
                 out = torch.empty(grid[0], dtype=torch.float32, device=device)
                 call = lambda k=kernel, o=out, c=chunk, b=block, w=warps, g=grid: k[g](  # noqa: E731
-                    x, o, CHUNK=c, BLOCK=b, num_warps=w)
+                    x, o, CHUNK=c, BLOCK=b, num_warps=w
+                )
                 call()
                 got = float(out.double().sum())
-                if abs(got - want) > 1e-3 * n ** 0.5 + 1e-4 * abs(want):
+                if abs(got - want) > 1e-3 * n**0.5 + 1e-4 * abs(want):
                     raise RuntimeError(f"stream-read kernel summed {got}, torch.sum says {want}")
                 ms, _ = time_fn(call, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
                 results[f"triton stream-read chunk={chunk} block={block} warps={warps}"] = n * 2 / (ms / 1000)
@@ -94,16 +100,13 @@ def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: floa
             err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     reads = {k: v for k, v in results.items() if not k.startswith("copy")}
     best = max(reads, key=reads.__getitem__)
-    c = Ceiling(value=reads[best], method=best, bytes=n * 2,
-                all={k: round(v / 1e9, 1) for k, v in results.items()})
+    c = Ceiling(value=reads[best], method=best, bytes=n * 2, all={k: round(v / 1e9, 1) for k, v in results.items()})
     if err:
         c["triton_error"] = err
     return c
 
 
-def matmul_rate(
-    device: torch.device, dtype: torch.dtype, *, warmup_ms: float = 10, rep_ms: float = 50
-) -> Ceiling:
+def matmul_rate(device: torch.device, dtype: torch.dtype, *, warmup_ms: float = 10, rep_ms: float = 50) -> Ceiling:
     """FLOP/s of a dense matrix product in ``dtype`` on random data (8192² on a GPU)."""
     if device.type != "cuda":
         n = 1024

@@ -26,8 +26,7 @@ def metrics(rows: list[Row], case_info: dict, bw: float, mm: float) -> None:
     total_bytes = case_info["kv_bytes"] + case_info["qo_bytes"]
     floor_bw = total_bytes / bw * 1000
     floor_mm = case_info["flops"] / mm * 1000
-    case_info.update(floor_ms_bw=floor_bw, floor_ms_mm=floor_mm, floor_ms=max(floor_bw, floor_mm),
-                     bytes=total_bytes)
+    case_info.update(floor_ms_bw=floor_bw, floor_ms_mm=floor_mm, floor_ms=max(floor_bw, floor_mm), bytes=total_bytes)
     ok = [(r, r.ms) for r in rows if r.status == "ok" and r.ms]
     best = min((ms for _, ms in ok), default=None)
     for r, ms in ok:
@@ -43,21 +42,39 @@ def metrics(rows: list[Row], case_info: dict, bw: float, mm: float) -> None:
 def case_record(cfg: Config, case: Case, data: CaseData) -> dict:
     """What ``--json`` records of a case (:func:`metrics` adds its floors)."""
     return {
-        "id": case.id, "kind": case.kind, "shape": case.shape, "group": case.group, "batch": case.batch,
-        "description": case.description, "num_reqs": len(case.seq_lens),
+        "id": case.id,
+        "kind": case.kind,
+        "shape": case.shape,
+        "group": case.group,
+        "batch": case.batch,
+        "description": case.description,
+        "num_reqs": len(case.seq_lens),
         "num_tokens": sum(case.query_lens),
-        "max_seq_len": max(case.seq_lens), "total_context": sum(case.seq_lens), "kv_dtype": case.kv_dtype,
+        "max_seq_len": max(case.seq_lens),
+        "total_context": sum(case.seq_lens),
+        "kv_dtype": case.kv_dtype,
         "kv_scales": "static" if case.static_scales else "per_slot",
-        "prefix_tokens": case.lengths.shared_prefix_blocks * cfg.block_size, "kv_bytes": data.kv_bytes,
-        "kv_bytes_logical": data.kv_bytes_logical, "qo_bytes": data.qo_bytes, "flops": data.flops,
-        "checked_requests": data.checked_reqs, "pool_bytes": pool_bytes(data.cache),
+        "prefix_tokens": case.lengths.shared_prefix_blocks * cfg.block_size,
+        "kv_bytes": data.kv_bytes,
+        "kv_bytes_logical": data.kv_bytes_logical,
+        "qo_bytes": data.qo_bytes,
+        "flops": data.flops,
+        "checked_requests": data.checked_reqs,
+        "pool_bytes": pool_bytes(data.cache),
     }
 
 
 def failed_case_record(case: Case, error: str) -> dict:
     """What ``--json`` records of a case that could not be built."""
-    return {"id": case.id, "kind": case.kind, "shape": case.shape, "group": case.group, "batch": case.batch,
-            "description": case.description, "error": error}
+    return {
+        "id": case.id,
+        "kind": case.kind,
+        "shape": case.shape,
+        "group": case.group,
+        "batch": case.batch,
+        "description": case.description,
+        "error": error,
+    }
 
 
 def make_env(cfg: Config, bw: dict, mm: dict, backends: dict) -> dict:
@@ -90,10 +107,14 @@ def make_env(cfg: Config, bw: dict, mm: dict, backends: dict) -> dict:
         pass
     if cfg.device.type == "cuda":
         p = torch.cuda.get_device_properties(cfg.device)
-        env.update(device_name=p.name, capability=f"sm_{p.major}{p.minor}", sms=p.multi_processor_count,
-                   memory_GB=round(p.total_memory / 1e9, 1),
-                   l2_MB=round(getattr(p, "L2_cache_size", 0) / 1e6, 1),
-                   driver=_driver())
+        env.update(
+            device_name=p.name,
+            capability=f"sm_{p.major}{p.minor}",
+            sms=p.multi_processor_count,
+            memory_GB=round(p.total_memory / 1e9, 1),
+            l2_MB=round(getattr(p, "L2_cache_size", 0) / 1e6, 1),
+            driver=_driver(),
+        )
     return env
 
 
@@ -101,8 +122,12 @@ def _driver() -> str | None:
     try:
         import subprocess
 
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
     except Exception:
         return None
@@ -114,7 +139,7 @@ def _fmt(v: float | None, width: int, digits: int = 1, suffix: str = "") -> str:
         return "-".rjust(width)
     if 0 < abs(v) < 0.01:
         s = f"{v:.1e}"
-    elif 0 < abs(v) < 10 ** -digits * 100:
+    elif 0 < abs(v) < 10**-digits * 100:
         s = f"{v:.3g}"
     else:
         s = f"{v:.{max(digits, 0)}f}"
@@ -124,24 +149,35 @@ def _fmt(v: float | None, width: int, digits: int = 1, suffix: str = "") -> str:
 def print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_run: dict, out=None) -> None:
     """The table of a run (timed now or read back from ``--json``) on ``out`` (stdout)."""
     w = (out or sys.stdout).write
-    w(f"paged bench — {env['device_name']} · torch {env['torch']}"
-      + (f" (CUDA {env['cuda']})" if env.get("cuda") and cfg.device.type == "cuda" else "")
-      + f" · triton {env['triton'] or 'absent'} · {env['date']}\n")
-    w(f"floor: read {env['read_bandwidth_Bps'] / 1e12:.3f} TB/s ({env['read_bandwidth_method']}) · "
-      f"matmul {env['matmul_flops'] / 1e12:.1f} TFLOP/s ({env['matmul_method']})\n")
+    w(
+        f"paged bench — {env['device_name']} · torch {env['torch']}"
+        + (f" (CUDA {env['cuda']})" if env.get("cuda") and cfg.device.type == "cuda" else "")
+        + f" · triton {env['triton'] or 'absent'} · {env['date']}\n"
+    )
+    w(
+        f"floor: read {env['read_bandwidth_Bps'] / 1e12:.3f} TB/s ({env['read_bandwidth_method']}) · "
+        f"matmul {env['matmul_flops'] / 1e12:.1f} TFLOP/s ({env['matmul_method']})\n"
+    )
     dims = f"{cfg.head_dim}" + ("" if cfg.dim_v == cfg.head_dim else f" (V {cfg.dim_v})")
-    w(f"shape: {cfg.heads}/{cfg.kv_heads} heads x {dims}, {dtype_name(cfg.dtype)}, "
-      f"block {cfg.block_size}"
-      + ("  (tiny CPU sizes)" if cfg.tiny else "") + "\n")
+    w(
+        f"shape: {cfg.heads}/{cfg.kv_heads} heads x {dims}, {dtype_name(cfg.dtype)}, "
+        f"block {cfg.block_size}" + ("  (tiny CPU sizes)" if cfg.tiny else "") + "\n"
+    )
     if cfg.device.type != "cuda":
         w(f"*** {CPU_NOTE} ***\n")
-    w("GB/s counts the K/V (+ scales, Q, O) the batch must move (a shared prefix once); "
-      "%BW = floor(bytes / read bandwidth) / time; %MM = floor(FLOPs / matmul rate) / time.\n\n")
-    w("ms: CUDA-graph replay where the backend claims graph safety (as engines run decode), else eager; "
-      "eager ms: one forward() call from Python, host launch cost included; host us: the host's own "
-      f"time per forward() ({HOST_CALLS} calls, synchronised only at the end).\n\n")
-    head = f"{'case':<18} {'shape':<16} {'backend':<24} {'ms':>9} {'eager ms':>9} {'host us':>8} " \
-           f"{'GB/s':>8} {'%BW':>6} {'TFLOP/s':>8} {'%MM':>6} {'x best':>7}  status\n"
+    w(
+        "GB/s counts the K/V (+ scales, Q, O) the batch must move (a shared prefix once); "
+        "%BW = floor(bytes / read bandwidth) / time; %MM = floor(FLOPs / matmul rate) / time.\n\n"
+    )
+    w(
+        "ms: CUDA-graph replay where the backend claims graph safety (as engines run decode), else eager; "
+        "eager ms: one forward() call from Python, host launch cost included; host us: the host's own "
+        f"time per forward() ({HOST_CALLS} calls, synchronised only at the end).\n\n"
+    )
+    head = (
+        f"{'case':<18} {'shape':<16} {'backend':<24} {'ms':>9} {'eager ms':>9} {'host us':>8} "
+        f"{'GB/s':>8} {'%BW':>6} {'TFLOP/s':>8} {'%MM':>6} {'x best':>7}  status\n"
+    )
     w(head)
     w("-" * (len(head) + 10) + "\n")
     info = {c["id"]: c for c in cases}
@@ -160,15 +196,23 @@ def print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_
             if r.note:
                 extra.append(r.note)
             status = "ok" + (f" ({'; '.join(extra)})" if extra else "")
-        w(f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} "
-          f"{_fmt(r.host_us, 8, 1)} {_fmt(r.gbps, 8, 0)} "
-          f"{_fmt(r.pct_bw_floor, 6, 1, '%')} {_fmt(r.tflops if compute else None, 8, 1)} "
-          f"{_fmt(r.pct_mm_floor if compute else None, 6, 1, '%')} {_fmt(r.x_fastest, 7, 2, 'x')}"
-          f"  {status}\n")
-    w("\nfloors per case: " + "; ".join(
-        f"{c['id']} {c['floor_ms_bw']:.4f} ms" + (f" (compute {c['floor_ms_mm']:.4f})" if c["kind"] in
-                                                  ("prefill", "mixed") else "")
-        for c in cases if "floor_ms_bw" in c and c["group"] != "sweep") + "\n")
+        w(
+            f"{r.case:<18} {r.shape:<16} {r.label:<24} {_fmt(r.ms, 9, 4)} {_fmt(r.eager_ms, 9, 4)} "
+            f"{_fmt(r.host_us, 8, 1)} {_fmt(r.gbps, 8, 0)} "
+            f"{_fmt(r.pct_bw_floor, 6, 1, '%')} {_fmt(r.tflops if compute else None, 8, 1)} "
+            f"{_fmt(r.pct_mm_floor if compute else None, 6, 1, '%')} {_fmt(r.x_fastest, 7, 2, 'x')}"
+            f"  {status}\n"
+        )
+    w(
+        "\nfloors per case: "
+        + "; ".join(
+            f"{c['id']} {c['floor_ms_bw']:.4f} ms"
+            + (f" (compute {c['floor_ms_mm']:.4f})" if c["kind"] in ("prefill", "mixed") else "")
+            for c in cases
+            if "floor_ms_bw" in c and c["group"] != "sweep"
+        )
+        + "\n"
+    )
     if not_run:
         w("not run on this machine:\n")
         for name, why in not_run.items():
@@ -197,8 +241,13 @@ def plot(path: str, env: dict, cfg: Config, rows: list[Row]) -> str | None:
         for label in dict.fromkeys(r.label for r in pts):
             xs = [(r.batch, r.gbps) for r in pts if r.label == label and r.gbps]
             if xs:
-                ax.plot([x for x, _ in xs], [y for _, y in xs], marker="o",
-                        linestyle="--" if "non-paged" in label else "-", label=label)
+                ax.plot(
+                    [x for x, _ in xs],
+                    [y for _, y in xs],
+                    marker="o",
+                    linestyle="--" if "non-paged" in label else "-",
+                    label=label,
+                )
         ax.axhline(bw, color="black", linestyle=":", label=f"floor: read bandwidth {bw:.0f} GB/s")
         ax.set_xscale("log", base=2)
         batches = sorted({r.batch for r in pts})
@@ -206,13 +255,18 @@ def plot(path: str, env: dict, cfg: Config, rows: list[Row]) -> str | None:
         ax.set_xticklabels([str(b) for b in batches])
         ax.set_xlabel("decode batch size (requests)")
         ax.set_ylabel("achieved GB/s of K/V needed")
-        ax.set_title(f"decode at {n} tokens · {cfg.heads}/{cfg.kv_heads}x{cfg.head_dim} "
-                     f"{dtype_name(cfg.dtype)} block {cfg.block_size}")
+        ax.set_title(
+            f"decode at {n} tokens · {cfg.heads}/{cfg.kv_heads}x{cfg.head_dim} "
+            f"{dtype_name(cfg.dtype)} block {cfg.block_size}"
+        )
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"paged bench · {env['device_name']} · {env['date'][:10]}"
-                 + (" · CPU timings, not representative" if cfg.device.type != "cuda" else ""), fontsize=10)
+    fig.suptitle(
+        f"paged bench · {env['device_name']} · {env['date'][:10]}"
+        + (" · CPU timings, not representative" if cfg.device.type != "cuda" else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -31,6 +31,7 @@ __all__ = ["PRODUCERS", "SDPA_BASELINES", "Lineup", "Row", "RowProducer", "run_b
 #: The non-paged baselines, by the names ``--backend`` takes.
 SDPA_BASELINES = ("sdpa-flash", "sdpa-cudnn")
 
+
 def tolerance_label(tol: Tolerance) -> str:
     """How rows and case infos name the tolerance (the suite's, elementwise against the reference)."""
     return f"{tol} (paged_conformance)"
@@ -46,8 +47,14 @@ def _check(out_rows: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[b
     rel = float(diff.max()) / float(ref.abs().max().clamp_min(1e-6))
     over = float((diff / (tol.atol + tol.rtol * ref.abs())).max())
     if over > 1.0:
-        return False, rel, (f"WRONG: |out-ref| reaches {over:.3g}x the tolerance {tolerance_label(tol)} "
-                            f"(max|out-ref|/max|ref| = {rel:.3g})")
+        return (
+            False,
+            rel,
+            (
+                f"WRONG: |out-ref| reaches {over:.3g}x the tolerance {tolerance_label(tol)} "
+                f"(max|out-ref|/max|ref| = {rel:.3g})"
+            ),
+        )
     return True, rel, "ok"
 
 
@@ -81,6 +88,7 @@ class Row:
     timing: str | None = None
     note: str = ""
 
+
 def short(exc: BaseException) -> str:
     """An exception as a status: its type and the first line of its message."""
     msg = str(exc).strip().splitlines()
@@ -111,12 +119,18 @@ def _graph_fn(fn, device):
 
 def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tolerance) -> Row:
     """Skip (its reasons), check against the reference, then time ``backend`` on ``case``."""
-    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, name, True,
-              tolerance=tolerance_label(tol))
+    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, name, True, tolerance=tolerance_label(tol))
     spec = AttentionSpec(
-        num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, block_size=cfg.block_size,
-        dtype=cfg.dtype, kv_dtype=case.kv_dtype, kv_scales="per_tensor" if case.static_scales else "per_slot",
-        device=cfg.device.type, decode_only=data.meta.decode_only, head_dim_v=cfg.dim_v,
+        num_heads=cfg.heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        block_size=cfg.block_size,
+        dtype=cfg.dtype,
+        kv_dtype=case.kv_dtype,
+        kv_scales="per_tensor" if case.static_scales else "per_slot",
+        device=cfg.device.type,
+        decode_only=data.meta.decode_only,
+        head_dim_v=cfg.dim_v,
     )
     try:
         reasons = backend.reasons(spec)
@@ -130,19 +144,34 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
     if type(backend).allocate is not Backend.allocate:
         # A backend with its own cache layout: allocate through it and copy if the layout matches.
         try:
-            own = backend.allocate(cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
-                                   dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cfg.device,
-                                   head_dim_v=cache.head_dim_v, **case.allocate_kwargs())
+            own = backend.allocate(
+                cache.num_blocks,
+                cache.block_size,
+                cache.num_kv_heads,
+                cache.head_dim,
+                dtype=cache.dtype,
+                kv_dtype=cache.kv_dtype,
+                device=cfg.device,
+                head_dim_v=cache.head_dim_v,
+                **case.allocate_kwargs(),
+            )
             if own.k.shape != cache.k.shape or own.v.shape != cache.v.shape or own.k.dtype != cache.k.dtype:
-                row.status = (f"skip: {name} allocates its cache as {list(own.k.shape)} {own.k.dtype}; "
-                              "paged bench fills NHD caches only")
+                row.status = (
+                    f"skip: {name} allocates its cache as {list(own.k.shape)} {own.k.dtype}; "
+                    "paged bench fills NHD caches only"
+                )
                 return row
-            for a, b in ((own.k, cache.k), (own.v, cache.v), (own.k_scale, cache.k_scale),
-                         (own.v_scale, cache.v_scale)):
+            for a, b in (
+                (own.k, cache.k),
+                (own.v, cache.v),
+                (own.k_scale, cache.k_scale),
+                (own.v_scale, cache.v_scale),
+            ):
                 if a is not None and not (own.static_scales and a.dim() == 3):  # static: given above
                     assert b is not None  # the same kv_dtype: the same scales
                     (a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a).copy_(
-                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
+                    )
             cache = own
         except Exception as exc:
             row.status = f"error: allocate: {short(exc)}"
@@ -169,8 +198,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
             # without the host-side launch cost that the eager time includes.
             replay, why = _graph_fn(fn, cfg.device)
             if replay is not None:
-                row.ms, row.timing = time_fn(replay, cfg.device, warmup_ms=cfg.warmup_ms,
-                                                    rep_ms=cfg.rep_ms)
+                row.ms, row.timing = time_fn(replay, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
                 row.note = "CUDA graph"
             else:
                 row.note = f"graph capture failed ({why}); eager"
@@ -190,8 +218,12 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
     column). None where the bridge does not apply (the backend takes the workload's block size,
     or not 256; a shared prefix)."""
     caps = backend.capabilities
-    if 256 % cfg.block_size or caps.accepts_block_size(cfg.block_size) or not caps.accepts_block_size(256) \
-            or case.lengths.shared_prefix_blocks:
+    if (
+        256 % cfg.block_size
+        or caps.accepts_block_size(cfg.block_size)
+        or not caps.accepts_block_size(256)
+        or case.lengths.shared_prefix_blocks
+    ):
         return None
     try:
         from paged_flash_attn2.bridge import BridgedAllocator, bridge_cache, bridge_meta
@@ -204,11 +236,20 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         need = sum(math.ceil(math.ceil(s / bs) / ratio) * ratio for s in case.seq_lens)
         alloc = BridgedAllocator(need + ratio, ratio=ratio, seed=cfg.seed)
         tables = [alloc.allocate(max(1, math.ceil(s / bs))) for s in case.seq_lens]
-        meta16 = BatchMeta.from_lists(list(case.query_lens), list(case.seq_lens), tables, block_size=bs,
-                                      device=cfg.device)
-        cache16 = allocate_kv_cache(need + ratio, bs, old.num_kv_heads, old.head_dim, dtype=old.dtype,
-                                    kv_dtype=old.kv_dtype, device=cfg.device, head_dim_v=old.head_dim_v,
-                                    **case.allocate_kwargs())
+        meta16 = BatchMeta.from_lists(
+            list(case.query_lens), list(case.seq_lens), tables, block_size=bs, device=cfg.device
+        )
+        cache16 = allocate_kv_cache(
+            need + ratio,
+            bs,
+            old.num_kv_heads,
+            old.head_dim,
+            dtype=old.dtype,
+            kv_dtype=old.kv_dtype,
+            device=cfg.device,
+            head_dim_v=old.head_dim_v,
+            **case.allocate_kwargs(),
+        )
         # Every request's tokens, moved from the workload's random blocks to their aligned runs.
         src, dst = [], []
         for s, t_old, t_new in zip(case.seq_lens, data.tables, tables, strict=True):
@@ -216,8 +257,12 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
             src.append(torch.tensor(t_old[: math.ceil(s / bs)])[j // bs] * bs + j % bs)
             dst.append(torch.tensor(t_new[: math.ceil(s / bs)])[j // bs] * bs + j % bs)
         src_i, dst_i = (torch.cat(x).to(cfg.device) for x in (src, dst))
-        for a, b in ((cache16.k, old.k), (cache16.v, old.v), (cache16.k_scale, old.k_scale),
-                     (cache16.v_scale, old.v_scale)):
+        for a, b in (
+            (cache16.k, old.k),
+            (cache16.v, old.v),
+            (cache16.k_scale, old.k_scale),
+            (cache16.v_scale, old.v_scale),
+        ):
             if a is not None and not (cache16.static_scales and a.dim() == 3):  # static: given above
                 assert b is not None  # the same kv_dtype: the same scales
                 a.view(-1, *a.shape[2:])[dst_i] = b.view(-1, *b.shape[2:])[src_i]
@@ -226,8 +271,17 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         if row.status == "ok" and row.plan_ms is not None:
             row.plan_ms += host_time_ms(lambda: bridge_meta(meta16), cfg.device)
     except Exception as exc:
-        row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, label, True,
-                  status=f"error: bridge: {short(exc)}")
+        row = Row(
+            case.id,
+            case.shape,
+            case.kind,
+            case.group,
+            case.batch,
+            name,
+            label,
+            True,
+            status=f"error: bridge: {short(exc)}",
+        )
     row.label = label
     return row
 
@@ -246,30 +300,74 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception as exc:  # a torch without the context manager
-        return [Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
-                    status=f"skip: torch.nn.attention unavailable ({short(exc)})") for b in wanted]
+        return [
+            Row(
+                case.id,
+                case.shape,
+                case.kind,
+                case.group,
+                case.batch,
+                b,
+                f"{b} (non-paged)",
+                False,
+                status=f"skip: torch.nn.attention unavailable ({short(exc)})",
+            )
+            for b in wanted
+        ]
     kinds = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
     B, n = len(case.seq_lens), case.seq_lens[0]
     lq = case.query_lens[0]
     causal = lq > 1
     rows = []
     if cfg.dim_v != cfg.head_dim:
-        return [Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
-                    status=f"skip: {b} needs V of the QK head dim ({cfg.head_dim}), not {cfg.dim_v}")
-                for b in wanted]
+        return [
+            Row(
+                case.id,
+                case.shape,
+                case.kind,
+                case.group,
+                case.batch,
+                b,
+                f"{b} (non-paged)",
+                False,
+                status=f"skip: {b} needs V of the QK head dim ({cfg.head_dim}), not {cfg.dim_v}",
+            )
+            for b in wanted
+        ]
     elem = data.cache.k.element_size()
     need = 2 * B * cfg.kv_heads * n * cfg.head_dim * elem * (1 + cfg.heads // cfg.kv_heads)
     if cfg.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(cfg.device)[0]:
-        return [Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
-                    status="skip: not enough free memory for the contiguous copy") for b in wanted]
+        return [
+            Row(
+                case.id,
+                case.shape,
+                case.kind,
+                case.group,
+                case.batch,
+                b,
+                f"{b} (non-paged)",
+                False,
+                status="skip: not enough free memory for the contiguous copy",
+            )
+            for b in wanted
+        ]
     k = _contiguous(data.cache.k, data.meta.block_table, n)  # gathered outside the timed region
     v = _contiguous(data.cache.v, data.meta.block_table, n)
     q = data.q.view(B, lq, cfg.heads, cfg.head_dim).transpose(1, 2)
     group = cfg.heads // cfg.kv_heads
     rep_kv: tuple | None = None
     for b in wanted:
-        row = Row(case.id, case.shape, case.kind, case.group, case.batch, b, f"{b} (non-paged)", False,
-                  tolerance=tolerance_label(tol))
+        row = Row(
+            case.id,
+            case.shape,
+            case.kind,
+            case.group,
+            case.batch,
+            b,
+            f"{b} (non-paged)",
+            False,
+            tolerance=tolerance_label(tol),
+        )
         rows.append(row)
         if b not in kinds:
             row.status = f"skip: unknown baseline {b}"
@@ -277,16 +375,19 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
         if b == "sdpa-cudnn" and cfg.device.type != "cuda":
             row.status = "skip: cuDNN attention needs a CUDA device"
             continue
+
         def gqa(q=q, k=k, v=v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
         attempts = [("gqa", gqa)]
         if group > 1:
+
             def repeated(q=q, k=k, v=v):
                 nonlocal rep_kv
                 if rep_kv is None:  # outside the timed region, once
                     rep_kv = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
                 return F.scaled_dot_product_attention(q, rep_kv[0], rep_kv[1], is_causal=causal)
+
             attempts.append(("kv heads repeated", repeated))
         why = []
         for how, fn in attempts:
@@ -301,8 +402,7 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
                     if not ok:
                         row.status = status
                         break
-                    row.ms, row.timing = time_fn(fn, cfg.device, warmup_ms=cfg.warmup_ms,
-                                                        rep_ms=cfg.rep_ms)
+                    row.ms, row.timing = time_fn(fn, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
                     row.status = "ok"
                     if how != "gqa":
                         row.note = f"{how}: it reads {group}x the K/V"
@@ -347,8 +447,17 @@ def cascade_rows(lineup: Lineup, case: Case, data: CaseData, tol: Tolerance) -> 
         try:
             variant = lineup.registry.get(name, cascade=True)
         except Exception as exc:
-            row = Row(case.id, case.shape, case.kind, case.group, case.batch, name,
-                      f"{name} (cascade)", True, status=f"error: {short(exc)}")
+            row = Row(
+                case.id,
+                case.shape,
+                case.kind,
+                case.group,
+                case.batch,
+                name,
+                f"{name} (cascade)",
+                True,
+                status=f"error: {short(exc)}",
+            )
         else:
             row = run_backend(lineup.cfg, case, data, name, variant, tol)
             row.label = f"{name} (cascade)"

@@ -40,7 +40,11 @@ def sync(device: torch.device) -> None:
 
 
 def time_fn(
-    fn: Callable[[], Any], device: torch.device, *, warmup_ms: float = 25, rep_ms: float = 100,
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
     method: str = "auto",
 ) -> tuple[float, str]:
     """``(median ms, how it was timed)`` of ``fn()``; ``fn`` must already have run once (compiled).

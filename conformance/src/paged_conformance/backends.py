@@ -100,8 +100,10 @@ class BackendPool:
         error = self.load_error(name) if self.requested else None
         if error is None:
             return None
-        return (f"{name} was asked for by name (--backends, paged check --backend or ${BACKENDS_ENV}) "
-                f"but cannot be loaded: {error}")
+        return (
+            f"{name} was asked for by name (--backends, paged check --backend or ${BACKENDS_ENV}) "
+            f"but cannot be loaded: {error}"
+        )
 
     def option_reasons(self, name: str, options: Sequence[tuple[str, Any]]) -> list[str]:
         """Options of a case that the backend's constructor does not take, as reasons."""

@@ -149,17 +149,23 @@ class Case:
         if len(self.query_lens) != len(self.seq_lens):
             raise ValueError(f"case {self.id}: query_lens and seq_lens differ in length")
         if self.cache_layout not in CACHE_LAYOUTS:
-            raise ValueError(f"case {self.id}: cache_layout {self.cache_layout!r}; accepted: "
-                             f"{', '.join(CACHE_LAYOUTS)}")
+            raise ValueError(
+                f"case {self.id}: cache_layout {self.cache_layout!r}; accepted: {', '.join(CACHE_LAYOUTS)}"
+            )
         if self.kv_scales not in KV_SCALES or (self.kv_scales != "per_slot" and self.kv_dtype == "auto"):
-            raise ValueError(f"case {self.id}: kv_scales {self.kv_scales!r} with kv_dtype {self.kv_dtype!r}; "
-                             f"accepted: {', '.join(KV_SCALES)}, static ones for a quantized cache only")
+            raise ValueError(
+                f"case {self.id}: kv_scales {self.kv_scales!r} with kv_dtype {self.kv_dtype!r}; "
+                f"accepted: {', '.join(KV_SCALES)}, static ones for a quantized cache only"
+            )
         if self.meta_layout not in META_LAYOUTS or self.sinks_values not in SINKS_VALUES:
-            raise ValueError(f"case {self.id}: meta_layout {self.meta_layout!r}, sinks_values {self.sinks_values!r}; "
-                             f"accepted: {', '.join(META_LAYOUTS)} and {', '.join(SINKS_VALUES)}")
+            raise ValueError(
+                f"case {self.id}: meta_layout {self.meta_layout!r}, sinks_values {self.sinks_values!r}; "
+                f"accepted: {', '.join(META_LAYOUTS)} and {', '.join(SINKS_VALUES)}"
+            )
         if self.sinks_layout not in SINKS_LAYOUTS:
-            raise ValueError(f"case {self.id}: sinks_layout {self.sinks_layout!r}; accepted: "
-                             f"{', '.join(SINKS_LAYOUTS)}")
+            raise ValueError(
+                f"case {self.id}: sinks_layout {self.sinks_layout!r}; accepted: {', '.join(SINKS_LAYOUTS)}"
+            )
 
     # ----------------------------------------------------------------------------- derived
     @property
@@ -293,10 +299,13 @@ BATCHES: Mapping[str, Mapping[str, Batch]] = {
     # decodes and short prompts with one padding request; short contexts keep it cheap under the
     # Triton interpreter.
     "many_requests": {
-        "small": Batch(tuple(3 if i % 7 == 3 else 1 for i in range(39)) + (1,),
-                       tuple(1 + (13 * i) % 47 for i in range(39)) + (0,)),
-        "full": Batch(tuple(5 if i % 7 == 3 else 1 for i in range(63)) + (1,),
-                      tuple(1 + (977 * i) % 3001 for i in range(63)) + (0,)),
+        "small": Batch(
+            tuple(3 if i % 7 == 3 else 1 for i in range(39)) + (1,), tuple(1 + (13 * i) % 47 for i in range(39)) + (0,)
+        ),
+        "full": Batch(
+            tuple(5 if i % 7 == 3 else 1 for i in range(63)) + (1,),
+            tuple(1 + (977 * i) % 3001 for i in range(63)) + (0,),
+        ),
     },
     # More than 128 requests (an int8 request index, a 128-wide grid dimension), decodes only.
     "over_128_requests": {
@@ -407,85 +416,220 @@ TABLE: tuple[Row, ...] = (
     Row("explicit_scale", "mixed", "a softmax scale other than head_dim**-0.5", scale=0.3),
     Row("softcap", "mixed", "logit soft-capping", softcap=True),
     Row("sinks", "mixed", "per-head attention sinks", sinks=True),
-    Row("sinks-strided", "mixed", "sinks as a strided view (every other element of a buffer)",
-        sinks=True, sinks_layout="every_other"),
-    Row("cache-kv_interleaved", "mixed", "K and V as views pool[:, 0], pool[:, 1] of one "
-        "[num_blocks, 2, block_size, num_kv_heads, head_dim] pool", group=3, cache_layout="kv_interleaved"),
-    Row("cache-hnd_view", "mixed", "HND cache storage seen as NHD (a permuted view)", group=3,
-        cache_layout="hnd_view"),
-    Row("meta-strided_views", "mixed", "every metadata tensor a stride-2 view of a persistent buffer",
-        meta_layout="strided_views"),
-    Row("meta-strided_views-decode_only", "decode", "decodes whose metadata are stride-2 views of buffers",
-        meta_layout="strided_views"),
-    Row("sinks-extreme", "mixed", "sinks at their limits: +inf (zeros) for one head, -inf (none) for another",
-        sinks=True, sinks_values="extreme"),
+    Row(
+        "sinks-strided",
+        "mixed",
+        "sinks as a strided view (every other element of a buffer)",
+        sinks=True,
+        sinks_layout="every_other",
+    ),
+    Row(
+        "cache-kv_interleaved",
+        "mixed",
+        "K and V as views pool[:, 0], pool[:, 1] of one [num_blocks, 2, block_size, num_kv_heads, head_dim] pool",
+        group=3,
+        cache_layout="kv_interleaved",
+    ),
+    Row("cache-hnd_view", "mixed", "HND cache storage seen as NHD (a permuted view)", group=3, cache_layout="hnd_view"),
+    Row(
+        "meta-strided_views",
+        "mixed",
+        "every metadata tensor a stride-2 view of a persistent buffer",
+        meta_layout="strided_views",
+    ),
+    Row(
+        "meta-strided_views-decode_only",
+        "decode",
+        "decodes whose metadata are stride-2 views of buffers",
+        meta_layout="strided_views",
+    ),
+    Row(
+        "sinks-extreme",
+        "mixed",
+        "sinks at their limits: +inf (zeros) for one head, -inf (none) for another",
+        sinks=True,
+        sinks_values="extreme",
+    ),
     Row("softcap-largest", "mixed", "the largest soft-cap accepted (no cap in effect)", softcap=1.7e38),
-    Row("size_one_dims", "one_request", "one request, one KV head, blocks of one token", block_size=1,
-        block_size_fixed=True),
-    Row("kv_fp8-static-block_size_1", "one_request", "fp8 cache with one static scale at blocks of one token",
-        block_size=1, block_size_fixed=True, kv_dtype="fp8", kv_scales="per_tensor"),
+    Row(
+        "size_one_dims",
+        "one_request",
+        "one request, one KV head, blocks of one token",
+        block_size=1,
+        block_size_fixed=True,
+    ),
+    Row(
+        "kv_fp8-static-block_size_1",
+        "one_request",
+        "fp8 cache with one static scale at blocks of one token",
+        block_size=1,
+        block_size_fixed=True,
+        kv_dtype="fp8",
+        kv_scales="per_tensor",
+    ),
     Row("many_requests", "many_requests", "more than 32 requests in one batch"),
     Row("over_128_requests", "over_128_requests", "more than 128 requests in one batch"),
     *(Row(f"head_dim_{d}", "mixed", f"head_dim {d}", head_dim=d) for d in (64, 96, 128, 256)),
-    *(Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b,
-          block_size_fixed=True) for b in (16, 32, 64, 256)),
+    *(
+        Row(f"block_size_{b}", "mixed", f"KV blocks of {b} tokens", block_size=b, block_size_fixed=True)
+        for b in (16, 32, 64, 256)
+    ),
     Row("kv_int8", "mixed", "int8 cache with per-token, per-head scales", kv_dtype="int8"),
     Row("kv_fp8", "mixed", "fp8 (E4M3) cache with per-token, per-head scales", kv_dtype="fp8"),
     Row("kv_int8-decode_only", "decode", "int8 cache, decode only", kv_dtype="int8"),
     Row("kv_fp8-decode_only", "decode", "fp8 cache, decode only", kv_dtype="fp8"),
-    Row("kv_int8-static", "mixed", "int8 cache with static scales, one per KV head", kv_dtype="int8",
-        kv_scales="per_head"),
-    Row("kv_fp8-static-decode_only", "decode", "fp8 cache with one static scale per KV head, decode only",
-        kv_dtype="fp8", kv_scales="per_head"),
-    Row("kv_fp8-static-kv_interleaved", "mixed", "vLLM's fp8 cache: one static scale per tensor, K and V "
-        "views of one [num_blocks, 2, ...] pool", group=3, kv_dtype="fp8", kv_scales="per_tensor",
-        cache_layout="kv_interleaved"),
+    Row(
+        "kv_int8-static",
+        "mixed",
+        "int8 cache with static scales, one per KV head",
+        kv_dtype="int8",
+        kv_scales="per_head",
+    ),
+    Row(
+        "kv_fp8-static-decode_only",
+        "decode",
+        "fp8 cache with one static scale per KV head, decode only",
+        kv_dtype="fp8",
+        kv_scales="per_head",
+    ),
+    Row(
+        "kv_fp8-static-kv_interleaved",
+        "mixed",
+        "vLLM's fp8 cache: one static scale per tensor, K and V views of one [num_blocks, 2, ...] pool",
+        group=3,
+        kv_dtype="fp8",
+        kv_scales="per_tensor",
+        cache_layout="kv_interleaved",
+    ),
     Row("kv_fp8_e5m2", "mixed", "fp8 E5M2 cache with per-token, per-head scales", kv_dtype="fp8_e5m2"),
     Row("kv_fp8_e5m2-decode_only", "decode", "fp8 E5M2 cache, decode only", kv_dtype="fp8_e5m2"),
-    Row("kv_fp8_e5m2-static-decode_only", "decode", "fp8 E5M2 cache with one static scale per KV head, "
-        "decode only", kv_dtype="fp8_e5m2", kv_scales="per_head"),
-    Row("kv_fp8_e5m2-static-kv_interleaved", "mixed", "vLLM's fp8_e5m2 cache: one static scale per tensor, "
-        "K and V views of one [num_blocks, 2, ...] pool", group=3, kv_dtype="fp8_e5m2", kv_scales="per_tensor",
-        cache_layout="kv_interleaved"),
+    Row(
+        "kv_fp8_e5m2-static-decode_only",
+        "decode",
+        "fp8 E5M2 cache with one static scale per KV head, decode only",
+        kv_dtype="fp8_e5m2",
+        kv_scales="per_head",
+    ),
+    Row(
+        "kv_fp8_e5m2-static-kv_interleaved",
+        "mixed",
+        "vLLM's fp8_e5m2 cache: one static scale per tensor, K and V views of one [num_blocks, 2, ...] pool",
+        group=3,
+        kv_dtype="fp8_e5m2",
+        kv_scales="per_tensor",
+        cache_layout="kv_interleaved",
+    ),
     Row("fp32", "mixed", "float32 inputs", dtype=torch.float32),
     Row("bf16", "mixed", "bfloat16 inputs", dtype=torch.bfloat16),
     Row("bf16-decode_only", "decode", "bfloat16 inputs, decode only", dtype=torch.bfloat16),
-    Row("all_features-bf16-kv_fp8", "mixed", "window, soft-cap and sinks at once on a bf16 fp8 cache",
-        dtype=torch.bfloat16, kv_dtype="fp8", window=True, softcap=True, sinks=True),
+    Row(
+        "all_features-bf16-kv_fp8",
+        "mixed",
+        "window, soft-cap and sinks at once on a bf16 fp8 cache",
+        dtype=torch.bfloat16,
+        kv_dtype="fp8",
+        window=True,
+        softcap=True,
+        sinks=True,
+    ),
     # For backends that split the KV (Flash-Decoding): forced split counts. Backends whose
     # constructor takes no `num_splits` option skip these with that reason.
-    *(Row(f"split_{n}", "decode", f"decode split into {n} KV partitions", options=(("num_splits", n),))
-      for n in (1, 3, 8)),
+    *(
+        Row(f"split_{n}", "decode", f"decode split into {n} KV partitions", options=(("num_splits", n),))
+        for n in (1, 3, 8)
+    ),
     # A backend's bitwise batch-invariant mode: its capabilities then promise torch.equal between
     # a request alone and in the batch, which the batch_invariance check holds it to.
-    Row("batch_invariant-decode_only", "decode", "decode in the backend's batch-invariant mode",
-        dtype=torch.bfloat16, options=(("batch_invariant", True),)),
+    Row(
+        "batch_invariant-decode_only",
+        "decode",
+        "decode in the backend's batch-invariant mode",
+        dtype=torch.bfloat16,
+        options=(("batch_invariant", True),),
+    ),
     # Cascade attention: the shared prefix read once for the whole batch, then merged.
-    Row("cascade-shared_prefix", "shared_prefix", "requests sharing a cached prefix, cascade on",
-        dtype=torch.bfloat16, options=(("cascade", True), ("min_prefix_tokens", 16))),
-    Row("shared_prefix", "shared_prefix", "requests sharing a cached prefix (same physical blocks)",
-        dtype=torch.bfloat16),
+    Row(
+        "cascade-shared_prefix",
+        "shared_prefix",
+        "requests sharing a cached prefix, cascade on",
+        dtype=torch.bfloat16,
+        options=(("cascade", True), ("min_prefix_tokens", 16)),
+    ),
+    Row(
+        "shared_prefix",
+        "shared_prefix",
+        "requests sharing a cached prefix (same physical blocks)",
+        dtype=torch.bfloat16,
+    ),
     # MLA-shaped heads: V (and the output) narrower than Q/K, DeepSeek-V3's 192/128 and 96/64 at
     # both sizes; the feature rows use 64/32 on a CPU, where the interpreter's time grows with
     # the head dims.
-    *(Row(f"mla_{d}_{dv}", "mixed", f"V head dim {dv} under QK head dim {d} (MLA-shaped)",
-          mla={"small": (d, dv), "full": (d, dv)}) for d, dv in ((192, 128), (96, 64))),
-    Row("mla-small_pair", "mixed", "V head dim 32 under QK head dim 64, float32", mla={"small": (64, 32),
-        "full": (64, 32)}, dtype=torch.float32),
+    *(
+        Row(
+            f"mla_{d}_{dv}",
+            "mixed",
+            f"V head dim {dv} under QK head dim {d} (MLA-shaped)",
+            mla={"small": (d, dv), "full": (d, dv)},
+        )
+        for d, dv in ((192, 128), (96, 64))
+    ),
+    Row(
+        "mla-small_pair",
+        "mixed",
+        "V head dim 32 under QK head dim 64, float32",
+        mla={"small": (64, 32), "full": (64, 32)},
+        dtype=torch.float32,
+    ),
     Row("mla-wider_v", "mixed", "V head dim 64 over QK head dim 32", mla={"small": (32, 64), "full": (128, 256)}),
-    Row("mla-decode_only", "decode", "MLA-shaped heads, decode only", mla={"small": (64, 32), "full": (192, 128)},
-        dtype=torch.bfloat16),
-    Row("mla-kv_int8", "mixed", "MLA-shaped heads on an int8 cache", mla={"small": (64, 32), "full": (192, 128)},
-        kv_dtype="int8"),
-    Row("mla-kv_fp8-decode_only", "decode", "MLA-shaped heads on an fp8 cache, decode only",
-        mla={"small": (64, 32), "full": (192, 128)}, kv_dtype="fp8", dtype=torch.bfloat16),
-    Row("mla-all_features", "mixed", "MLA-shaped heads with window, soft-cap and sinks",
-        mla={"small": (64, 32), "full": (192, 128)}, window=True, softcap=True, sinks=True),
-    *(Row(f"mla-split_{n}", "decode", f"MLA-shaped decode split into {n} KV partitions",
-          mla={"small": (64, 32), "full": (192, 128)}, options=(("num_splits", n),)) for n in (1, 3)),
-    Row("mla-cascade-shared_prefix", "shared_prefix", "MLA-shaped heads, shared prefix, cascade on",
-        mla={"small": (64, 32), "full": (192, 128)}, dtype=torch.bfloat16,
-        options=(("cascade", True), ("min_prefix_tokens", 16))),
+    Row(
+        "mla-decode_only",
+        "decode",
+        "MLA-shaped heads, decode only",
+        mla={"small": (64, 32), "full": (192, 128)},
+        dtype=torch.bfloat16,
+    ),
+    Row(
+        "mla-kv_int8",
+        "mixed",
+        "MLA-shaped heads on an int8 cache",
+        mla={"small": (64, 32), "full": (192, 128)},
+        kv_dtype="int8",
+    ),
+    Row(
+        "mla-kv_fp8-decode_only",
+        "decode",
+        "MLA-shaped heads on an fp8 cache, decode only",
+        mla={"small": (64, 32), "full": (192, 128)},
+        kv_dtype="fp8",
+        dtype=torch.bfloat16,
+    ),
+    Row(
+        "mla-all_features",
+        "mixed",
+        "MLA-shaped heads with window, soft-cap and sinks",
+        mla={"small": (64, 32), "full": (192, 128)},
+        window=True,
+        softcap=True,
+        sinks=True,
+    ),
+    *(
+        Row(
+            f"mla-split_{n}",
+            "decode",
+            f"MLA-shaped decode split into {n} KV partitions",
+            mla={"small": (64, 32), "full": (192, 128)},
+            options=(("num_splits", n),),
+        )
+        for n in (1, 3)
+    ),
+    Row(
+        "mla-cascade-shared_prefix",
+        "shared_prefix",
+        "MLA-shaped heads, shared prefix, cascade on",
+        mla={"small": (64, 32), "full": (192, 128)},
+        dtype=torch.bfloat16,
+        options=(("cascade", True), ("min_prefix_tokens", 16)),
+    ),
 )
 
 

@@ -106,14 +106,29 @@ class CheckResult:
     block_size: int | None = None
 
 
-def _forward(backend: Backend, wl: Workload, cache: KVCache, *, q: torch.Tensor | None = None,
-             meta=None, out: torch.Tensor | None = None, return_lse: bool = False) -> Any:
+def _forward(
+    backend: Backend,
+    wl: Workload,
+    cache: KVCache,
+    *,
+    q: torch.Tensor | None = None,
+    meta=None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> Any:
     """One attention call the way an engine makes it: plan once, then forward."""
     meta = wl.meta if meta is None else meta
     plan = backend.plan(meta)
     return backend.forward(
-        wl.q if q is None else q, cache, plan, scale=wl.case.scale, window=wl.case.window,
-        softcap=wl.case.softcap, sinks=wl.sinks, out=out, return_lse=return_lse,
+        wl.q if q is None else q,
+        cache,
+        plan,
+        scale=wl.case.scale,
+        window=wl.case.window,
+        softcap=wl.case.softcap,
+        sinks=wl.sinks,
+        out=out,
+        return_lse=return_lse,
     )
 
 
@@ -173,14 +188,20 @@ def check_matches_reference(backend: Backend, case: Case, device: torch.device) 
     out = _poisoned(wl)
     result = _forward(backend, wl, cache, out=out)
     if result.data_ptr() != out.data_ptr():
-        raise ConformanceFailure(f"[{backend.name}/{case.id}] forward(out=...) returned another tensor "
-                                 "instead of writing into out")
+        raise ConformanceFailure(
+            f"[{backend.name}/{case.id}] forward(out=...) returned another tensor instead of writing into out"
+        )
     _assert_padding_zero(out, wl, backend.name)
     _assert_rows_written(out, wl, backend.name)
     err = assert_close_to_reference(
-        out, wl.ref_out, backend=backend.name, case=case.id,
-        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        out,
+        wl.ref_out,
+        backend=backend.name,
+        case=case.id,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
@@ -197,16 +218,27 @@ def check_lse_matches_reference(backend: Backend, case: Case, device: torch.devi
             f"float32 {list(want)} (num_tokens, num_heads), natural log"
         )
     err = assert_close_to_reference(
-        lse, wl.ref_lse, backend=backend.name, case=case.id, what="lse",
+        lse,
+        wl.ref_lse,
+        backend=backend.name,
+        case=case.id,
+        what="lse",
         tolerance=lse_tolerance(case.dtype, case.kv_dtype),
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     # The output must not change when the LSE is asked for.
     _assert_padding_zero(out, wl, backend.name)
     assert_close_to_reference(
-        out, wl.ref_out, backend=backend.name, case=case.id, what="output (with return_lse=True)",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        out,
+        wl.ref_out,
+        backend=backend.name,
+        case=case.id,
+        what="output (with return_lse=True)",
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
@@ -217,10 +249,15 @@ def check_close_to_full_precision(backend: Backend, case: Case, device: torch.de
     full = build_workload(dataclasses.replace(case, kv_dtype="auto", kv_scales="per_slot"), device)
     out = _forward(backend, wl, _step(backend, wl))
     err = assert_close_to_reference(
-        out, full.ref_out, backend=backend.name, case=case.id,
+        out,
+        full.ref_out,
+        backend=backend.name,
+        case=case.id,
         what=f"output on the {case.kv_dtype} cache (vs full-precision K/V)",
-        tolerance=_quantization_bound(case, wl, full), rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        tolerance=_quantization_bound(case, wl, full),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
@@ -296,8 +333,10 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
     assert cache.k_scale is not None and cache.v_scale is not None
     assert ref.k_scale is not None and ref.v_scale is not None
     if wl.static_scales is not None:
-        for name, fixed, want in (("k_scale", cache.k_scale, wl.static_scales[0]),
-                                  ("v_scale", cache.v_scale, wl.static_scales[1])):
+        for name, fixed, want in (
+            ("k_scale", cache.k_scale, wl.static_scales[0]),
+            ("v_scale", cache.v_scale, wl.static_scales[1]),
+        ):
             if not cache.static_scales or not torch.equal(fixed[0, 0], want.expand(case.num_kv_heads)):
                 raise ConformanceFailure(
                     f"{tag} write() changed the static cache.{name} (it holds {fixed[0, 0].tolist()}, "
@@ -338,13 +377,21 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
 
 #: Cases the layers check runs on: every launch path of the backends (decode, mixed, split,
 #: a quantized cache, sinks, strided q, padding, cascade).
-LAYER_CASES = frozenset({
-    "mixed_prefill_and_decode-g4", "decode_only-long_and_short", "padding_rows", "kv_int8-decode_only",
-    "sinks", "qkv_view", "split_3", "cascade-shared_prefix",
-    # Each layer its own static scales (as each vLLM layer has its _k_scale): a plan replaying
-    # the first layer's scale pointer for the second shows.
-    "kv_fp8-static-kv_interleaved",
-})
+LAYER_CASES = frozenset(
+    {
+        "mixed_prefill_and_decode-g4",
+        "decode_only-long_and_short",
+        "padding_rows",
+        "kv_int8-decode_only",
+        "sinks",
+        "qkv_view",
+        "split_3",
+        "cascade-shared_prefix",
+        # Each layer its own static scales (as each vLLM layer has its _k_scale): a plan replaying
+        # the first layer's scale pointer for the second shows.
+        "kv_fp8-static-kv_interleaved",
+    }
+)
 #: The second layer's static scales, relative to the first's.
 _LAYER_STATIC_FACTOR = 1.5
 #: Two layers show a layer that reuses the other's tensors: outputs are compared after both ran.
@@ -375,11 +422,12 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
     layers = []
     for i in range(NUM_LAYERS):
         q, k, v = (wl.q, wl.k_new, wl.v_new) if i == 0 else _layer_inputs(wl, i)
-        cache = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR ** i)
+        cache = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR**i)
         backend.write(cache, k, v, plan)
         out = _poisoned(wl)
-        backend.forward(q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap,
-                        sinks=wl.sinks, out=out)
+        backend.forward(
+            q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks, out=out
+        )
         layers.append((q, k, v, out))
     worst = 0.0
     for i, (q, k, v, out) in enumerate(layers):
@@ -390,14 +438,31 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
             ref = wl.ref_out
         else:
             # cache_before's contents (the layer's own static scales), then the trusted writer
-            after = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR ** i)
+            after = wl.fresh_cache(backend, static_factor=_LAYER_STATIC_FACTOR**i)
             write_kv(after, k, v, wl.meta.slot_mapping)
-            ref = reference_attention(q, after, wl.meta, scale=case.scale, window=case.window,
-                                      softcap=case.softcap, sinks=wl.sinks, compute_dtype=torch.float64)
-        worst = max(worst, assert_close_to_reference(
-            out, ref, backend=name, case=case.id, tolerance=output_tolerance(case.dtype, case.kv_dtype),
-            rows=~wl.padding_rows, query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
-        ))
+            ref = reference_attention(
+                q,
+                after,
+                wl.meta,
+                scale=case.scale,
+                window=case.window,
+                softcap=case.softcap,
+                sinks=wl.sinks,
+                compute_dtype=torch.float64,
+            )
+        worst = max(
+            worst,
+            assert_close_to_reference(
+                out,
+                ref,
+                backend=name,
+                case=case.id,
+                tolerance=output_tolerance(case.dtype, case.kv_dtype),
+                rows=~wl.padding_rows,
+                query_start_loc=wl.query_start_loc,
+                seq_lens=wl.seq_lens,
+            ),
+        )
     return CheckResult(max_error=worst, note=f"{NUM_LAYERS} layers, one plan")
 
 
@@ -428,13 +493,20 @@ def check_false_plan_declaration(backend: Backend, case: Case, device: torch.dev
         return CheckResult(max_error=0.0, note="a false shared_prefix_blocks=1 is refused")
     cache = _step(backend, wl)
     out = _poisoned(wl)
-    backend.forward(wl.q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap,
-                    sinks=wl.sinks, out=out)
+    backend.forward(
+        wl.q, cache, plan, scale=case.scale, window=case.window, softcap=case.softcap, sinks=wl.sinks, out=out
+    )
     name = f"{backend.name}, planned with a false shared_prefix_blocks=1 under validation"
     _assert_rows_written(out, wl, name)
     worst = assert_close_to_reference(
-        out, wl.ref_out, backend=name, case=case.id, tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows, query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        out,
+        wl.ref_out,
+        backend=name,
+        case=case.id,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=worst, note="a false shared_prefix_blocks=1 is accepted and changes nothing")
 
@@ -463,7 +535,11 @@ def check_batch_invariance(backend: Backend, case: Case, device: torch.device) -
             )
         if not bitwise:
             assert_close_to_reference(
-                alone, batch_out[rows], backend=backend.name, case=case.id, tolerance=tol,
+                alone,
+                batch_out[rows],
+                backend=backend.name,
+                case=case.id,
+                tolerance=tol,
                 what=f"request {r} run alone (vs in the batch)",
             )
     return CheckResult(max_error=worst, note="bitwise" if bitwise else f"within {tol}")
@@ -511,8 +587,11 @@ def random_cases(caps: Capabilities, size: str):
     small = size == "small"
     groups = _menu(caps, (1, 2, 3, 4) if small else (1, 4), caps.group_sizes)
     head_dims = _menu(caps, (64, 96, 128) if small else (128,), caps.head_dims)
-    block_sizes = [b for b in (16, 32, 64) if caps.accepts_block_size(b)] or [
-        b for b in _LARGER_BLOCK_SIZES if caps.accepts_block_size(b)][:1] or sorted(caps.block_sizes or ())[:2]
+    block_sizes = (
+        [b for b in (16, 32, 64) if caps.accepts_block_size(b)]
+        or [b for b in _LARGER_BLOCK_SIZES if caps.accepts_block_size(b)][:1]
+        or sorted(caps.block_sizes or ())[:2]
+    )
     dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in caps.dtypes]
     kv_dtypes = [k for k in ("auto", "int8", "fp8", "fp8_e5m2") if k in caps.kv_dtypes]
     if not small:
@@ -597,7 +676,8 @@ def _captured(backend: Backend, case: Case, call: Callable[[], Any], what: str, 
     except Exception as exc:
         raise ConformanceFailure(
             f"[{backend.name}/{case.id}] {what} could not be captured in a CUDA graph although the "
-            f"backend claims {claims}: {type(exc).__name__}: {exc}", max_error=math.inf,
+            f"backend claims {claims}: {type(exc).__name__}: {exc}",
+            max_error=math.inf,
         ) from exc
     return graph
 
@@ -618,8 +698,9 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
     with torch.cuda.stream(side):
         backend.forward(static_q, cache, plan, out=static_out, **kw)
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = _captured(backend, case, lambda: backend.forward(static_q, cache, plan, out=static_out, **kw),
-                      "forward", "cuda_graphs")
+    graph = _captured(
+        backend, case, lambda: backend.forward(static_q, cache, plan, out=static_out, **kw), "forward", "cuda_graphs"
+    )
     assert case.seed is not None  # Case.__post_init__ derives it from the id
     new_q = torch.randn(tuple(wl.q.shape), generator=torch.Generator().manual_seed(case.seed + 1))
     static_q.copy_(new_q.to(device=device, dtype=wl.q.dtype))
@@ -630,20 +711,25 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
     _assert_padding_zero(static_out, wl, backend.name, "replayed output")
     _assert_rows_written(static_out, wl, backend.name)
     err = assert_close_to_reference(
-        static_out, eager.double(), backend=backend.name, case=case.id,
+        static_out,
+        eager.double(),
+        backend=backend.name,
+        case=case.id,
         what="CUDA-graph replay on new q (vs an eager call)",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
-
 
 
 def _plan_in_graph_reasons(backend: Backend, case: Case, device: torch.device) -> list[str]:
     reasons = _graph_reasons(backend, case, device)
     if not backend.capabilities.device_plan:
-        reasons.append(f"{backend.name} plans on the host (capabilities.device_plan is False): engines plan "
-                       "it outside the capture")
+        reasons.append(
+            f"{backend.name} plans on the host (capabilities.device_plan is False): engines plan it outside the capture"
+        )
     return reasons
 
 
@@ -664,22 +750,31 @@ def check_plan_captured_with_forward(backend: Backend, case: Case, device: torch
     shorter = torch.where(real, torch.maximum(meta.seq_lens // 2, qlens), meta.seq_lens)
     # Its new tokens sit at the shorter positions: the slots the block table gives them there.
     rows = torch.arange(meta.num_tokens, device=meta.device)
-    req = torch.searchsorted(meta.query_start_loc[1:].contiguous(), rows.to(meta.query_start_loc.dtype),
-                             right=True).clamp_(max=max(meta.num_reqs - 1, 0))
+    req = torch.searchsorted(
+        meta.query_start_loc[1:].contiguous(), rows.to(meta.query_start_loc.dtype), right=True
+    ).clamp_(max=max(meta.num_reqs - 1, 0))
     pos = (shorter[req] - qlens[req] + rows - meta.query_start_loc[req]).long()
     slots = meta.block_table[req, pos.clamp(min=0) // meta.block_size].long() * meta.block_size + pos % meta.block_size
     slots = torch.where(real[req], slots, meta.slot_mapping.long()).to(meta.slot_mapping.dtype)
     static = dataclasses.replace(
-        meta, query_start_loc=meta.query_start_loc.clone(), seq_lens=shorter.to(meta.seq_lens.dtype),
-        block_table=meta.block_table.clone(), slot_mapping=slots,
+        meta,
+        query_start_loc=meta.query_start_loc.clone(),
+        seq_lens=shorter.to(meta.seq_lens.dtype),
+        block_table=meta.block_table.clone(),
+        slot_mapping=slots,
         query_start_loc_cpu=None if meta.query_start_loc_cpu is None else meta.query_start_loc_cpu.clone(),
         seq_lens_cpu=None if meta.seq_lens_cpu is None else shorter.cpu().to(meta.seq_lens_cpu.dtype),
     )
     static_out = _poisoned(wl)
     backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw)  # compiles, not captured
     torch.cuda.synchronize(device)
-    graph = _captured(backend, case, lambda: backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw),
-                      "plan + forward", "cuda_graphs and device_plan")
+    graph = _captured(
+        backend,
+        case,
+        lambda: backend.forward(wl.q, cache, backend.plan(static), out=static_out, **kw),
+        "plan + forward",
+        "cuda_graphs and device_plan",
+    )
     static.copy_(meta)
     static_out.fill_(math.nan)
     graph.replay()
@@ -687,16 +782,22 @@ def check_plan_captured_with_forward(backend: Backend, case: Case, device: torch
     _assert_padding_zero(static_out, wl, backend.name, "replayed output")
     _assert_rows_written(static_out, wl, backend.name)
     err = assert_close_to_reference(
-        static_out, wl.ref_out, backend=backend.name, case=case.id,
+        static_out,
+        wl.ref_out,
+        backend=backend.name,
+        case=case.id,
         what="plan + forward captured on another batch, replayed on this one",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype), rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc, seq_lens=wl.seq_lens,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
 
-def check_random_batches(backend: Backend, device: torch.device, size: str = "small",
-                         *, max_examples: int | None = None) -> CheckResult:
+def check_random_batches(
+    backend: Backend, device: torch.device, size: str = "small", *, max_examples: int | None = None
+) -> CheckResult:
     """Hypothesis-drawn batches within the backend's capabilities, each run as matches_reference.
 
     Derandomized (the same examples every run, so pytest and ``paged check`` agree) and bounded;
@@ -709,9 +810,17 @@ def check_random_batches(backend: Backend, device: torch.device, size: str = "sm
         raise NotApplicable(["declares no dtype, cache format or block size the suite draws from"])
     # The simplest drawable case: if the backend refuses it (e.g. it cannot run on this device),
     # every draw would be refused too; skip with its reasons instead.
-    baseline = Case(id="random_batches", query_lens=(1,), seq_lens=(1,), num_heads=groups[0],
-                    num_kv_heads=1, head_dim=head_dims[0], block_size=block_sizes[0],
-                    dtype=dtypes[0], kv_dtype=kv_dtypes[0])
+    baseline = Case(
+        id="random_batches",
+        query_lens=(1,),
+        seq_lens=(1,),
+        num_heads=groups[0],
+        num_kv_heads=1,
+        head_dim=head_dims[0],
+        block_size=block_sizes[0],
+        dtype=dtypes[0],
+        kv_dtype=kv_dtypes[0],
+    )
     reasons = backend.reasons(baseline.spec(device))
     if reasons:
         raise NotApplicable(reasons)
@@ -754,20 +863,33 @@ CHECKS: dict[str, Check] = {
     c.name: c
     for c in (
         Check("matches_reference", check_matches_reference),
-        Check("lse_matches_reference", check_lse_matches_reference,
-              reasons=lambda b, case, device: b.reasons(case.spec(device, return_lse=True))),
-        Check("close_to_full_precision", check_close_to_full_precision,
-              applies=lambda case: case.kv_dtype != "auto"),
+        Check(
+            "lse_matches_reference",
+            check_lse_matches_reference,
+            reasons=lambda b, case, device: b.reasons(case.spec(device, return_lse=True)),
+        ),
+        Check("close_to_full_precision", check_close_to_full_precision, applies=lambda case: case.kv_dtype != "auto"),
         Check("write_then_read", check_write_then_read),
         Check("layers_share_a_plan", check_layers_share_a_plan, applies=lambda case: case.id in LAYER_CASES),
-        Check("false_plan_declaration", check_false_plan_declaration,
-              applies=lambda case: case.id in DECLARATION_CASES, reasons=_declaration_reasons),
-        Check("batch_invariance", check_batch_invariance,
-              applies=lambda case: len(case.real_requests) >= 2),
-        Check("cuda_graph_replay", check_cuda_graph_replay,
-              applies=lambda case: case.id in GRAPH_CASES, reasons=_graph_reasons),
-        Check("plan_captured_with_forward", check_plan_captured_with_forward,
-              applies=lambda case: case.id in GRAPH_CASES, reasons=_plan_in_graph_reasons),
+        Check(
+            "false_plan_declaration",
+            check_false_plan_declaration,
+            applies=lambda case: case.id in DECLARATION_CASES,
+            reasons=_declaration_reasons,
+        ),
+        Check("batch_invariance", check_batch_invariance, applies=lambda case: len(case.real_requests) >= 2),
+        Check(
+            "cuda_graph_replay",
+            check_cuda_graph_replay,
+            applies=lambda case: case.id in GRAPH_CASES,
+            reasons=_graph_reasons,
+        ),
+        Check(
+            "plan_captured_with_forward",
+            check_plan_captured_with_forward,
+            applies=lambda case: case.id in GRAPH_CASES,
+            reasons=_plan_in_graph_reasons,
+        ),
     )
 }
 #: The per-backend property test's name; its row in the report.
@@ -778,8 +900,9 @@ def applicable_checks(case: Case) -> list[str]:
     return [name for name, c in CHECKS.items() if c.applies(case)]
 
 
-def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, device: torch.device,
-        size: str = "small") -> CheckResult:
+def run(
+    pool: BackendPool, backend_name: str, check: str, case: Case | None, device: torch.device, size: str = "small"
+) -> CheckResult:
     """Run one check of one backend (``case`` None for ``random_batches``).
 
     Raises :class:`NotApplicable` with the backend's reasons (cannot run here, does not take a
@@ -807,8 +930,9 @@ def run(pool: BackendPool, backend_name: str, check: str, case: Case | None, dev
             result = _refusing_views(backend, rebased, lambda: CHECKS[check].func(backend, rebased, device))
         except ConformanceFailure as exc:
             raise ConformanceFailure(f"{exc} [{note}]", max_error=exc.max_error, tolerance=exc.tolerance) from exc
-        return dataclasses.replace(result, note="; ".join(x for x in (note, result.note) if x),
-                                   block_size=rebased.block_size)
+        return dataclasses.replace(
+            result, note="; ".join(x for x in (note, result.note) if x), block_size=rebased.block_size
+        )
     return _refusing_views(backend, case, lambda: CHECKS[check].func(backend, case, device))
 
 

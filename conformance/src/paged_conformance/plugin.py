@@ -79,9 +79,13 @@ class _State:
             from .runner import expected_checks
 
             pool = self.pool
-            self._matrix = Matrix(size=self.size, device=str(self.device),
-                                  backends={b: pool.unavailable(b) for b in pool.names},
-                                  problems=pool.problems(), expected_checks=expected_checks(self.size))
+            self._matrix = Matrix(
+                size=self.size,
+                device=str(self.device),
+                backends={b: pool.unavailable(b) for b in pool.names},
+                problems=pool.problems(),
+                expected_checks=expected_checks(self.size),
+            )
         return self._matrix
 
 
@@ -126,12 +130,26 @@ class Conformance:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("paged-conformance", "paged conformance suite")
-    group.addoption("--backends", dest="paged_backends", action="append", metavar="A,B",
-                    help="only these registered backends (repeatable; default: $PAGED_BACKENDS or all)")
-    group.addoption("--paged-size", dest="paged_size", choices=("small", "full"),
-                    help="case size (default: $PAGED_CONFORMANCE_SIZE, else full with CUDA, else small)")
-    group.addoption("--paged-report", dest="paged_report", default="conformance-report", metavar="PATH",
-                    help="write the matrix to PATH.md and PATH.json (default: conformance-report)")
+    group.addoption(
+        "--backends",
+        dest="paged_backends",
+        action="append",
+        metavar="A,B",
+        help="only these registered backends (repeatable; default: $PAGED_BACKENDS or all)",
+    )
+    group.addoption(
+        "--paged-size",
+        dest="paged_size",
+        choices=("small", "full"),
+        help="case size (default: $PAGED_CONFORMANCE_SIZE, else full with CUDA, else small)",
+    )
+    group.addoption(
+        "--paged-report",
+        dest="paged_report",
+        default="conformance-report",
+        metavar="PATH",
+        help="write the matrix to PATH.md and PATH.json (default: conformance-report)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -196,8 +214,9 @@ class _Recorder:
         self.paths: tuple[Any, Any] | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        info = next((v for n, v in report.user_properties
-                     if n == _PROPERTY and isinstance(v, dict) and "backend" in v), None)
+        info = next(
+            (v for n, v in report.user_properties if n == _PROPERTY and isinstance(v, dict) and "backend" in v), None
+        )
         if info is None:
             return
         from .report import FAIL, PASS, SKIP, Outcome
@@ -209,8 +228,18 @@ class _Recorder:
             status, message = FAIL, info.get("message") or report.longreprtext
         else:
             status, message = PASS, info.get("note", "")
-        self.state.matrix.add(Outcome(info["backend"], info["case"], info["check"], status, message,
-                                      info.get("max_error"), report.duration, info.get("block_size")))
+        self.state.matrix.add(
+            Outcome(
+                info["backend"],
+                info["case"],
+                info["check"],
+                status,
+                message,
+                info.get("max_error"),
+                report.duration,
+                info.get("block_size"),
+            )
+        )
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         matrix = self.state._matrix

@@ -81,8 +81,15 @@ def report_paths(base: str | Path) -> tuple[Path, Path]:
 class Matrix:
     """Outcomes of a run, with the context needed to read them (size, device, backends)."""
 
-    def __init__(self, *, size: str, device: str, backends: dict[str, list[str]] | None = None,
-                 problems: list[str] | None = None, expected_checks: dict[str, int] | None = None):
+    def __init__(
+        self,
+        *,
+        size: str,
+        device: str,
+        backends: dict[str, list[str]] | None = None,
+        problems: list[str] | None = None,
+        expected_checks: dict[str, int] | None = None,
+    ):
         self.size = size
         self.device = device
         #: Backend name -> reasons it cannot run here (empty: available), in column order.
@@ -97,9 +104,13 @@ class Matrix:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Matrix:
         """A matrix from :meth:`to_json`'s output (a report's ``.json``)."""
-        matrix = cls(size=data["size"], device=data["device"],
-                     backends={n: list(b.get("reasons", [])) for n, b in data.get("backends", {}).items()},
-                     problems=data.get("problems", []), expected_checks=data.get("expected_checks"))
+        matrix = cls(
+            size=data["size"],
+            device=data["device"],
+            backends={n: list(b.get("reasons", [])) for n, b in data.get("backends", {}).items()},
+            problems=data.get("problems", []),
+            expected_checks=data.get("expected_checks"),
+        )
         fields = {f.name for f in dataclasses.fields(Outcome)}
         for r in data.get("results", []):
             outcome = Outcome(**{k: v for k, v in r.items() if k in fields})
@@ -126,8 +137,13 @@ class Matrix:
         expected: dict[str, int] = {}
         for m in matrices:
             expected.update(m.expected_checks)
-        out = cls(size=matrices[0].size, device=matrices[0].device, backends=backends,
-                  problems=list(dict.fromkeys(p for m in matrices for p in m.problems)), expected_checks=expected)
+        out = cls(
+            size=matrices[0].size,
+            device=matrices[0].device,
+            backends=backends,
+            problems=list(dict.fromkeys(p for m in matrices for p in m.problems)),
+            expected_checks=expected,
+        )
         latest: dict[tuple[str, str, str], Outcome] = {}
         for m in matrices:
             for o in m.outcomes:
@@ -182,14 +198,19 @@ class Matrix:
             "problems": self.problems,
             "expected_checks": self.expected_checks,
             "matrix": {
-                b: {c: {"status": cell.status, "detail": cell.detail}
-                    for c in self.cases if (cell := self.cell(b, c)) is not None}
+                b: {
+                    c: {"status": cell.status, "detail": cell.detail}
+                    for c in self.cases
+                    if (cell := self.cell(b, c)) is not None
+                }
                 for b in self.backends
             },
             "results": [
-                {**dataclasses.asdict(o),
-                 "max_error": None if o.max_error is None or not math.isfinite(o.max_error) else o.max_error,
-                 "seconds": round(o.seconds, 3)}
+                {
+                    **dataclasses.asdict(o),
+                    "max_error": None if o.max_error is None or not math.isfinite(o.max_error) else o.max_error,
+                    "seconds": round(o.seconds, 3),
+                }
                 for o in self.outcomes
             ],
         }
@@ -245,16 +266,15 @@ class Matrix:
             "",
             f"Size **{self.size}** on **{self.device}**: {c[PASS]} passed, {c[FAIL]} failed, "
             f"{c[SKIP]} skipped (backend × case). Every backend is compared with the float64 "
-            "reference; a cell is skipped only for the backend's own reason. \"pass (block N)\": "
-            "the case ran at N-token blocks, the smallest the backend takes; \"pass (k/n checks)\": "
+            'reference; a cell is skipped only for the backend\'s own reason. "pass (block N)": '
+            'the case ran at N-token blocks, the smallest the backend takes; "pass (k/n checks)": '
             "only k of the case's n checks ran (an interrupted or filtered run), all of them passed.",
             "",
             "| case | " + " | ".join(self.backends) + " |",
             "|---|" + "---|" * len(self.backends),
         ]
         for case in self.cases:
-            out.append(f"| `{case}` | " + " | ".join(self._label(b, case, notes, True)
-                                                    for b in self.backends) + " |")
+            out.append(f"| `{case}` | " + " | ".join(self._label(b, case, notes, True) for b in self.backends) + " |")
         if lines:
             out += ["", "## Notes", ""] + [f"{i}. {line}" for i, line in enumerate(lines, 1)]
         unavailable = {b: r for b, r in self.backends.items() if r}
@@ -286,8 +306,7 @@ class Matrix:
         if self.problems:
             rows += ["", "Plugins that failed to load:"] + [f"  {p}" for p in self.problems]
         n = self.counts()
-        rows += ["", f"{n[PASS]} passed, {n[FAIL]} failed, {n[SKIP]} skipped "
-                     f"(size {self.size}, device {self.device})"]
+        rows += ["", f"{n[PASS]} passed, {n[FAIL]} failed, {n[SKIP]} skipped (size {self.size}, device {self.device})"]
         return "\n".join(rows)
 
     def write(self, base: str | Path) -> tuple[Path, Path]:

@@ -39,8 +39,16 @@ def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device
     except Exception as exc:  # a crash is a failure of that cell, never of the whole run
         msg = f"[{backend}/{case_id}] {check} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         return Outcome(backend, case_id, check, FAIL, msg, None, time.perf_counter() - start)
-    return Outcome(backend, case_id, check, PASS, result.note, result.max_error, time.perf_counter() - start,
-                   block_size=result.block_size)
+    return Outcome(
+        backend,
+        case_id,
+        check,
+        PASS,
+        result.note,
+        result.max_error,
+        time.perf_counter() - start,
+        block_size=result.block_size,
+    )
 
 
 def run(
@@ -67,12 +75,14 @@ def run(
     with_random = not case_filter or any(f in checks.RANDOM_BATCHES for f in case_filter)
     if not selected and not with_random:
         ids = [c.id for c in all_cases(size)] + [checks.RANDOM_BATCHES]
-        raise InputError(
-            f"no case id contains {' or '.join(map(repr, case_filter or ()))}; case ids: {', '.join(ids)}"
-        )
-    matrix = Matrix(size=size, device=str(device),
-                    backends={b: pool.unavailable(b) for b in pool.names}, problems=pool.problems(),
-                    expected_checks=expected_checks(size))
+        raise InputError(f"no case id contains {' or '.join(map(repr, case_filter or ()))}; case ids: {', '.join(ids)}")
+    matrix = Matrix(
+        size=size,
+        device=str(device),
+        backends={b: pool.unavailable(b) for b in pool.names},
+        problems=pool.problems(),
+        expected_checks=expected_checks(size),
+    )
     # The counter counts the (backend, case) pairs that run. A backend that runs none (unavailable
     # here) gets one line, first and uncounted ("-"), so the counter starts at 1.
     idle = [b for b in pool.names if pool.unavailable(b)]
@@ -93,8 +103,12 @@ def run(
         elif verdict == FAIL.upper():
             detail = "; ".join(f"{o.check}" for o in outs if o.status == FAIL)
         counter = done if counted else "-"
-        print(f"[{counter:>{len(str(total))}}/{total}] {backend:<16} {case_id:<34} {verdict:<4} "
-              f"{secs:6.2f}s  {detail}".rstrip(), file=stream, flush=True)
+        print(
+            f"[{counter:>{len(str(total))}}/{total}] {backend:<16} {case_id:<34} {verdict:<4} "
+            f"{secs:6.2f}s  {detail}".rstrip(),
+            file=stream,
+            flush=True,
+        )
 
     for backend in idle:
         unavailable = pool.unavailable(backend)
@@ -107,16 +121,14 @@ def run(
                 message = "; ".join(unavailable) if refused is None else f"[{backend}/{case.id}] {refused}"
                 matrix.add(Outcome(backend, case.id, check, status, message))
         if with_random:
-            message = ("; ".join(unavailable) if refused is None
-                       else f"[{backend}/{checks.RANDOM_BATCHES}] {refused}")
+            message = "; ".join(unavailable) if refused is None else f"[{backend}/{checks.RANDOM_BATCHES}] {refused}"
             matrix.add(Outcome(backend, checks.RANDOM_BATCHES, checks.RANDOM_BATCHES, status, message))
         say(backend, "(every case)", [matrix.outcomes[-1]], counted=False)
     for backend in pool.names:
         if backend in idle:
             continue
         for case in selected:
-            outs = [_one(pool, backend, check, case, device, size)
-                    for check in checks.applicable_checks(case)]
+            outs = [_one(pool, backend, check, case, device, size) for check in checks.applicable_checks(case)]
             for o in outs:
                 matrix.add(o)
             say(backend, case.id, outs)
@@ -140,8 +152,10 @@ def merge(paths: Sequence[str]) -> Matrix:
             with open(path) as f:
                 matrices.append(Matrix.from_json(json.load(f)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"{path} is not a readable conformance report (.json written by paged check "
-                             f"or pytest --paged-report): {type(exc).__name__}: {exc}") from None
+            raise InputError(
+                f"{path} is not a readable conformance report (.json written by paged check "
+                f"or pytest --paged-report): {type(exc).__name__}: {exc}"
+            ) from None
     sizes = {m.size for m in matrices}
     order = None
     if len(sizes) == 1 and (size := sizes.pop()) in SIZES:
@@ -156,18 +170,29 @@ def merge(paths: Sequence[str]) -> Matrix:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``paged check``."""
-    p.description = ("Run the conformance cases on every installed backend (or --backend A,B) now and "
-                     "print the backend x case verdict table; writes the report as Markdown and JSON.")
-    p.add_argument("--backend", "--backends", action="append",
-                   help="only this backend (repeatable or A,B; --backends as in pytest's option)")
-    p.add_argument("--size", choices=["small", "full"], default=None,
-                   help="case size: small (CPU default) or full (GPU default)")
+    p.description = (
+        "Run the conformance cases on every installed backend (or --backend A,B) now and "
+        "print the backend x case verdict table; writes the report as Markdown and JSON."
+    )
+    p.add_argument(
+        "--backend",
+        "--backends",
+        action="append",
+        help="only this backend (repeatable or A,B; --backends as in pytest's option)",
+    )
+    p.add_argument(
+        "--size", choices=["small", "full"], default=None, help="case size: small (CPU default) or full (GPU default)"
+    )
     p.add_argument("--case", action="append", help="only cases whose id contains this text")
     p.add_argument("--report", default="conformance-report", help="report path without extension")
     p.add_argument("--json", action="store_true", help="print the matrix as JSON")
-    p.add_argument("--merge", nargs="+", metavar="JSON",
-                   help="run nothing: merge these reports of earlier runs (same size and device; for a "
-                        "(backend, case, check) in several, the later file wins) into --report")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: merge these reports of earlier runs (same size and device; for a "
+        "(backend, case, check) in several, the later file wins) into --report",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -181,8 +206,11 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "merge", None):
             matrix = merge(args.merge)
         else:
-            matrix = run(getattr(args, "backend", None), size=getattr(args, "size", None),
-                         case_filter=getattr(args, "case", None))
+            matrix = run(
+                getattr(args, "backend", None),
+                size=getattr(args, "size", None),
+                case_filter=getattr(args, "case", None),
+            )
     except PagedError as exc:  # an unknown backend or case, an unreadable report: a usage error
         print(f"paged check: {exc}", file=sys.stderr)
         return 2

@@ -119,8 +119,7 @@ class ConformanceFailure(AssertionError):
         self.tolerance = tolerance
 
 
-def locate(row: int, head: int, query_start_loc: Sequence[int] | None,
-           seq_lens: Sequence[int] | None) -> str:
+def locate(row: int, head: int, query_start_loc: Sequence[int] | None, seq_lens: Sequence[int] | None) -> str:
     """Where flat query row ``row`` is: "request 2, head 1, row 17 (token 5 of 21, position 5
     of seq_len 21)"; just "row 17, head 1" without ``query_start_loc``."""
     if query_start_loc is None:
@@ -164,9 +163,7 @@ def assert_close_to_reference(
 max abs error 5.0e-01 (got 0.5, expected 0) at row 1, head 0 (tolerance 1.0e-03 + 0.0e+00*|ref|, ...
     """
     if out.shape != ref.shape:
-        raise ConformanceFailure(
-            f"[{backend}/{case}] {what} has shape {list(out.shape)}; expected {list(ref.shape)}"
-        )
+        raise ConformanceFailure(f"[{backend}/{case}] {what} has shape {list(out.shape)}; expected {list(ref.shape)}")
     o = out.detach().to(device="cpu", dtype=torch.float64)
     e = ref.detach().to(device="cpu", dtype=torch.float64)
     if rows is not None:

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from paged_core import (
@@ -36,8 +37,19 @@ from paged_core import (
 from .cases import Case
 from .tolerances import ConformanceFailure
 
-__all__ = ["Workload", "build_workload", "strided_views", "clear_workloads", "storage", "SPARE_BLOCKS", "STALE_COLUMNS",
-           "allocate_tables", "blocks_needed", "with_stale_ids", "laid_out_cache"]
+__all__ = [
+    "Workload",
+    "build_workload",
+    "strided_views",
+    "clear_workloads",
+    "storage",
+    "SPARE_BLOCKS",
+    "STALE_COLUMNS",
+    "allocate_tables",
+    "blocks_needed",
+    "with_stale_ids",
+    "laid_out_cache",
+]
 
 #: Blocks in the pool beyond what the batch needs (plus the reserved block 0): garbage to catch
 #: reads through the wrong block id.
@@ -55,8 +67,9 @@ def storage(cache: KVCache) -> dict[str, torch.Tensor]:
         out["k_scale"] = cache.k_scale
     if cache.v_scale is not None and not cache.static_scales:
         out["v_scale"] = cache.v_scale
-    return {n: t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
-            for n, t in out.items()}
+    return {
+        n: t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t for n, t in out.items()
+    }
 
 
 @dataclasses.dataclass
@@ -117,16 +130,33 @@ class Workload:
         # change its own cache only, and the checks compare them with these.
         ks, vs = ((t * static_factor).clone() for t in self.static_scales) if self.static_scales else (None, None)
         if c.cache_layout != "nhd":
-            cache = laid_out_cache(c.cache_layout, self.num_blocks, c.block_size, c.num_kv_heads,
-                                   c.head_dim, dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device,
-                                   k_scale=ks, v_scale=vs, head_dim_v=c.dim_v)
+            cache = laid_out_cache(
+                c.cache_layout,
+                self.num_blocks,
+                c.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=c.dtype,
+                kv_dtype=c.kv_dtype,
+                device=self.device,
+                k_scale=ks,
+                v_scale=vs,
+                head_dim_v=c.dim_v,
+            )
         else:
-            static = {} if ks is None else {"k_scale": ks, "v_scale": vs}
+            static: dict[str, Any] = {} if ks is None else {"k_scale": ks, "v_scale": vs}
             # head_dim_v only where it differs: a backend that takes no such keyword stays callable.
             wide = {} if c.dim_v == c.head_dim else {"head_dim_v": c.dim_v}
             cache = backend.allocate(
-                self.num_blocks, c.block_size, c.num_kv_heads, c.head_dim,
-                dtype=c.dtype, kv_dtype=c.kv_dtype, device=self.device, **static, **wide,
+                self.num_blocks,
+                c.block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                dtype=c.dtype,
+                kv_dtype=c.kv_dtype,
+                device=self.device,
+                **static,
+                **wide,
             )
         src, dst = storage(self.cache_before), storage(cache)
         for name, t in src.items():
@@ -151,8 +181,9 @@ def blocks_needed(seq_lens: Sequence[int], block_size: int, *, shared_prefix_blo
     return pb + sum(max(0, math.ceil(s / block_size) - pb) for s in seq_lens)
 
 
-def allocate_tables(seq_lens: Sequence[int], block_size: int, allocator: BlockAllocator, *,
-                    shared_prefix_blocks: int = 0) -> list[list[int]]:
+def allocate_tables(
+    seq_lens: Sequence[int], block_size: int, allocator: BlockAllocator, *, shared_prefix_blocks: int = 0
+) -> list[list[int]]:
     """Each request's block table, drawn from ``allocator``: the first ``shared_prefix_blocks``
     logical blocks are the same physical blocks in every request (a prefix cached once, as
     parallel sampling and cascade attention see it), the rest its own. The suite's workloads
@@ -167,8 +198,9 @@ def allocate_tables(seq_lens: Sequence[int], block_size: int, allocator: BlockAl
     return tables
 
 
-def with_stale_ids(tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Generator, *,
-                   extra_columns: int = STALE_COLUMNS) -> list[list[int]]:
+def with_stale_ids(
+    tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Generator, *, extra_columns: int = STALE_COLUMNS
+) -> list[list[int]]:
     """Each request's blocks followed by stale, valid block ids (1 .. num_blocks - 1, drawn
     from ``g``) up to a common width: the longest request's blocks plus ``extra_columns``.
 
@@ -184,10 +216,20 @@ def with_stale_ids(tables: Sequence[Sequence[int]], num_blocks: int, g: torch.Ge
     return out
 
 
-def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                   dtype: torch.dtype, kv_dtype: str = "auto", device: torch.device | str = "cpu",
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   head_dim_v: int | None = None) -> KVCache:
+def laid_out_cache(
+    layout: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype,
+    kv_dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    head_dim_v: int | None = None,
+) -> KVCache:
     """A cache whose ``k``/``v`` (and per-slot scales) are NHD views of storage laid out as ``layout``:
 
     - ``"kv_interleaved"``: one ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` pool,
@@ -217,8 +259,9 @@ def laid_out_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
     quantized = kv_dtype != "auto"
     if quantized and k_scale is not None and v_scale is not None:
         ks, vs = static_scale(k_scale, k, name="k_scale"), static_scale(v_scale, v, name="v_scale")
-    return KVCache(k=k, v=v, kv_dtype=kv_dtype, k_scale=ks if quantized else None,
-                   v_scale=vs if quantized else None, dtype=dtype)
+    return KVCache(
+        k=k, v=v, kv_dtype=kv_dtype, k_scale=ks if quantized else None, v_scale=vs if quantized else None, dtype=dtype
+    )
 
 
 def _strided(t: torch.Tensor, fill: int) -> torch.Tensor:
@@ -325,8 +368,7 @@ def _draw(case: Case, device: torch.device) -> Workload:
     tables = allocate_tables(case.seq_lens, case.block_size, allocator, shared_prefix_blocks=shared)
     # Its own generator: the stale ids do not shift the q/K/V draws below.
     tables = with_stale_ids(tables, num_blocks, torch.Generator().manual_seed(case.seed + 1))
-    meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size,
-                                device=device)
+    meta = BatchMeta.from_lists(case.query_lens, case.seq_lens, tables, block_size=case.block_size, device=device)
     if case.meta_layout == "strided_views":
         meta = strided_views(meta)
 
@@ -356,25 +398,36 @@ def _draw(case: Case, device: torch.device) -> Workload:
 
     static = _static_scales(case, device)
     fixed = {} if static is None else {"k_scale": static[0], "v_scale": static[1]}
-    cache_before = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                     kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed)
+    cache_before = allocate_kv_cache(
+        num_blocks, case.block_size, hkv, d, dtype=dt, kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed
+    )
     _garbage_(cache_before, g)
     slots = torch.tensor(_context_slots(meta, case), dtype=torch.int64, device=device)
-    write_kv(cache_before, torch.cat(k_ctx).to(device=device, dtype=dt),
-             torch.cat(v_ctx).to(device=device, dtype=dt), slots)
+    write_kv(
+        cache_before, torch.cat(k_ctx).to(device=device, dtype=dt), torch.cat(v_ctx).to(device=device, dtype=dt), slots
+    )
 
-    cache_after = allocate_kv_cache(num_blocks, case.block_size, hkv, d, dtype=dt,
-                                    kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed)
+    cache_after = allocate_kv_cache(
+        num_blocks, case.block_size, hkv, d, dtype=dt, kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed
+    )
     for name, t in storage(cache_before).items():
         storage(cache_after)[name].copy_(t)
     write_kv(cache_after, k_new, v_new, meta.slot_mapping)
 
     ref_out, ref_lse = reference_attention(
-        q, cache_after, meta, scale=case.scale, window=case.window, softcap=case.softcap, sinks=sinks,
-        compute_dtype=torch.float64, return_lse=True,
+        q,
+        cache_after,
+        meta,
+        scale=case.scale,
+        window=case.window,
+        softcap=case.softcap,
+        sinks=sinks,
+        compute_dtype=torch.float64,
+        return_lse=True,
     )
-    return Workload(case, device, meta, num_blocks, q, k_new, v_new, sinks, cache_before,
-                    cache_after, ref_out, ref_lse, static)
+    return Workload(
+        case, device, meta, num_blocks, q, k_new, v_new, sinks, cache_before, cache_after, ref_out, ref_lse, static
+    )
 
 
 def _static_scales(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

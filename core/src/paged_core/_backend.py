@@ -100,8 +100,12 @@ class Backend:
         Cached per spec: a model has few specs, and ``forward`` asks on every call.
         """
         if spec not in self._reasons:
-            self._reasons[spec] = [*self.unavailable(), *device_reasons(spec), *self.capabilities.reasons(spec),
-                                   *self.extra_reasons(spec)]
+            self._reasons[spec] = [
+                *self.unavailable(),
+                *device_reasons(spec),
+                *self.capabilities.reasons(spec),
+                *self.extra_reasons(spec),
+            ]
         return list(self._reasons[spec])
 
     def supports(self, spec: AttentionSpec) -> bool:
@@ -130,8 +134,16 @@ class Backend:
         ``k_scale``/``v_scale`` give a quantized cache static scales, ``head_dim_v`` V's own head
         dim (``allocate_kv_cache``)."""
         return allocate_kv_cache(
-            num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, kv_dtype=kv_dtype, device=device,
-            k_scale=k_scale, v_scale=v_scale, head_dim_v=head_dim_v,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            device=device,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            head_dim_v=head_dim_v,
         )
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
@@ -191,17 +203,47 @@ class Backend:
 
     # The result's type follows ``return_lse``: ``out``, or ``(out, lse)``.
     @overload
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
-                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
-                return_lse: Literal[False] = ...) -> torch.Tensor: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        meta: Any,
+        *,
+        scale: float | None = ...,
+        window: int = ...,
+        softcap: float = ...,
+        sinks: torch.Tensor | None = ...,
+        out: torch.Tensor | None = ...,
+        return_lse: Literal[False] = ...,
+    ) -> torch.Tensor: ...
     @overload
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
-                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
-                return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        meta: Any,
+        *,
+        scale: float | None = ...,
+        window: int = ...,
+        softcap: float = ...,
+        sinks: torch.Tensor | None = ...,
+        out: torch.Tensor | None = ...,
+        return_lse: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
     @overload
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None = ..., window: int = ...,
-                softcap: float = ..., sinks: torch.Tensor | None = ..., out: torch.Tensor | None = ...,
-                return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        meta: Any,
+        *,
+        scale: float | None = ...,
+        window: int = ...,
+        softcap: float = ...,
+        sinks: torch.Tensor | None = ...,
+        out: torch.Tensor | None = ...,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def forward(
         self,
         q: torch.Tensor,
@@ -229,8 +271,18 @@ class Backend:
         ``paged::forward`` (docs/contract.md, "torch.compile").
         """
         if torch.compiler.is_compiling():
-            return _ops.forward(self, q, cache, meta, scale=scale, window=window, softcap=softcap,
-                                sinks=sinks, out=out, return_lse=return_lse)
+            return _ops.forward(
+                self,
+                q,
+                cache,
+                meta,
+                scale=scale,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                out=out,
+                return_lse=return_lse,
+            )
         batch = meta if type(meta) is BatchMeta else batch_of(self, meta)
         check_forward(self, self._checked_calls, q, cache, batch, window, softcap, scale, sinks, out, return_lse)
         if not batch._dense:
@@ -249,8 +301,11 @@ class Backend:
         if validating:
             validate_call(batch, cache, sinks)
         if out is None:
-            out = torch.empty_like(q) if cache.head_dim_v == q.shape[2] else q.new_empty(
-                q.shape[0], q.shape[1], cache.head_dim_v)
+            out = (
+                torch.empty_like(q)
+                if cache.head_dim_v == q.shape[2]
+                else q.new_empty(q.shape[0], q.shape[1], cache.head_dim_v)
+            )
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
         if validating:
             # Outputs start as NaN: a row a backend leaves unwritten shows, instead of passing
@@ -267,10 +322,15 @@ class Backend:
             sinks = sinks.contiguous()
         try:
             self._forward(
-                q, cache, meta, out=out, lse=lse,
+                q,
+                cache,
+                meta,
+                out=out,
+                lse=lse,
                 scale=q.shape[2] ** -0.5 if scale is None else scale if type(scale) is float else float(scale),
                 window=window if type(window) is int else int(window),
-                softcap=softcap if type(softcap) is float else float(softcap), sinks=sinks,
+                softcap=softcap if type(softcap) is float else float(softcap),
+                sinks=sinks,
             )
         except ValueError as exc:
             # A backend's own launcher refused the arguments (they raise plain ValueError, as

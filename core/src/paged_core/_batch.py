@@ -46,9 +46,7 @@ class BlockAllocator:
     [1, 2, 3]
     """
 
-    def __init__(
-        self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True
-    ):
+    def __init__(self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True):
         if not _is_int(num_blocks) or not 1 <= num_blocks < INT32_LIMIT:
             raise InputError(f"num_blocks is {num_blocks!r}; accepted: an int from 1 to 2**31 - 1")
         self.num_blocks = num_blocks
@@ -69,8 +67,7 @@ class BlockAllocator:
             raise InputError(f"allocate({n!r}): accepted: a number of blocks, an int >= 0")
         if n > len(self._free):
             raise BatchMetaError(
-                f"out of KV blocks: asked for {n}, {len(self._free)} free of {self.num_blocks}; "
-                "allocate a larger cache"
+                f"out of KV blocks: asked for {n}, {len(self._free)} free of {self.num_blocks}; allocate a larger cache"
             )
         out, self._free = self._free[:n], self._free[n:]
         self._used.update(out)
@@ -84,10 +81,15 @@ class BlockAllocator:
         seen: set[int] = set()
         for b in blocks:
             if not _is_int(b) or b not in self._used or b in seen:
-                why = ("it is not an int" if not _is_int(b)
-                       else "it is given twice" if b in seen
-                       else f"it is outside the pool 0 .. {self.num_blocks - 1}" if not 0 <= b < self.num_blocks
-                       else "it is not allocated (freed already, or never handed out)")
+                why = (
+                    "it is not an int"
+                    if not _is_int(b)
+                    else "it is given twice"
+                    if b in seen
+                    else f"it is outside the pool 0 .. {self.num_blocks - 1}"
+                    if not 0 <= b < self.num_blocks
+                    else "it is not allocated (freed already, or never handed out)"
+                )
                 raise InputError(
                     f"free(): block {b!r} cannot be freed: {why}; accepted: blocks this allocator "
                     "handed out, each freed once"
@@ -112,8 +114,7 @@ def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_siz
             raise BatchMetaError(f"{name} is a {type(lst).__name__}; accepted: a list of ints, one per request")
     if len(query_lens) != len(seq_lens):
         raise BatchMetaError(
-            f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; "
-            "give one of each per request"
+            f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}; give one of each per request"
         )
     for r, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
         if not _is_int(q) or not _is_int(s):
@@ -121,9 +122,7 @@ def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_siz
         if q < 0 or s < 0:
             raise BatchMetaError(f"request {r}: query_len {q} and seq_len {s}; accepted: ints >= 0")
         if s >= INT32_LIMIT:
-            raise BatchMetaError(
-                f"request {r}: seq_len {s} does not fit the int32 seq_lens; accepted: below 2**31"
-            )
+            raise BatchMetaError(f"request {r}: seq_len {s} does not fit the int32 seq_lens; accepted: below 2**31")
         if s and q > s:
             raise BatchMetaError(
                 f"request {r}: query_len {q} is larger than seq_len {s}; the new tokens are "
@@ -377,15 +376,13 @@ class BatchMeta:
         if not isinstance(block_tables, Sequence) or len(block_tables) != len(seq_lens):
             found = len(block_tables) if isinstance(block_tables, Sequence) else "no"
             raise BatchMetaError(
-                f"block_tables has {found} entries but seq_lens has {len(seq_lens)}; "
-                "give one block list per request"
+                f"block_tables has {found} entries but seq_lens has {len(seq_lens)}; give one block list per request"
             )
         for r, (s, t) in enumerate(zip(seq_lens, block_tables, strict=True)):
             bad = [b for b in t if not _is_int(b) or not 0 <= b < INT32_LIMIT]
             if bad:
                 raise BatchMetaError(
-                    f"request {r}: block {bad[0]!r} in its block list; accepted: block ids, ints "
-                    "from 0 to 2**31 - 1"
+                    f"request {r}: block {bad[0]!r} in its block list; accepted: block ids, ints from 0 to 2**31 - 1"
                 )
             if s and math.ceil(s / block_size) > len(t):
                 raise BatchMetaError(
@@ -427,10 +424,18 @@ class BatchMeta:
     ) -> BatchMeta:
         _check_lengths(query_lens, seq_lens, block_size)
         for name, t, dims in (("block_table", block_table, 2), ("slot_mapping", slot_mapping, 1)):
-            if (not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex()
-                    or t.dtype == torch.bool):
-                found = (f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" if isinstance(t, torch.Tensor)
-                         else f"a {type(t).__name__}")
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dim() != dims
+                or t.is_floating_point()
+                or t.is_complex()
+                or t.dtype == torch.bool
+            ):
+                found = (
+                    f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+                    if isinstance(t, torch.Tensor)
+                    else f"a {type(t).__name__}"
+                )
                 raise BatchMetaError(f"{name} is {found}; accepted: an integer tensor of {dims} dimensions")
         device = check_device(device) if device is not None else block_table.device
         qsl = [0]
@@ -465,9 +470,18 @@ class BatchMeta:
         return self._structure(mirrors=True)
 
     def _structure(self, *, mirrors: bool) -> BatchMeta:
-        fields = (self.num_reqs, self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
-                  self.block_size, self.max_query_len, self.max_seq_len, self.query_start_loc_cpu,
-                  self.seq_lens_cpu)
+        fields = (
+            self.num_reqs,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.slot_mapping,
+            self.block_size,
+            self.max_query_len,
+            self.max_seq_len,
+            self.query_start_loc_cpu,
+            self.seq_lens_cpu,
+        )
         last = self._checked
         if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
             return self
@@ -477,17 +491,25 @@ class BatchMeta:
         self._check_tensor("query_start_loc", self.query_start_loc, torch.int32, (R + 1,))
         self._check_tensor("seq_lens", self.seq_lens, torch.int32, (R,))
         if not isinstance(self.slot_mapping, torch.Tensor) or self.slot_mapping.dim() == 0:
-            found = (self._desc(self.slot_mapping) if isinstance(self.slot_mapping, torch.Tensor)
-                     else f"a {type(self.slot_mapping).__name__}")
+            found = (
+                self._desc(self.slot_mapping)
+                if isinstance(self.slot_mapping, torch.Tensor)
+                else f"a {type(self.slot_mapping).__name__}"
+            )
             raise BatchMetaError(f"slot_mapping is {found}; accepted: int64 [num_tokens]")
         self._check_tensor("slot_mapping", self.slot_mapping, torch.int64, (self.num_tokens,))
-        if (not isinstance(self.block_table, torch.Tensor) or self.block_table.dtype != torch.int32
-                or self.block_table.dim() != 2 or self.block_table.shape[0] != R):
-            found = (self._desc(self.block_table) if isinstance(self.block_table, torch.Tensor)
-                     else f"a {type(self.block_table).__name__}")
-            raise BatchMetaError(
-                f"block_table is {found}; accepted: int32 [num_reqs={R}, max_blocks_per_req]"
+        if (
+            not isinstance(self.block_table, torch.Tensor)
+            or self.block_table.dtype != torch.int32
+            or self.block_table.dim() != 2
+            or self.block_table.shape[0] != R
+        ):
+            found = (
+                self._desc(self.block_table)
+                if isinstance(self.block_table, torch.Tensor)
+                else f"a {type(self.block_table).__name__}"
             )
+            raise BatchMetaError(f"block_table is {found}; accepted: int32 [num_reqs={R}, max_blocks_per_req]")
         for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
             t = getattr(self, name)
             if t.device != self.device:
@@ -516,9 +538,7 @@ class BatchMeta:
             if mirror is not None:
                 self._check_tensor(name, mirror, torch.int32, shape)
                 if mirror.device.type != "cpu":
-                    raise BatchMetaError(
-                        f"{name} is on {mirror.device}; accepted: a host mirror on the CPU (or None)"
-                    )
+                    raise BatchMetaError(f"{name} is on {mirror.device}; accepted: a host mirror on the CPU (or None)")
         if not mirrors:
             return self  # validate() words these checks itself, per request
         # The host ints are promises the kernels size their grids by; the mirrors (host memory,
@@ -592,8 +612,9 @@ class BatchMeta:
         R, N, bs = self.num_reqs, self.num_tokens, self.block_size
         width = self.block_table.shape[1]
         # One device-to-host copy (one sync) of every field, split on the host.
-        flat = torch.cat([self.query_start_loc.long(), self.seq_lens.long(),
-                          self.block_table.long().flatten(), self.slot_mapping]).cpu()
+        flat = torch.cat(
+            [self.query_start_loc.long(), self.seq_lens.long(), self.block_table.long().flatten(), self.slot_mapping]
+        ).cpu()
         qsl_t, sl_t, table, slots = flat.split([R + 1, R, R * width, N])
         table = table.view(R, width)
         qsl = qsl_t.tolist()
@@ -616,8 +637,7 @@ class BatchMeta:
                 )
         qlen = qsl_t[1:] - qsl_t[:-1]
         nblk = torch.div(sl_t + bs - 1, bs, rounding_mode="floor")  # ceil for s >= 0
-        bad = ((qlen < 0) | (sl_t < 0) | ((sl_t > 0) & (qlen > sl_t)) | (nblk > width)
-               | (qsl_t[1:] > N))
+        bad = (qlen < 0) | (sl_t < 0) | ((sl_t > 0) & (qlen > sl_t)) | (nblk > width) | (qsl_t[1:] > N)
         if num_blocks is not None and width:
             used = torch.arange(width)[None, :] < nblk[:, None]
             bad |= (used & ((table < 0) | (table >= num_blocks))).any(dim=1)
@@ -660,8 +680,7 @@ class BatchMeta:
         q, s = qsl[r + 1] - qsl[r], sl[r]
         if q < 0:
             raise BatchMetaError(
-                f"request {r}: query_start_loc decreases ({qsl[r]} -> {qsl[r + 1]}); "
-                "accepted: non-decreasing offsets"
+                f"request {r}: query_start_loc decreases ({qsl[r]} -> {qsl[r + 1]}); accepted: non-decreasing offsets"
             )
         if s < 0:
             raise BatchMetaError(f"request {r}: seq_lens[{r}] is {s}; accepted: >= 0")
@@ -728,10 +747,14 @@ def _is_dense(meta: BatchMeta) -> bool:
     """Whether every metadata tensor is laid out as the kernels read it: 1-D tensors contiguous
     (kernels index them with the request), the block table's last dimension contiguous (the
     kernels take its row stride; vendors' tables need unit column strides)."""
-    return (meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
-            and meta.slot_mapping.is_contiguous() and _last_dim_dense(meta.block_table)
-            and (meta.query_start_loc_cpu is None or meta.query_start_loc_cpu.is_contiguous())
-            and (meta.seq_lens_cpu is None or meta.seq_lens_cpu.is_contiguous()))
+    return (
+        meta.query_start_loc.is_contiguous()
+        and meta.seq_lens.is_contiguous()
+        and meta.slot_mapping.is_contiguous()
+        and _last_dim_dense(meta.block_table)
+        and (meta.query_start_loc_cpu is None or meta.query_start_loc_cpu.is_contiguous())
+        and (meta.seq_lens_cpu is None or meta.seq_lens_cpu.is_contiguous())
+    )
 
 
 def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
@@ -762,7 +785,7 @@ def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, bloc
         return 0
     active = sl > 0
     first = int(active.int().argmax())
-    same = (bt[active] == bt[first:first + 1]).all(dim=0)  # [max_blocks]
+    same = (bt[active] == bt[first : first + 1]).all(dim=0)  # [max_blocks]
     common = int(same.int().cumprod(0).sum())
     shortest_full = int(sl[sl > 0].min()) // block_size
     return min(common, shortest_full)

@@ -196,10 +196,19 @@ class KVCache:
                         f"None, or kv_dtype {_QUANTIZED} for a quantized cache"
                     )
                 continue
-            if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
-                    or t.device != self.k.device):
-                found = (f"{_desc(t)} on {t.device}" if isinstance(t, torch.Tensor)
-                         else "None" if t is None else f"a {type(t).__name__}")
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != torch.float32
+                or tuple(t.shape) != want
+                or t.device != self.k.device
+            ):
+                found = (
+                    f"{_desc(t)} on {t.device}"
+                    if isinstance(t, torch.Tensor)
+                    else "None"
+                    if t is None
+                    else f"a {type(t).__name__}"
+                )
                 raise InputError(
                     f"cache.{name} is {found}; an {self.kv_dtype} cache needs float32 "
                     f"[num_blocks, block_size, num_kv_heads] = {list(want)} on {self.k.device} "
@@ -214,17 +223,24 @@ class KVCache:
                     "scales whose block and slot strides are 0 (paged_core.static_scale)"
                 )
         if self.quantized and _is_static(cast(torch.Tensor, self.k_scale)) != _is_static(
-                cast(torch.Tensor, self.v_scale)):
-            kinds = ["static" if _is_static(cast(torch.Tensor, t)) else "per slot"
-                     for t in (self.k_scale, self.v_scale)]
+            cast(torch.Tensor, self.v_scale)
+        ):
+            kinds = [
+                "static" if _is_static(cast(torch.Tensor, t)) else "per slot" for t in (self.k_scale, self.v_scale)
+            ]
             raise InputError(
                 f"cache.k_scale is {kinds[0]} but cache.v_scale is {kinds[1]}; accepted: both static "
                 "(paged_core.static_scale) or both per slot"
             )
         self._spill_ok = self._spill_matches()
         self._kv_scales = self._scale_kind()
-        self._layout = (self.kv_dtype, self.dtype, self.k.device, self._spill_ok,
-                        *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)))
+        self._layout = (
+            self.kv_dtype,
+            self.dtype,
+            self.k.device,
+            self._spill_ok,
+            *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)),
+        )
         self._checked = fields
         self._generation = next(_GENERATIONS)
         return self
@@ -243,9 +259,14 @@ class KVCache:
         if spill is None or len(spill) != len(views):
             return False
         for view, full in zip(views, spill, strict=True):
-            if (not isinstance(full, torch.Tensor) or full.data_ptr() != view.data_ptr()
-                    or full.dtype != view.dtype or full.stride() != view.stride()
-                    or full.shape[0] != view.shape[0] + 1 or full.shape[1:] != view.shape[1:]):
+            if (
+                not isinstance(full, torch.Tensor)
+                or full.data_ptr() != view.data_ptr()
+                or full.dtype != view.dtype
+                or full.stride() != view.stride()
+                or full.shape[0] != view.shape[0] + 1
+                or full.shape[1:] != view.shape[1:]
+            ):
                 return False
         return True
 
@@ -290,19 +311,27 @@ def allocate_kv_cache(
     (True, [0.05000000074505806, 0.05000000074505806])
     """
     _check_dtypes(dtype, kv_dtype)
-    for name, val in (("num_blocks", num_blocks), ("block_size", block_size),
-                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    for name, val in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         _check_size(name, val)
     if head_dim_v is None:
         head_dim_v = head_dim
     _check_size("head_dim_v", head_dim_v)
     device = check_device(device)
     if (k_scale is None) != (v_scale is None):
-        raise InputError("k_scale is given but v_scale is not (or the other way); accepted: both static "
-                         "scales, or neither (per-slot scales set by each write)")
+        raise InputError(
+            "k_scale is given but v_scale is not (or the other way); accepted: both static "
+            "scales, or neither (per-slot scales set by each write)"
+        )
     if k_scale is not None and kv_dtype == "auto":
-        raise InputError("k_scale/v_scale are given for a kv_dtype 'auto' cache; accepted: static scales "
-                         f"for a quantized cache only (kv_dtype {_QUANTIZED})")
+        raise InputError(
+            "k_scale/v_scale are given for a kv_dtype 'auto' cache; accepted: static scales "
+            f"for a quantized cache only (kv_dtype {_QUANTIZED})"
+        )
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
@@ -350,12 +379,16 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
     heads = k.shape[2]
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         base = torch.full((1,), float(scale), dtype=torch.float32, device=k.device)
-    elif isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == k.device \
-            and scale.numel() in (1, heads) and scale.dim() <= 1:
+    elif (
+        isinstance(scale, torch.Tensor)
+        and scale.dtype == torch.float32
+        and scale.device == k.device
+        and scale.numel() in (1, heads)
+        and scale.dim() <= 1
+    ):
         base = scale.reshape(-1)
     else:
-        found = (f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor)
-                 else f"{scale!r}")
+        found = f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor) else f"{scale!r}"
         raise InputError(
             f"{name} is {found}; accepted: a positive float, or a float32 tensor on {k.device} of "
             f"shape [] or [1] (one scale) or [num_kv_heads={heads}] (one per KV head)"
@@ -366,8 +399,9 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
         raise InputError(f"{name} holds {values.tolist()}; accepted: positive, finite scales")
     # Strides set, not left to expand: expand keeps the stride of a dimension of size 1 (a
     # one-slot block), and stride 0 is what marks the view static.
-    return base.as_strided((k.shape[0], k.shape[1], heads), (0, 0, base.stride(0) if base.numel() > 1 else 0),
-                           base.storage_offset())
+    return base.as_strided(
+        (k.shape[0], k.shape[1], heads), (0, 0, base.stride(0) if base.numel() > 1 else 0), base.storage_offset()
+    )
 
 
 def _is_static(t: torch.Tensor) -> bool:
@@ -398,8 +432,7 @@ def _desc(t: torch.Tensor) -> str:
     return f"{dtype_name(t.dtype)} {list(t.shape)}"
 
 
-def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-vector quantization of ``x [..., head_dim]``.
 
     Returns ``(codes [..., head_dim], scales float32 [...])`` with ``x ≈ codes * scales[..., None]``.
@@ -457,10 +490,14 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if not isinstance(codes, torch.Tensor) or codes.dim() < 1:
         found = _desc(codes) if isinstance(codes, torch.Tensor) else f"a {type(codes).__name__}"
         raise InputError(f"codes is {found}; accepted: a tensor [..., head_dim]")
-    if (not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(codes.shape[:-1])
-            or scales.device != codes.device):
-        found = (f"{_desc(scales)} on {scales.device}" if isinstance(scales, torch.Tensor)
-                 else f"a {type(scales).__name__}")
+    if (
+        not isinstance(scales, torch.Tensor)
+        or tuple(scales.shape) != tuple(codes.shape[:-1])
+        or scales.device != codes.device
+    ):
+        found = (
+            f"{_desc(scales)} on {scales.device}" if isinstance(scales, torch.Tensor) else f"a {type(scales).__name__}"
+        )
         raise InputError(
             f"scales is {found} but codes is {_desc(codes)} on {codes.device}; accepted: one scale "
             f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
@@ -500,10 +537,16 @@ def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
     if not isinstance(cache, KVCache):
         raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
     cache.check()
-    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1
-            or slot_mapping.dtype not in (torch.int64, torch.int32)):
-        found = (f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
-                 if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__)
+    if (
+        not isinstance(slot_mapping, torch.Tensor)
+        or slot_mapping.dim() != 1
+        or slot_mapping.dtype not in (torch.int64, torch.int32)
+    ):
+        found = (
+            f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
+            if isinstance(slot_mapping, torch.Tensor)
+            else type(slot_mapping).__name__
+        )
         raise InputError(f"slot_mapping is {found}; accepted: int64 or int32 [num_tokens]")
     n = slot_mapping.shape[0]
     for name, t, dim in (("k", k, cache.head_dim), ("v", v, cache.head_dim_v)):
@@ -589,8 +632,13 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
 
 
 def kv_bytes_per_token(
-    num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
-    kv_dtype: str = "auto", num_layers: int = 1, head_dim_v: int | None = None,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: str = "auto",
+    num_layers: int = 1,
+    head_dim_v: int | None = None,
 ) -> int:
     """Bytes of K and V cache one token takes, over ``num_layers`` layers (scales included);
     ``head_dim_v`` (default ``head_dim``) is V's head dim.
@@ -601,8 +649,12 @@ def kv_bytes_per_token(
     _check_dtypes(dtype, kv_dtype)
     if head_dim_v is None:
         head_dim_v = head_dim
-    for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("num_layers", num_layers),
-                      ("head_dim_v", head_dim_v)):
+    for name, val in (
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("num_layers", num_layers),
+        ("head_dim_v", head_dim_v),
+    ):
         _check_size(name, val)
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4

@@ -28,15 +28,35 @@ from ._errors import InputError, UnsupportedSpecError
 from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
 __all__ = [
-    "PLAN_KEYWORDS", "batch_of", "capturing", "check_call", "check_forward", "check_out_memory", "check_plan",
+    "PLAN_KEYWORDS",
+    "batch_of",
+    "capturing",
+    "check_call",
+    "check_forward",
+    "check_out_memory",
+    "check_plan",
     "check_write",
-    "device_reasons", "tensor_facts", "validate_call", "validation_enabled",
+    "device_reasons",
+    "tensor_facts",
+    "validate_call",
+    "validation_enabled",
 ]
 
 #: The layer keywords every backend's ``plan`` accepts: the description of the layers that will
 #: run the plan (the same for every layer of a step).
-PLAN_KEYWORDS = ("num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype", "kv_dtype", "kv_scales",
-                 "window", "softcap", "scale", "sinks")
+PLAN_KEYWORDS = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "dtype",
+    "kv_dtype",
+    "kv_scales",
+    "window",
+    "softcap",
+    "scale",
+    "sinks",
+)
 
 # Entries of a backend's memo before it is emptied: layers x shapes of a few live steps.
 CHECKED_CALLS_MAX = 4096
@@ -65,9 +85,7 @@ def validation_enabled(validate: bool | None = None) -> bool:
     """
     if validate is not None:
         if not isinstance(validate, bool):
-            raise InputError(
-                f"validate is {validate!r}; accepted: True, False, or None (PAGED_VALIDATE decides)"
-            )
+            raise InputError(f"validate is {validate!r}; accepted: True, False, or None (PAGED_VALIDATE decides)")
         return validate
     return os.environ.get("PAGED_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
 
@@ -126,9 +144,13 @@ def check_write(backend: _Checked, cache: Any, meta: Any) -> BatchMeta:
     cache.check()
     # _kv_scales: what check() just found ("per_slot" for a full-precision cache too).
     if cache._kv_scales != "per_slot" and cache._kv_scales not in backend.capabilities.kv_scales:
-        raise UnsupportedSpecError(backend.name, [
-            f"{cache.kv_dtype} caches with kv_scales {cache._kv_scales!r} are not supported "
-            f"(accepted: {', '.join(sorted(backend.capabilities.kv_scales))})"])
+        raise UnsupportedSpecError(
+            backend.name,
+            [
+                f"{cache.kv_dtype} caches with kv_scales {cache._kv_scales!r} are not supported "
+                f"(accepted: {', '.join(sorted(backend.capabilities.kv_scales))})"
+            ],
+        )
     batch.check_structure()
     _check_batch_fits(batch, cache)
     return batch
@@ -154,8 +176,9 @@ def _check_batch_fits(batch: BatchMeta, cache: KVCache, *, device: bool = True) 
 def _plan_params(cls: Any) -> tuple[frozenset[str], bool]:
     """The keywords ``cls._plan`` declares, and whether it takes ``**kwargs`` (read once per class)."""
     params = inspect.signature(cls._plan).parameters.values()
-    names = frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-                      and p.name not in ("self", "meta"))
+    names = frozenset(
+        p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "meta")
+    )
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
@@ -199,14 +222,22 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
         return  # not enough to describe a spec; forward checks the layer it gets
     caps = backend.capabilities
     spec = AttentionSpec(
-        num_heads=layer["num_heads"], num_kv_heads=layer["num_kv_heads"], head_dim=layer["head_dim"],
+        num_heads=layer["num_heads"],
+        num_kv_heads=layer["num_kv_heads"],
+        head_dim=layer["head_dim"],
         block_size=meta.block_size,
         # Not given: one the backend takes, so only what was given can be refused.
         dtype=dtype if dtype is not None else min(caps.dtypes, key=dtype_name, default=torch.bfloat16),
-        kv_dtype=kv_dtype if kv_dtype is not None else ("auto" if "auto" in caps.kv_dtypes
-                                                        else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
-        kv_scales=kv_scales, window=int(window), softcap=float(softcap), sinks=sinks,
-        device=meta.device.type, decode_only=meta.decode_only, head_dim_v=layer.get("head_dim_v"),
+        kv_dtype=kv_dtype
+        if kv_dtype is not None
+        else ("auto" if "auto" in caps.kv_dtypes else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
+        kv_scales=kv_scales,
+        window=int(window),
+        softcap=float(softcap),
+        sinks=sinks,
+        device=meta.device.type,
+        decode_only=meta.decode_only,
+        head_dim_v=layer.get("head_dim_v"),
     )
     reasons = backend.reasons(spec)
     if reasons:
@@ -218,23 +249,31 @@ def _check_scalars(window, softcap, scale) -> None:
     compute in (float32 scalars, an int32 window)."""
     # Fast path for the plain int/float every caller passes: isinstance against the numbers
     # ABCs costs microseconds, and this runs on every layer call.
-    if type(window) is int and 0 <= window < INT32_LIMIT and type(softcap) in (float, int) \
-            and (softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX) \
-            and (scale is None or (type(scale) in (float, int) and -_F32_MAX <= scale <= _F32_MAX)):
+    if (
+        type(window) is int
+        and 0 <= window < INT32_LIMIT
+        and type(softcap) in (float, int)
+        and (softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX)
+        and (scale is None or (type(scale) in (float, int) and -_F32_MAX <= scale <= _F32_MAX))
+    ):
         return
     if not _is_int(window) or not 0 <= window < INT32_LIMIT:
         raise InputError(
             f"window is {window!r}; accepted: 0 (no window) or a positive int below 2**31 (a window "
             "at least as long as the longest sequence is no window: pass 0)"
         )
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not (
-            softcap == 0 or _F32_TINY <= softcap <= SOFTCAP_MAX):  # type: ignore[operator]  # typeshed: Real has no __ge__
+    if (
+        not isinstance(softcap, numbers.Real)
+        or isinstance(softcap, bool)
+        or not (softcap == 0 or _F32_TINY <= float(softcap) <= SOFTCAP_MAX)
+    ):
         raise InputError(
             f"softcap is {softcap!r}; accepted: 0 (off) or a positive finite float32 from {_F32_TINY:.4g} to "
             f"{SOFTCAP_MAX:.4g} (the kernels compute in float32; a cap that large is no cap)"
         )
-    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
-                              or not -_F32_MAX <= scale <= _F32_MAX):  # type: ignore[operator]  # typeshed: Real has no __ge__
+    if scale is not None and (
+        not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not -_F32_MAX <= float(scale) <= _F32_MAX
+    ):
         raise InputError(
             f"scale is {scale!r}; accepted: None (head_dim ** -0.5) or a finite float32 (magnitude at "
             f"most {_F32_MAX:.4g}: the kernels compute in float32)"
@@ -279,8 +318,9 @@ def check_out_memory(out: torch.Tensor, cache: KVCache) -> None:
 
 
 # ------------------------------------------------------------------------------------- forward
-def check_forward(backend: _Checked, seen: set[tuple], q, cache, batch: BatchMeta, window, softcap, scale,
-                  sinks, out, return_lse) -> None:
+def check_forward(
+    backend: _Checked, seen: set[tuple], q, cache, batch: BatchMeta, window, softcap, scale, sinks, out, return_lse
+) -> None:
     """Run :func:`check_call` unless ``seen`` (the backend's memo) holds this call's facts.
 
     The key is the cache's layout, the batch's generation (a number no other check ever had, so a
@@ -293,12 +333,27 @@ def check_forward(backend: _Checked, seen: set[tuple], q, cache, batch: BatchMet
     if type(q) is torch.Tensor and isinstance(cache, KVCache):
         cache.check()  # in the order check_call checks: the same first error either way
         batch.check_structure()
-        if (type(window) is int and type(softcap) in (float, int) and (scale is None or type(scale) in (float, int))
-                and (sinks is None or type(sinks) is torch.Tensor) and (out is None or type(out) is torch.Tensor)
-                and type(return_lse) is bool):
-            key = (cache._layout, batch._generation, tensor_facts(q), window, type(softcap), softcap,
-                   type(scale), scale, None if sinks is None else tensor_facts(sinks),
-                   None if out is None else tensor_facts(out), return_lse)
+        if (
+            type(window) is int
+            and type(softcap) in (float, int)
+            and (scale is None or type(scale) in (float, int))
+            and (sinks is None or type(sinks) is torch.Tensor)
+            and (out is None or type(out) is torch.Tensor)
+            and type(return_lse) is bool
+        ):
+            key = (
+                cache._layout,
+                batch._generation,
+                tensor_facts(q),
+                window,
+                type(softcap),
+                softcap,
+                type(scale),
+                scale,
+                None if sinks is None else tensor_facts(sinks),
+                None if out is None else tensor_facts(out),
+                return_lse,
+            )
             if key in seen:
                 return
     check_call(backend, q, cache, batch, window, softcap, scale, sinks, out, return_lse)
@@ -308,8 +363,7 @@ def check_forward(backend: _Checked, seen: set[tuple], q, cache, batch: BatchMet
         seen.add(key)
 
 
-def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, scale, sinks, out,
-               return_lse) -> None:
+def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, scale, sinks, out, return_lse) -> None:
     """Every host-side check of a ``forward`` call: the inputs, then the spec they make.
 
     No device read and no sync: the structure of the cache and of the batch is checked once per
@@ -345,9 +399,7 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
             "accepted: the dtype the cache was allocated for"
         )
     if q_strides[-1] != 1:
-        raise InputError(
-            f"q's last dimension has stride {q_strides[-1]}; accepted: stride 1 (call q.contiguous())"
-        )
+        raise InputError(f"q's last dimension has stride {q_strides[-1]}; accepted: stride 1 (call q.contiguous())")
     if cache.k.device != dev:
         raise InputError(f"cache.k is on {cache.device} but q is on {dev}; accepted: one device")
     if meta.seq_lens.device != dev:
@@ -360,12 +412,14 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
         raise InputError(f"sinks is {_described(sinks)}; accepted: float32 [num_heads={hq}] on {dev}")
     dv = cache.head_dim_v
     if out is not None and (not isinstance(out, torch.Tensor) or _wrong_out(tensor_facts(out), tensor_facts(q), dv)):
-        found = (f"{_described(out)} with last-dimension stride {tensor_facts(out)[3][-1]}"
-                 if isinstance(out, torch.Tensor) else f"a {type(out).__name__}")
+        found = (
+            f"{_described(out)} with last-dimension stride {tensor_facts(out)[3][-1]}"
+            if isinstance(out, torch.Tensor)
+            else f"a {type(out).__name__}"
+        )
         shape = "the shape," if dv == d else f"the shape [num_tokens={n}, num_heads={hq}, head_dim_v={dv}] and"
         raise InputError(
-            f"out is {found}; accepted: {shape} dtype and device of q ({_described(q)}), "
-            "last-dimension stride 1"
+            f"out is {found}; accepted: {shape} dtype and device of q ({_described(q)}), last-dimension stride 1"
         )
     if out is not None and _overlaps_itself(tensor_facts(out)[0], tensor_facts(out)[3]):
         raise InputError(
@@ -377,9 +431,19 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
     if not isinstance(return_lse, bool):
         raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
     spec = AttentionSpec(
-        num_heads=hq, num_kv_heads=cache.num_kv_heads, head_dim=d, block_size=cache.block_size, dtype=q_dtype,
-        kv_dtype=cast(KVDtype, cache.kv_dtype), kv_scales=cache.kv_scales, window=int(window), softcap=float(softcap),
-        sinks=sinks is not None, device=dev.type, decode_only=meta.decode_only, return_lse=return_lse,
+        num_heads=hq,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=d,
+        block_size=cache.block_size,
+        dtype=q_dtype,
+        kv_dtype=cast(KVDtype, cache.kv_dtype),
+        kv_scales=cache.kv_scales,
+        window=int(window),
+        softcap=float(softcap),
+        sinks=sinks is not None,
+        device=dev.type,
+        decode_only=meta.decode_only,
+        return_lse=return_lse,
         head_dim_v=dv,
     )
     reasons = backend.reasons(spec)

@@ -39,15 +39,17 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reg = registry.registration(name)
         reasons = registry.unavailable(name)
         caps = registry.capabilities(name)
-        rows.append({
-            "name": name,
-            "distribution": reg.distribution or reg.plugin,
-            "version": reg.version or "",
-            "priority": reg.priority,
-            "available": not reasons,
-            "reasons": reasons,
-            "capabilities": caps.summary() if caps else None,
-        })
+        rows.append(
+            {
+                "name": name,
+                "distribution": reg.distribution or reg.plugin,
+                "version": reg.version or "",
+                "priority": reg.priority,
+                "available": not reasons,
+                "reasons": reasons,
+                "capabilities": caps.summary() if caps else None,
+            }
+        )
     problems = [{"source": p.source, "stage": p.stage, "message": p.message} for p in registry.problems()]
     if args.json:
         json.dump({"backends": rows, "problems": problems}, sys.stdout, indent=2)
@@ -93,8 +95,13 @@ class _VersionAction(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
         super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         rows = versions()
         width = max(len(name) for name, _ in rows)
         print("\n".join(f"{name:<{width}}  {version}" for name, version in rows))
@@ -103,8 +110,11 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged", description="Paged-attention backends behind one contract.")
-    p.add_argument("--version", action=_VersionAction,
-                   help="print the versions of paged-core and every installed paged distribution and plugin")
+    p.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the versions of paged-core and every installed paged distribution and plugin",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     ls = sub.add_parser("list", help="installed backends, their capabilities and problems")
@@ -146,14 +156,18 @@ def _why_missing(name: str, dist: str) -> str:
     allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
     left_out = [ep for ep in plugins if allow is not None and ep not in allow]
     if plugins and left_out == plugins:
-        return (f"'{name}' is provided by {dist} {version}, whose plugin {left_out[0]!r} "
-                f"{registry.env_var}={wanted!r} leaves out. To fix: add {left_out[0]} to "
-                f"{registry.env_var}, or unset {registry.env_var}")
+        return (
+            f"'{name}' is provided by {dist} {version}, whose plugin {left_out[0]!r} "
+            f"{registry.env_var}={wanted!r} leaves out. To fix: add {left_out[0]} to "
+            f"{registry.env_var}, or unset {registry.env_var}"
+        )
     failed = [str(p) for p in registry.problems() if p.source in plugins]
     if failed:
         return f"'{name}' is provided by {dist} {version}, but its plugin failed: " + "; ".join(failed)
-    return (f"'{name}' is provided by {dist}, but the installed {dist} {version} registers no "
-            f"'{name}' command. To fix: {pip_install('--force-reinstall ' + dist)}")
+    return (
+        f"'{name}' is provided by {dist}, but the installed {dist} {version} registers no "
+        f"'{name}' command. To fix: {pip_install('--force-reinstall ' + dist)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

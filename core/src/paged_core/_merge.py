@@ -49,10 +49,17 @@ def merge_states(
             f"outputs {list(outs.shape)} and lses {list(ls.shape)} do not match; accepted: "
             "outputs [S, num_tokens, num_heads, head_dim] with lses [S, num_tokens, num_heads]"
         )
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (outs.shape[2],)
-                              or sinks.dtype != torch.float32 or sinks.device != outs.device):
-        found = (f"{str(sinks.dtype).removeprefix('torch.')} {list(sinks.shape)} on {sinks.device}"
-                 if isinstance(sinks, torch.Tensor) else f"a {type(sinks).__name__}")
+    if sinks is not None and (
+        not isinstance(sinks, torch.Tensor)
+        or tuple(sinks.shape) != (outs.shape[2],)
+        or sinks.dtype != torch.float32
+        or sinks.device != outs.device
+    ):
+        found = (
+            f"{str(sinks.dtype).removeprefix('torch.')} {list(sinks.shape)} on {sinks.device}"
+            if isinstance(sinks, torch.Tensor)
+            else f"a {type(sinks).__name__}"
+        )
         raise InputError(
             f"sinks is {found}; accepted: None or a float32 tensor [num_heads={outs.shape[2]}] on {outs.device}"
         )

@@ -65,9 +65,19 @@ class OpBackend(Protocol):
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: Any) -> None: ...
 
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: Any, *, scale: float | None, window: int,
-                softcap: float, sinks: torch.Tensor | None, out: torch.Tensor | None,
-                return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        cache: KVCache,
+        meta: Any,
+        *,
+        scale: float | None,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor | None,
+        return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 _backends: weakref.WeakValueDictionary[int, OpBackend] = weakref.WeakValueDictionary()
@@ -105,8 +115,18 @@ def write(backend: OpBackend, cache: KVCache, k: torch.Tensor, v: torch.Tensor, 
         stores = (*cache._spill, None, None)[:4]
         spill = True
     k_store, v_store, ks_store, vs_store = stores
-    write_op(backend._op_handle, k, v, cast(torch.Tensor, k_store), cast(torch.Tensor, v_store), ks_store, vs_store,
-             cache.kv_dtype, spill, batch.slot_mapping)
+    write_op(
+        backend._op_handle,
+        k,
+        v,
+        cast(torch.Tensor, k_store),
+        cast(torch.Tensor, v_store),
+        ks_store,
+        vs_store,
+        cache.kv_dtype,
+        spill,
+        batch.slot_mapping,
+    )
 
 
 def forward(
@@ -125,13 +145,30 @@ def forward(
     """What :meth:`Backend.forward` does under ``torch.compile``: one ``paged::forward`` call."""
     batch = meta if isinstance(meta, BatchMeta) else meta.meta
     if out is None:
-        out = torch.empty_like(q) if cache.head_dim_v == q.shape[2] else q.new_empty(
-            q.shape[0], q.shape[1], cache.head_dim_v)
+        out = (
+            torch.empty_like(q)
+            if cache.head_dim_v == q.shape[2]
+            else q.new_empty(q.shape[0], q.shape[1], cache.head_dim_v)
+        )
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     forward_op(
-        backend._op_handle, q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kv_dtype,
-        batch.query_start_loc, batch.seq_lens, batch.block_table, batch.slot_mapping,
-        out, lse, sinks, scale, window, softcap,
+        backend._op_handle,
+        q,
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        cache.v_scale,
+        cache.kv_dtype,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        batch.slot_mapping,
+        out,
+        lse,
+        sinks,
+        scale,
+        window,
+        softcap,
     )
     return (out, cast(torch.Tensor, lse)) if return_lse else out
 
@@ -143,8 +180,7 @@ def _spill_holds(spill: tuple[torch.Tensor, ...], views: tuple[torch.Tensor | No
     if len(spill) != len(live):
         return False
     return all(
-        s.shape[0] == t.shape[0] + 1 and s.shape[1:] == t.shape[1:] and s.stride() == t.stride()
-        and s.dtype == t.dtype
+        s.shape[0] == t.shape[0] + 1 and s.shape[1:] == t.shape[1:] and s.stride() == t.stride() and s.dtype == t.dtype
         for s, t in zip(spill, live, strict=True)
     )
 
@@ -177,8 +213,15 @@ def write_op(
     if spill:
         ks_view = None if k_scale is None else k_scale[:-1]
         vs_view = None if v_scale is None else v_scale[:-1]
-        cache = KVCache(k_cache[:-1], v_cache[:-1], kv_dtype=kv_dtype, k_scale=ks_view, v_scale=vs_view,
-                        dtype=key.dtype, _spill=tuple(t for t in stores if t is not None))
+        cache = KVCache(
+            k_cache[:-1],
+            v_cache[:-1],
+            kv_dtype=kv_dtype,
+            k_scale=ks_view,
+            v_scale=vs_view,
+            dtype=key.dtype,
+            _spill=tuple(t for t in stores if t is not None),
+        )
     else:
         cache = KVCache(k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, dtype=key.dtype)
     plan = _remembered(backend, (slot_mapping,), lambda b: (b.slot_mapping,))
@@ -227,13 +270,18 @@ def forward_op(
     backend = _backend(handle)
     cache = KVCache(k_cache, v_cache, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale, dtype=q.dtype)
     tensors = (query_start_loc, seq_lens, block_table, slot_mapping)
-    plan = _remembered(
-        backend, tensors, lambda b: (b.query_start_loc, b.seq_lens, b.block_table, b.slot_mapping)
-    )
+    plan = _remembered(backend, tensors, lambda b: (b.query_start_loc, b.seq_lens, b.block_table, b.slot_mapping))
     if plan is None:
         plan = _rebuild(*tensors, block_size=cache.block_size)
     result = backend.forward(
-        q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks, out=output,
+        q,
+        cache,
+        plan,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
+        out=output,
         return_lse=lse is not None,
     )
     if lse is not None:
@@ -241,8 +289,25 @@ def forward_op(
 
 
 @forward_op.register_fake
-def _forward_fake(handle, q, k_cache, v_cache, k_scale, v_scale, kv_dtype, query_start_loc, seq_lens,
-                  block_table, slot_mapping, output, lse, sinks, scale, window, softcap) -> None:
+def _forward_fake(
+    handle,
+    q,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    kv_dtype,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    slot_mapping,
+    output,
+    lse,
+    sinks,
+    scale,
+    window,
+    softcap,
+) -> None:
     return None
 
 

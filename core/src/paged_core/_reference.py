@@ -23,20 +23,44 @@ __all__ = ["ReferenceBackend", "reference_attention"]
 
 
 @overload
-def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
-                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
-                        compute_dtype: torch.dtype = ...,
-                        return_lse: Literal[False] = ...) -> torch.Tensor: ...
+def reference_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: BatchMeta,
+    *,
+    scale: float | None = ...,
+    window: int = ...,
+    softcap: float = ...,
+    sinks: torch.Tensor | None = ...,
+    compute_dtype: torch.dtype = ...,
+    return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
 @overload
-def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
-                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
-                        compute_dtype: torch.dtype = ...,
-                        return_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+def reference_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: BatchMeta,
+    *,
+    scale: float | None = ...,
+    window: int = ...,
+    softcap: float = ...,
+    sinks: torch.Tensor | None = ...,
+    compute_dtype: torch.dtype = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def reference_attention(q: torch.Tensor, cache: KVCache, meta: BatchMeta, *, scale: float | None = ...,
-                        window: int = ..., softcap: float = ..., sinks: torch.Tensor | None = ...,
-                        compute_dtype: torch.dtype = ...,
-                        return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def reference_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: BatchMeta,
+    *,
+    scale: float | None = ...,
+    window: int = ...,
+    softcap: float = ...,
+    sinks: torch.Tensor | None = ...,
+    compute_dtype: torch.dtype = ...,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def reference_attention(
     q: torch.Tensor,
     cache: KVCache,
@@ -180,8 +204,15 @@ class ReferenceBackend(Backend):
         sinks: torch.Tensor | None,
     ) -> None:
         res, res_lse = reference_attention(
-            q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks,
-            compute_dtype=self.compute_dtype, return_lse=True,
+            q,
+            cache,
+            plan,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            compute_dtype=self.compute_dtype,
+            return_lse=True,
         )
         written = _rows_written(plan, q.shape[0])
         if written is None:

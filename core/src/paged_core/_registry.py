@@ -122,11 +122,14 @@ class Registry:
             names = sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
             for typo in sorted(allow - set(names)) if allow is not None else ():
                 # A misspelt name would otherwise just load less, silently.
-                self._problems.append(Problem(
-                    typo, self.env_var,
-                    f"{self.env_var} names {typo!r}, but no installed plugin has that entry point; "
-                    f"installed: {', '.join(names) or 'none'} (fix the spelling, or install the plugin)",
-                ))
+                self._problems.append(
+                    Problem(
+                        typo,
+                        self.env_var,
+                        f"{self.env_var} names {typo!r}, but no installed plugin has that entry point; "
+                        f"installed: {', '.join(names) or 'none'} (fix the spelling, or install the plugin)",
+                    )
+                )
             for ep_name in names:
                 if allow is not None and ep_name not in allow:
                     self._skipped.append(ep_name)
@@ -134,8 +137,9 @@ class Registry:
                 try:
                     pm.load_setuptools_entrypoints(self.group, name=ep_name)
                 except Exception as exc:  # a broken plugin must never take the others down
-                    self._problems.append(Problem(ep_name, "import", f"{type(exc).__name__}: {exc}",
-                                                  traceback.format_exc()))
+                    self._problems.append(
+                        Problem(ep_name, "import", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                    )
             dists = {}
             for plugin, dist in pm.list_plugin_distinfo():
                 dists[pm.get_name(plugin)] = (dist.metadata["name"], dist.version)
@@ -148,16 +152,34 @@ class Registry:
             plugin_name = self._pm.get_name(impl.plugin) or repr(impl.plugin)
             dist, version = dists.get(plugin_name, (None, None))
 
-            def register(name, target, *, api_version=hookspecs.HOOK_API_VERSION, priority=0,
-                         install=None, _plugin=plugin_name, _dist=dist, _version=version):
-                self._register(name, target, plugin=_plugin, api_version=api_version, priority=priority,
-                               install=install, distribution=_dist, version=_version)
+            def register(
+                name,
+                target,
+                *,
+                api_version=hookspecs.HOOK_API_VERSION,
+                priority=0,
+                install=None,
+                _plugin=plugin_name,
+                _dist=dist,
+                _version=version,
+            ):
+                self._register(
+                    name,
+                    target,
+                    plugin=_plugin,
+                    api_version=api_version,
+                    priority=priority,
+                    install=install,
+                    distribution=_dist,
+                    version=_version,
+                )
 
             try:
                 impl.function(register=register)
             except Exception as exc:  # recorded: the other plugins still register
-                self._problems.append(Problem(plugin_name, "register_backends",
-                                              f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                self._problems.append(
+                    Problem(plugin_name, "register_backends", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                )
 
     def call_hook(self, hook: str, **kwargs: Any) -> None:
         """Call hook ``hook`` of every loaded plugin with ``kwargs``, one plugin at a time.
@@ -176,8 +198,10 @@ class Registry:
                 except Exception as exc:  # recorded: the other plugins' hooks still run
                     problem = Problem(plugin_name, hook, f"{type(exc).__name__}: {exc}", traceback.format_exc())
                     # Once, however often the hook is called (a process may build several parsers).
-                    if not any((p.source, p.stage, p.message) == (problem.source, problem.stage, problem.message)
-                               for p in self._problems):
+                    if not any(
+                        (p.source, p.stage, p.message) == (problem.source, problem.stage, problem.message)
+                        for p in self._problems
+                    ):
                         self._problems.append(problem)
 
     def _register(self, name, target, *, plugin, api_version, priority, install, distribution, version):
@@ -198,8 +222,7 @@ class Registry:
             return problem(f"backend {name!r}: register(..., priority={priority!r}); accepted: an int")
         if install is not None and not isinstance(install, str):
             return problem(
-                f"backend {name!r}: register(..., install={install!r}); accepted: None or the "
-                "install command as a str"
+                f"backend {name!r}: register(..., install={install!r}); accepted: None or the install command as a str"
             )
         if api_version > hookspecs.HOOK_API_VERSION:
             return problem(
@@ -219,7 +242,13 @@ class Registry:
                 f"and ignoring {plugin!r}'s (uninstall one of them)"
             )
         self._regs[name] = Registration(
-            name, target, plugin, priority, install, distribution, version,
+            name,
+            target,
+            plugin,
+            priority,
+            install,
+            distribution,
+            version,
             cls=target if isinstance(target, type) else None,
         )
 
@@ -278,8 +307,7 @@ class Registry:
         cls = self._resolve(reg)
         if cls is None:
             raise BackendUnavailableError(
-                f"Backend {name!r} (plugin {reg.plugin!r}) cannot be loaded: {reg.error}. "
-                f"To fix: {reg.install_hint}"
+                f"Backend {name!r} (plugin {reg.plugin!r}) cannot be loaded: {reg.error}. To fix: {reg.install_hint}"
             )
         return cls
 
@@ -307,9 +335,7 @@ class Registry:
         cls = self.backend_class(name)
         reasons = self.unavailable(name)
         if reasons:
-            raise BackendUnavailableError(
-                f"Backend {name!r} cannot run on this machine: " + "; ".join(reasons)
-            )
+            raise BackendUnavailableError(f"Backend {name!r} cannot run on this machine: " + "; ".join(reasons))
         accepted = _options_of(cls)
         unknown = sorted(options) if accepted is None else sorted(set(options) - set(accepted))
         if accepted is not None and unknown:
@@ -370,8 +396,10 @@ class Registry:
         # the wrong advice.
         narrowed = f"{self.env_var}={os.environ.get(self.env_var, '')!r}"
         if name in self._skipped:
-            msg += (f" Its plugin {name!r} is installed but {narrowed} leaves it out: add it to "
-                    f"{self.env_var}, or unset {self.env_var}.")
+            msg += (
+                f" Its plugin {name!r} is installed but {narrowed} leaves it out: add it to "
+                f"{self.env_var}, or unset {self.env_var}."
+            )
         elif name in FIRST_PARTY:
             msg += f" To install it: {FIRST_PARTY[name]}."
         else:

@@ -52,9 +52,7 @@ def check_device(device: Any) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InputError(
-            f"device {device!r} is not a device ({exc}); accepted: 'cpu', 'cuda', 'cuda:0', ..."
-        ) from exc
+        raise InputError(f"device {device!r} is not a device ({exc}); accepted: 'cpu', 'cuda', 'cuda:0', ...") from exc
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -186,9 +184,7 @@ class Capabilities:
         """Each way ``spec`` falls outside these capabilities, as a sentence; empty if none."""
         out: list[str] = []
         if spec.num_heads % spec.num_kv_heads:
-            out.append(
-                f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}"
-            )
+            out.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         if spec.device_type not in self.devices:
             out.append(f"device {spec.device_type!r} is not supported (accepted: {_fmt(self.devices)})")
         # A pair named in head_dim_pairs is a claim of its own, whatever head_dims holds.
@@ -209,9 +205,7 @@ class Capabilities:
                 f"(accepted: {_fmt(dtype_name(d) for d in self.dtypes)})"
             )
         if spec.kv_dtype not in self.kv_dtypes:
-            out.append(
-                f"kv_dtype {spec.kv_dtype!r} is not supported (accepted: {_fmt(self.kv_dtypes)})"
-            )
+            out.append(f"kv_dtype {spec.kv_dtype!r} is not supported (accepted: {_fmt(self.kv_dtypes)})")
         elif spec.kv_dtype != "auto" and spec.kv_scales not in self.kv_scales:
             out.append(
                 f"{spec.kv_dtype} caches with kv_scales {spec.kv_scales!r} are not supported "
@@ -292,7 +286,8 @@ class Capabilities:
             + ("" if self.head_dim_pairs == frozenset() else f"head_dim_v {self.pairs_summary()}; ")
             + f"block {s(self.block_sizes)}; group {s(self.group_sizes)}; "
             f"dtype {s(dtype_name(d) for d in self.dtypes)}; kv {s(self.kv_dtypes)}"
-            + (f" (scales {s(self.kv_scales)})" if set(self.kv_dtypes) - {"auto"} else "") + "; "
+            + (f" (scales {s(self.kv_scales)})" if set(self.kv_dtypes) - {"auto"} else "")
+            + "; "
             f"{'mixed' if self.mixed_batches else 'decode-only'}; {s(self.devices)}"
             + (f"; {', '.join(flags)}" if flags else "")
         )

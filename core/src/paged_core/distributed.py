@@ -138,8 +138,12 @@ def shard_decode_batch(
         if t:
             table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return BatchMeta.from_tensors(
-        query_lens=query_lens, seq_lens=seq_lens, block_table=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=bs, device=meta.device,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_size=bs,
+        device=meta.device,
     )
 
 
@@ -178,9 +182,18 @@ def shard_kv_cache(
     # Static scales are shared, not copied: the shard views the whole cache's (one per KV head).
     static = cache.static_scales
     fixed = [t[0, 0] for t in cache._scales()] if static else [None, None]
-    shard = allocate_kv_cache(max(len(blocks), 1), meta.block_size, cache.num_kv_heads, cache.head_dim,
-                              dtype=cache.dtype, kv_dtype=cache.kv_dtype, device=cache.k.device,
-                              k_scale=fixed[0], v_scale=fixed[1], head_dim_v=cache.head_dim_v)
+    shard = allocate_kv_cache(
+        max(len(blocks), 1),
+        meta.block_size,
+        cache.num_kv_heads,
+        cache.head_dim,
+        dtype=cache.dtype,
+        kv_dtype=cache.kv_dtype,
+        device=cache.k.device,
+        k_scale=fixed[0],
+        v_scale=fixed[1],
+        head_dim_v=cache.head_dim_v,
+    )
     if blocks:
         idx = torch.tensor(blocks, dtype=torch.long, device=cache.k.device)
         pairs = [(shard.k, cache.k), (shard.v, cache.v)]
@@ -239,9 +252,7 @@ def context_parallel_decode(
     return merge_across_ranks(out, lse, group=group, sinks=sinks)
 
 
-def _ownership(
-    meta: BatchMeta, rank: int, world_size: int, layout: str
-) -> tuple[list[range], list[int]]:
+def _ownership(meta: BatchMeta, rank: int, world_size: int, layout: str) -> tuple[list[range], list[int]]:
     """The logical blocks of each request that ``rank`` owns, and the batch's query lengths."""
     if not isinstance(meta, BatchMeta):
         raise InputError(f"meta is {_desc(meta)}; accepted: a paged_core.BatchMeta of the whole batch")
@@ -255,8 +266,13 @@ def _ownership(
     query_lens, seq_lens = meta.host()
     for r, (t, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
         if t != 1:
-            kind = ("a request with no query row" if t == 0
-                    else "a whole prompt" if t == s else "a prefill chunk or a verification block")
+            kind = (
+                "a request with no query row"
+                if t == 0
+                else "a whole prompt"
+                if t == s
+                else "a prefill chunk or a verification block"
+            )
             raise InputError(
                 f"request {r} has query_len {t} (seq_len {s}): {kind}; accepted: decode steps only, "
                 "every request with exactly one new token (padding requests too: seq_len 0, one "
@@ -266,8 +282,11 @@ def _ownership(
     owned = []
     for s in seq_lens:
         n = -(-s // bs)
-        owned.append(range(rank * n // world_size, (rank + 1) * n // world_size) if layout == "contiguous"
-                     else range(rank, n, world_size))
+        owned.append(
+            range(rank * n // world_size, (rank + 1) * n // world_size)
+            if layout == "contiguous"
+            else range(rank, n, world_size)
+        )
     return owned, query_lens
 
 

@@ -26,7 +26,13 @@ from typing import Protocol
 import pluggy
 
 __all__ = [
-    "PROJECT", "HOOK_API_VERSION", "hookspec", "hookimpl", "Register", "register_backends", "register_commands",
+    "PROJECT",
+    "HOOK_API_VERSION",
+    "hookspec",
+    "hookimpl",
+    "Register",
+    "register_backends",
+    "register_commands",
     "pip_install",
 ]
 

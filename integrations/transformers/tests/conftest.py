@@ -31,8 +31,14 @@ HOOK = hook_of(transformers.__version__)
 TRANSFORMERS_PAGED = "sdpa" if HOOK == "gathered" else "paged|sdpa"
 
 MODEL_DIMS = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=128,
+    max_position_embeddings=512,
     initializer_range=0.2,
 )
 
@@ -61,16 +67,21 @@ class Run:
     logits: list[torch.Tensor]
 
 
-def generate(model, implementation: str, prompts: list[list[int]], *, max_new_tokens: int,
-             **cb_options) -> Run:
+def generate(model, implementation: str, prompts: list[list[int]], *, max_new_tokens: int, **cb_options) -> Run:
     """``model.generate_batch`` with ``implementation``, greedy, recording every step's logits."""
     model.set_attn_implementation(implementation)
     logits: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: logits.append(out.detach().clone()))
     # CUDA graphs only where a test asks: 5.24 takes the paged names for flash implementations
     # and would turn them on by itself on a GPU.
-    options = dict(block_size=16, num_blocks=64, max_batch_tokens=64, return_logprobs=True,
-                   allow_block_sharing=False, use_cuda_graph=False)
+    options = dict(
+        block_size=16,
+        num_blocks=64,
+        max_batch_tokens=64,
+        return_logprobs=True,
+        allow_block_sharing=False,
+        use_cuda_graph=False,
+    )
     if HOOK == "gathered":
         # 5.24 switches sdpa to flash-attention by itself where it is installed (a GPU): keep the
         # oracle on its SDPA path. block_size is its old name of page_size.

@@ -101,8 +101,11 @@ def test_the_distribution_requires_exactly_the_supported_releases():
     from paged_transformers import SUPPORTED
 
     pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
-    (spec,) = [Requirement(d).specifier for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-               if Requirement(d).name == "transformers"]
+    (spec,) = [
+        Requirement(d).specifier
+        for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+        if Requirement(d).name == "transformers"
+    ]
     admitted = {f"5.{minor}" for minor in range(10, 40) if spec.contains(f"5.{minor}.0")}
     assert admitted == set(SUPPORTED), f"pyproject.toml requires transformers{spec}; the table: {sorted(SUPPORTED)}"
 
@@ -120,13 +123,16 @@ def test_ci_runs_the_tests_on_the_newest_supported_release():
     assert SUPPORTED[newest].tested in pins, f"noxfile.py pins {pins}, not the newest release {newest}"
 
 
-@pytest.mark.parametrize("version, says", [
-    ("5.19.0", "5.19 to 5.23 are untested"),
-    ("5.23.2", "5.19 to 5.23 are untested"),
-    ("5.26.0", "newer than the newest release paged-transformers was tested with (5.25.0)"),
-    ("6.0.0", "newer than the newest release"),
-    ("5.16.1", "predates"),
-])
+@pytest.mark.parametrize(
+    "version, says",
+    [
+        ("5.19.0", "5.19 to 5.23 are untested"),
+        ("5.23.2", "5.19 to 5.23 are untested"),
+        ("5.26.0", "newer than the newest release paged-transformers was tested with (5.25.0)"),
+        ("6.0.0", "newer than the newest release"),
+        ("5.16.1", "predates"),
+    ],
+)
 def test_releases_without_a_tested_hook_are_refused(version, says):
     with pytest.raises(UnsupportedSpecError, match=re.escape(says)) as info:
         paged_transformers.check_transformers_version(version)
@@ -169,21 +175,22 @@ def test_a_module_without_layer_idx_is_refused():
         adapter(torch.nn.Module(), q, kv, kv, None, cache=object(), write_index=[0, 1, 2])
 
 
-@pytest.mark.parametrize("claims, says", [
-    (dict(cuda_graphs=False), "does not claim to be safe in (capabilities.cuda_graphs is False)"),
-    (dict(cuda_graphs=True, device_plan=False), "plans on the host (capabilities.device_plan is False"),
-])
+@pytest.mark.parametrize(
+    "claims, says",
+    [
+        (dict(cuda_graphs=False), "does not claim to be safe in (capabilities.cuda_graphs is False)"),
+        (dict(cuda_graphs=True, device_plan=False), "plans on the host (capabilities.device_plan is False"),
+    ],
+)
 def test_a_capture_is_refused_for_backends_that_cannot_be_captured_whole(claims, says, monkeypatch):
     """transformers captures whole steps, the plan included: both claims are needed (FlashInfer
     plans on the host; inside the capture it failed on a host-to-device copy)."""
     from paged_core._reference import ReferenceBackend
     from paged_transformers import _attention
 
-    monkeypatch.setattr(ReferenceBackend, "capabilities",
-                        dataclasses.replace(ReferenceBackend.capabilities, **claims))
+    monkeypatch.setattr(ReferenceBackend, "capabilities", dataclasses.replace(ReferenceBackend.capabilities, **claims))
     monkeypatch.setattr(_attention, "_capturing", lambda: True)
-    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]),
-                   max_new_tokens=1)
+    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]), max_new_tokens=1)
     (error,) = run.errors.values()
     assert "running inside a CUDA-graph capture" in error and says in error
     assert "use_cuda_graph=False" in error
@@ -193,11 +200,11 @@ def test_a_capture_runs_backends_that_claim_graphs_and_plan_on_the_device(monkey
     from paged_core._reference import ReferenceBackend
     from paged_transformers import _attention
 
-    monkeypatch.setattr(ReferenceBackend, "capabilities",
-                        dataclasses.replace(ReferenceBackend.capabilities, cuda_graphs=True))
+    monkeypatch.setattr(
+        ReferenceBackend, "capabilities", dataclasses.replace(ReferenceBackend.capabilities, cuda_graphs=True)
+    )
     monkeypatch.setattr(_attention, "_capturing", lambda: True)
-    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]),
-                   max_new_tokens=1)
+    run = generate(tiny_model("llama"), paged_transformers.enable("reference"), random_prompts([3]), max_new_tokens=1)
     assert run.errors == {"req_0": None}
 
 

@@ -22,8 +22,9 @@ LOGITS_ATOL = 1e-5
 
 # Chunked prefill (prompts of 33-64 tokens through a 24-token step), prompts of length 1, and
 # more requests (8) than a batch holds (3).
-MIXED = dict(lengths=[1, 5, 17, 33, 40, 1, 9, 64], max_new_tokens=5,
-             cb=dict(max_batch_tokens=24, max_requests_per_batch=3))
+MIXED = dict(
+    lengths=[1, 5, 17, 33, 40, 1, 9, 64], max_new_tokens=5, cb=dict(max_batch_tokens=24, max_requests_per_batch=3)
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def oracle(models):
 
     def get(kind, name, prompts, max_new_tokens, cb):
         if (kind, name) not in memo:
-            memo[kind, name] = generate(models[kind], TRANSFORMERS_PAGED, prompts,
-                                        max_new_tokens=max_new_tokens, **cb)
+            memo[kind, name] = generate(models[kind], TRANSFORMERS_PAGED, prompts, max_new_tokens=max_new_tokens, **cb)
         return memo[kind, name]
+
     return get
 
 
@@ -76,6 +77,7 @@ def _spy_plans(name):
     def plan(meta, **layer):
         seen.append(meta)
         return original(meta, **layer)
+
     backend.plan = plan
     return seen, lambda: delattr(backend, "plan")
 
@@ -95,6 +97,7 @@ def test_prefix_sharing_matches_transformers(models, oracle, monkeypatch):
             cu_k = cu_k["full_attention"] if isinstance(cu_k, dict) else cu_k
             steps.append((cu_k.tolist(), kwargs["read_index"][0].tolist()))
         return original(self, module, *args, **kwargs)
+
     original = PagedAttention.__call__
     monkeypatch.setattr(PagedAttention, "__call__", spy)
     run = generate(models["qwen3"], name, prompts, max_new_tokens=4, **cb)
@@ -131,8 +134,11 @@ def test_one_plan_per_step_serves_every_layer(models):
 
 
 def test_triton_unified_matches_transformers(models):
-    reasons = registry.unavailable("triton-unified") if "triton-unified" in registry.names() else [
-        "triton-unified is not installed: pip install --find-links dist 'paged-core[triton]'"]
+    reasons = (
+        registry.unavailable("triton-unified")
+        if "triton-unified" in registry.names()
+        else ["triton-unified is not installed: pip install --find-links dist 'paged-core[triton]'"]
+    )
     if reasons:
         pytest.skip("; ".join(reasons))
     # Kept tiny: every kernel call runs in Triton's interpreter on the CPU.
@@ -150,8 +156,10 @@ def _transformers_pools(cache):
     return [*cache.key_cache, *cache.value_cache]
 
 
-@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 and 5.25 write their pool themselves: see "
-                    "test_gathered_kv_is_read_without_a_copy")
+@pytest.mark.skipif(
+    HOOK != "pool",
+    reason="transformers 5.24 and 5.25 write their pool themselves: see test_gathered_kv_is_read_without_a_copy",
+)
 def test_kv_pool_is_written_in_place(models, monkeypatch):
     """The backend reads and writes transformers' own pool tensors (no copy of the cache)."""
     from paged_transformers import _attention
@@ -162,6 +170,7 @@ def test_kv_pool_is_written_in_place(models, monkeypatch):
         entry = original_view(cache, layer)
         views.append(({p.untyped_storage().data_ptr() for p in _transformers_pools(cache)}, entry[1]))
         return entry
+
     original_view = _attention._view_pool
     monkeypatch.setattr(_attention, "_view_pool", view_pool)
     name = paged_transformers.enable("reference")
@@ -178,8 +187,9 @@ def test_kv_pool_is_written_in_place(models, monkeypatch):
     assert {id(c) for c in written} == {id(kv) for _, kv in views}
 
 
-@pytest.mark.skipif(HOOK != "gathered", reason="transformers 5.17/5.18 pass their pool: see "
-                    "test_kv_pool_is_written_in_place")
+@pytest.mark.skipif(
+    HOOK != "gathered", reason="transformers 5.17/5.18 pass their pool: see test_kv_pool_is_written_in_place"
+)
 def test_gathered_kv_is_read_without_a_copy(models, monkeypatch):
     """5.24, 5.25: the backend reads the K/V transformers gathered, as one-token blocks, and writes nothing."""
     name = paged_transformers.enable("reference")
@@ -189,11 +199,15 @@ def test_gathered_kv_is_read_without_a_copy(models, monkeypatch):
     def spy(self, module, query, key, *args, **kwargs):
         given.append(key.untyped_storage().data_ptr())
         return original(self, module, query, key, *args, **kwargs)
+
     original = PagedAttention.__call__
     monkeypatch.setattr(PagedAttention, "__call__", spy)
     original_forward = adapter.backend.forward
-    monkeypatch.setattr(adapter.backend, "forward", lambda q, cache, plan, **kw: read.append(cache) or
-                        original_forward(q, cache, plan, **kw))
+    monkeypatch.setattr(
+        adapter.backend,
+        "forward",
+        lambda q, cache, plan, **kw: read.append(cache) or original_forward(q, cache, plan, **kw),
+    )
     monkeypatch.setattr(adapter.backend, "write", lambda *a: pytest.fail("5.24 wrote the pool already"))
     run = generate(models["llama"], name, random_prompts([4, 9]), max_new_tokens=3)
     assert run.errors == {r: None for r in run.errors}

@@ -38,13 +38,17 @@ def tracebacks(monkeypatch):
         except Exception:
             seen.append(f"in {self!r}:\n{traceback.format_exc()}")
             raise
+
     monkeypatch.setattr(PagedAttention, "__call__", call)
 
     class Keep(logging.Handler):
         def emit(self, record):
             if record.exc_info:
-                seen.append(f"logged by {record.name}: {record.getMessage()}\n"
-                            + "".join(traceback.format_exception(*record.exc_info)))
+                seen.append(
+                    f"logged by {record.name}: {record.getMessage()}\n"
+                    + "".join(traceback.format_exception(*record.exc_info))
+                )
+
     handler = Keep(level=logging.ERROR)
     loggers = [logging.getLogger("ContinuousBatchingLogger"), logging.getLogger("transformers")]
     for log in loggers:
@@ -80,8 +84,10 @@ def test_cuda_graphs_give_the_eager_tokens(backend, tracebacks):
     if not (caps.cuda_graphs and caps.device_plan):
         # transformers captures whole steps, plan included (flash-attn2: no graph claim;
         # FlashInfer: plans on the host): refused with the reason, never a CUDA error.
-        assert all(e is not None and "running inside a CUDA-graph capture" in e and "use_cuda_graph=False" in e
-                   for e in graphs.errors.values()), _report(graphs, tracebacks)
+        assert all(
+            e is not None and "running inside a CUDA-graph capture" in e and "use_cuda_graph=False" in e
+            for e in graphs.errors.values()
+        ), _report(graphs, tracebacks)
         return
     assert graphs.errors == {r: None for r in graphs.errors}, _report(graphs, tracebacks)
     assert graphs.tokens == eager.tokens
@@ -99,5 +105,6 @@ def test_bf16_is_as_close_to_fp32_as_transformers_own_bf16_path(tracebacks):
 
     def err(run):
         return max((a.float() - b.float()).abs().max().item() for a, b in zip(run.logits, ref.logits, strict=True))
+
     # transformers' own bf16 error, with 50% headroom for a different (but equally valid) rounding order.
     assert err(ours) <= 1.5 * err(theirs) + 1e-3, (err(ours), err(theirs))

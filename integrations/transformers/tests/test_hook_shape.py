@@ -33,10 +33,12 @@ POOL_CACHE_ATTRIBUTES = {
 
 
 def changed(what: str) -> str:
-    return (f"transformers {VERSION} changed the {HOOK!r} hook through which paged-transformers reaches its "
-            f"attention function: {what}. Adapt paged_transformers/_attention.py to this release and list it "
-            "in paged_transformers._versions.SUPPORTED, or install a release the table lists "
-            f"({', '.join(paged_transformers.TESTED)})")
+    return (
+        f"transformers {VERSION} changed the {HOOK!r} hook through which paged-transformers reaches its "
+        f"attention function: {what}. Adapt paged_transformers/_attention.py to this release and list it "
+        "in paged_transformers._versions.SUPPORTED, or install a release the table lists "
+        f"({', '.join(paged_transformers.TESTED)})"
+    )
 
 
 def _probe_name() -> str:
@@ -52,22 +54,25 @@ def test_the_registration_api():
     name = paged_transformers.register(PagedAttention(registry.get("reference"), _probe_name()))
     found = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
     assert isinstance(found, PagedAttention) and found.name == name, changed(
-        f"a function registered as {name!r} is looked up as {found!r}")
+        f"a function registered as {name!r} is looked up as {found!r}"
+    )
 
 
 def test_the_attention_function_is_called_as_transformers_own():
     from transformers import AttentionInterface
 
     own = AttentionInterface._global_mapping.get(SPEC.stands_in_for)
-    assert own is not None, changed(f"it no longer registers {SPEC.stands_in_for!r}, the implementation whose "
-                                    "place a paged name takes")
+    assert own is not None, changed(
+        f"it no longer registers {SPEC.stands_in_for!r}, the implementation whose place a paged name takes"
+    )
     params = list(inspect.signature(own).parameters)
-    assert params[:len(POSITIONAL)] == POSITIONAL, changed(
-        f"its own {SPEC.stands_in_for!r} function takes {params}, not {POSITIONAL} first")
+    assert params[: len(POSITIONAL)] == POSITIONAL, changed(
+        f"its own {SPEC.stands_in_for!r} function takes {params}, not {POSITIONAL} first"
+    )
     for keyword in ("dropout", "scaling"):
         assert keyword in params, changed(f"its own {SPEC.stands_in_for!r} function has no {keyword!r} parameter")
     ours = list(inspect.signature(PagedAttention.__call__).parameters)[1:]
-    assert ours[:len(POSITIONAL) + 2] == [*POSITIONAL, "dropout", "scaling"]
+    assert ours[: len(POSITIONAL) + 2] == [*POSITIONAL, "dropout", "scaling"]
 
 
 def test_the_step_passes_the_keyword_arguments_paged_reads():
@@ -75,8 +80,9 @@ def test_the_step_passes_the_keyword_arguments_paged_reads():
 
     passed = set(PagedAttentionArgs.__annotations__)
     missing = sorted(set(SPEC.step_kwargs) - passed)
-    assert not missing, changed(f"a continuous-batching step (PagedAttentionArgs) no longer passes {missing}; "
-                                f"it passes {sorted(passed)}")
+    assert not missing, changed(
+        f"a continuous-batching step (PagedAttentionArgs) no longer passes {missing}; it passes {sorted(passed)}"
+    )
 
 
 def test_continuous_batching_keeps_the_name():
@@ -86,7 +92,9 @@ def test_continuous_batching_keeps_the_name():
     name = _probe_name()
     renamed = []
     model = types.SimpleNamespace(
-        config=types.SimpleNamespace(_attn_implementation=name), dtype=torch.float32, _supports_flash_attn=True,
+        config=types.SimpleNamespace(_attn_implementation=name),
+        dtype=torch.float32,
+        _supports_flash_attn=True,
         set_attn_implementation=renamed.append,
     )
     try:
@@ -105,11 +113,14 @@ def test_the_flash_loader_takes_a_recorded_name():
 
     name = _probe_name()
     assert is_flash_attention_requested(requested_attention_implementation=name), changed(
-        f"{name!r} is no longer taken for a flash implementation, which continuous batching requires")
+        f"{name!r} is no longer taken for a flash implementation, which continuous batching requires"
+    )
     assert not is_flash_attention_requested(requested_attention_implementation=name, version=[2, 3]), changed(
-        f"{name!r} reads as flash-attention 2 or 3, which turns on transformers' decode fast path")
+        f"{name!r} reads as flash-attention 2 or 3, which turns on transformers' decode fast path"
+    )
     assert hasattr(loader, "_loaded_implementation"), changed(
-        "modeling_flash_attention_utils has no _loaded_implementation")
+        "modeling_flash_attention_utils has no _loaded_implementation"
+    )
     before = loader._loaded_implementation
     try:
         paged_transformers.register(PagedAttention(registry.get("reference"), name))
@@ -133,12 +144,19 @@ class _Probe(PagedAttention):
         seen = dict(num_args=len(args), kwargs=sorted(kwargs))
         if len(args) == len(POSITIONAL):
             module, query, key, value, _ = args
-            seen.update(layer_idx=getattr(module, "layer_idx", None), query=list(query.shape),
-                        key=list(key.shape), value=list(value.shape))
+            seen.update(
+                layer_idx=getattr(module, "layer_idx", None),
+                query=list(query.shape),
+                key=list(key.shape),
+                value=list(value.shape),
+            )
         if "cache" in kwargs:
             seen["cache"] = type(kwargs["cache"]).__name__
-            seen["cache_has"] = [release for release, names in POOL_CACHE_ATTRIBUTES.items()
-                                 if all(hasattr(kwargs["cache"], n) for n in names)]
+            seen["cache_has"] = [
+                release
+                for release, names in POOL_CACHE_ATTRIBUTES.items()
+                if all(hasattr(kwargs["cache"], n) for n in names)
+            ]
         if isinstance(kwargs.get("cu_seq_lens_k"), torch.Tensor):
             seen["rows"] = int(kwargs["cu_seq_lens_k"][-1])
         self.calls.append(seen)
@@ -150,27 +168,33 @@ def test_what_the_attention_function_receives():
     probe = _Probe()
     paged_transformers.register(probe)
     run = generate(model, probe.name, random_prompts([3, 6]), max_new_tokens=2)
-    assert probe.calls, changed(f"generate_batch never called the function registered as {probe.name!r}; "
-                                f"its requests report {run.errors}")
+    assert probe.calls, changed(
+        f"generate_batch never called the function registered as {probe.name!r}; its requests report {run.errors}"
+    )
     config = model.config
     for seen in probe.calls:
         assert seen["num_args"] == len(POSITIONAL), changed(
-            f"the function gets {seen['num_args']} positional arguments, not {POSITIONAL}")
+            f"the function gets {seen['num_args']} positional arguments, not {POSITIONAL}"
+        )
         assert isinstance(seen["layer_idx"], int), changed("the module has no int layer_idx")
         query, key = seen["query"], seen["key"]
         assert len(query) == 4 and query[:2] == [1, config.num_attention_heads], changed(
-            f"query is {query}, not [1, num_heads, num_tokens, head_dim]")
+            f"query is {query}, not [1, num_heads, num_tokens, head_dim]"
+        )
         assert len(key) == 4 and key[:2] == [1, config.num_key_value_heads] and seen["value"] == key, changed(
-            f"key/value are {key}/{seen['value']}, not [1, num_kv_heads, rows, head_dim]")
+            f"key/value are {key}/{seen['value']}, not [1, num_kv_heads, rows, head_dim]"
+        )
         missing = sorted({*SPEC.step_kwargs, "scaling"} - set(seen["kwargs"]))
         assert not missing, changed(f"the function no longer gets {missing}; it gets {seen['kwargs']}")
         if HOOK == "pool":
-            assert seen["cache_has"], changed(f"its cache ({seen['cache']}) has neither 5.17's nor 5.18's "
-                                              f"attributes: {POOL_CACHE_ATTRIBUTES}")
+            assert seen["cache_has"], changed(
+                f"its cache ({seen['cache']}) has neither 5.17's nor 5.18's attributes: {POOL_CACHE_ATTRIBUTES}"
+            )
         else:
             assert key[2] >= seen.get("rows", 0), changed(
                 f"key holds {key[2]} rows, fewer than the {seen.get('rows')} of the requests' gathered K/V "
-                "(cu_seq_lens_k[-1])")
+                "(cu_seq_lens_k[-1])"
+            )
     assert run.errors == {r: None for r in run.errors}, run.errors
 
 

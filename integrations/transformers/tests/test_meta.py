@@ -37,8 +37,9 @@ def transformers_step(tables, past, query, *, padded_tokens=0, reads=True):
 def test_mixed_step_with_reads():
     tables = [[7, 2, 5], [3], [6, 1]]
     past, query = [9, 0, 4], [1, 3, 2]  # a decode, a whole prompt, a prefill chunk
-    meta = batch_meta_from_transformers(**transformers_step(tables, past, query), block_size=BS,
-                                        max_query_len=3, max_seq_len=10)
+    meta = batch_meta_from_transformers(
+        **transformers_step(tables, past, query), block_size=BS, max_query_len=3, max_seq_len=10
+    )
     assert meta.num_reqs == 4  # plus the (empty) padding request
     assert meta.seq_lens.tolist() == [10, 3, 6, 0]
     assert meta.block_table[:, :3].tolist() == [[7, 2, 5], [3, 0, 0], [6, 1, 0], [0, 0, 0]]
@@ -49,8 +50,9 @@ def test_mixed_step_with_reads():
 
 def test_whole_prompts_without_reads_use_the_write_slots():
     tables = [[4, 2], [0]]
-    meta = batch_meta_from_transformers(**transformers_step(tables, [0, 0], [6, 2], reads=False),
-                                        block_size=BS, max_query_len=6, max_seq_len=6)
+    meta = batch_meta_from_transformers(
+        **transformers_step(tables, [0, 0], [6, 2], reads=False), block_size=BS, max_query_len=6, max_seq_len=6
+    )
     assert meta.block_table.tolist() == [[4, 2], [0, 0], [0, 0]]
     meta.validate(num_blocks=5)
 

@@ -20,8 +20,11 @@ from test_generate import MIXED, assert_same_generation
 
 transformers = pytest.importorskip("transformers")
 if HOOK != "gathered" or Version(transformers.__version__) < Version("5.25"):
-    pytest.skip(f"transformers {transformers.__version__} has no continuous batching of MLA models "
-                "(5.25 added it: MLACacheAllocator)", allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers.__version__} has no continuous batching of MLA models "
+        "(5.25 added it: MLACacheAllocator)",
+        allow_module_level=True,
+    )
 
 QK_NOPE, QK_ROPE, V_DIM = 32, 32, 32  # QK head dim 64 over V head dim 32
 
@@ -32,11 +35,26 @@ def model():
 
     torch.manual_seed(0)
     config = DeepseekV3Config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
-        q_lora_rank=None, qk_nope_head_dim=QK_NOPE, qk_rope_head_dim=QK_ROPE, v_head_dim=V_DIM,
-        vocab_size=128, max_position_embeddings=512, initializer_range=0.2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=QK_NOPE,
+        qk_rope_head_dim=QK_ROPE,
+        v_head_dim=V_DIM,
+        vocab_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.2,
     )
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -44,8 +62,9 @@ def model():
 @pytest.fixture(scope="module")
 def want(model):
     """transformers' own SDPA path under continuous batching: the oracle."""
-    return generate(model, "sdpa", random_prompts(MIXED["lengths"]), max_new_tokens=MIXED["max_new_tokens"],
-                    **MIXED["cb"])
+    return generate(
+        model, "sdpa", random_prompts(MIXED["lengths"]), max_new_tokens=MIXED["max_new_tokens"], **MIXED["cb"]
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton-unified"])
@@ -60,10 +79,12 @@ def test_mla_model_matches_transformers(model, want, backend):
         out = original(q, cache, plan, **kw)
         dims.append(tuple(out.shape[1:]))
         return out
+
     adapter.forward = forward
     try:
-        run = generate(model, name, random_prompts(MIXED["lengths"]), max_new_tokens=MIXED["max_new_tokens"],
-                       **MIXED["cb"])
+        run = generate(
+            model, name, random_prompts(MIXED["lengths"]), max_new_tokens=MIXED["max_new_tokens"], **MIXED["cb"]
+        )
     finally:
         del adapter.forward
     assert_same_generation(run, want)

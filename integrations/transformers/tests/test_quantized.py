@@ -21,8 +21,11 @@ from paged_transformers import _attention
 FIRST_STEP_LOGITS = {"int8": 0.15, "fp8": 0.5, "fp8_e5m2": 1.5}
 
 
-@pytest.mark.skipif(HOOK != "pool", reason="transformers 5.24 and 5.25 write K/V into their own pool themselves: "
-                    "see test_quantized_pools_are_refused_where_the_model_writes_its_pool")
+@pytest.mark.skipif(
+    HOOK != "pool",
+    reason="transformers 5.24 and 5.25 write K/V into their own pool themselves: "
+    "see test_quantized_pools_are_refused_where_the_model_writes_its_pool",
+)
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_quantized_pools(kv_dtype, monkeypatch):
     model = tiny_model("llama")
@@ -38,6 +41,7 @@ def test_quantized_pools(kv_dtype, monkeypatch):
         entry = original(self, *args)
         caches.append(entry[1])
         return entry
+
     monkeypatch.setattr(_attention.PagedAttention, "_quantized_pool", record)
     run = generate(model, name, prompts, max_new_tokens=3, **cb)
     if transformers.__version__.startswith("5.18"):

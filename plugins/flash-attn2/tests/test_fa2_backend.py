@@ -34,12 +34,13 @@ from paged_flash_attn2.backend import (
     varlen_kwargs,
 )
 
-INSTALL = "pip install --find-links dist 'paged-core[flash-attn]' (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+INSTALL = (
+    "pip install --find-links dist 'paged-core[flash-attn]' (build dist/ in a clone of paged: python3 -m nox -s wheels)"
+)
 
 
 def spec(**kw):
-    base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=256, dtype=torch.bfloat16,
-                device="cuda")
+    base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=256, dtype=torch.bfloat16, device="cuda")
     return AttentionSpec(**{**base, **kw})
 
 
@@ -83,7 +84,9 @@ def test_registry_lists_flash_attn2_as_unavailable_with_the_install_command(monk
     explained = reg.explain(spec())
     assert explained["flash-attn2"] == reasons
     assert "flash-attn2" not in reg.available()
-    with pytest.raises(BackendUnavailableError, match=r"flash-attn2.*pip install --find-links dist 'paged-core\[flash-attn"):
+    with pytest.raises(
+        BackendUnavailableError, match=r"flash-attn2.*pip install --find-links dist 'paged-core\[flash-attn"
+    ):
         reg.get("flash-attn2")
     summary = reg.capabilities("flash-attn2").summary()
     assert summary.startswith("head_dim 8..256 step 8; block multiple of 256")
@@ -219,8 +222,9 @@ def test_without_the_bump_flash_attn_would_reject_the_decode_batch(fake_flash_at
     plan = FlashAttn2Backend().plan(meta)
     plan.max_seqlen_q = 1
     with pytest.raises(RuntimeError, match="is invalid for input of size"):
-        FlashAttn2Backend()._forward(q, cache, plan, out=torch.empty_like(q), lse=None, scale=0.1,
-                                     window=0, softcap=0.0, sinks=None)
+        FlashAttn2Backend()._forward(
+            q, cache, plan, out=torch.empty_like(q), lse=None, scale=0.1, window=0, softcap=0.0, sinks=None
+        )
 
 
 def test_plan_maps_rows_to_requests_and_marks_padding():
@@ -250,9 +254,16 @@ def test_plan_needs_no_data_on_the_host():
     def empty(*shape, dtype=torch.int32):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    meta = BatchMeta(num_reqs=7, query_start_loc=empty(8), seq_lens=empty(7), block_table=empty(7, 3),
-                     slot_mapping=empty(9, dtype=torch.int64), block_size=256, max_query_len=3,
-                     max_seq_len=600)
+    meta = BatchMeta(
+        num_reqs=7,
+        query_start_loc=empty(8),
+        seq_lens=empty(7),
+        block_table=empty(7, 3),
+        slot_mapping=empty(9, dtype=torch.int64),
+        block_size=256,
+        max_query_len=3,
+        max_seq_len=600,
+    )
     plan = FlashAttn2Backend().plan(meta)
     assert plan.pad_rows.shape == (9,) and plan.cu_seqlens_k.shape == (8,) and plan.max_seqlen_q == 3
 
@@ -299,13 +310,16 @@ def test_adapter_through_the_stand_in_matches_reference(case, fake_flash_attn):
     assert isinstance(plan, FlashAttn2Plan) and plan.meta is meta
     out = torch.full_like(q, float("nan"))  # every row must be written
     lse = torch.full(q.shape[:2], float("nan"))
-    backend._forward(q, cache, plan, out=out, lse=lse, scale=q.shape[2] ** -0.5, window=window,
-                     softcap=softcap, sinks=None)
-    ref, ref_lse = reference_attention(q, cache, meta, window=window, softcap=softcap, return_lse=True,
-                                       compute_dtype=torch.float64)
+    backend._forward(
+        q, cache, plan, out=out, lse=lse, scale=q.shape[2] ** -0.5, window=window, softcap=softcap, sinks=None
+    )
+    ref, ref_lse = reference_attention(
+        q, cache, meta, window=window, softcap=softcap, return_lse=True, compute_dtype=torch.float64
+    )
     assert_close_to_reference(out, ref, backend="flash-attn2", case=case, tolerance=output_tolerance(q.dtype))
-    assert_close_to_reference(lse, ref_lse, backend="flash-attn2", case=case, what="lse",
-                              tolerance=lse_tolerance(q.dtype))
+    assert_close_to_reference(
+        lse, ref_lse, backend="flash-attn2", case=case, what="lse", tolerance=lse_tolerance(q.dtype)
+    )
     pad = plan.pad_rows
     assert torch.equal(out[pad], torch.zeros_like(out[pad])) and torch.isneginf(lse[pad]).all()
     assert not out.isnan().any() and not lse.isnan().any()
@@ -316,8 +330,9 @@ def test_adapter_through_the_stand_in_matches_reference(case, fake_flash_attn):
 def test_forward_without_lse_returns_only_out(fake_flash_attn):
     q, cache, meta = make_batch(MIXED)
     out = torch.full_like(q, float("nan"))  # every row must be written
-    FlashAttn2Backend()._forward(q, cache, meta, out=out, lse=None, scale=0.125, window=0, softcap=0.0,
-                                 sinks=None)  # a BatchMeta is planned on the fly
+    FlashAttn2Backend()._forward(
+        q, cache, meta, out=out, lse=None, scale=0.125, window=0, softcap=0.0, sinks=None
+    )  # a BatchMeta is planned on the fly
     ref = reference_attention(q, cache, meta, scale=0.125, compute_dtype=torch.float64)
     assert_close_to_reference(out, ref, backend="flash-attn2", case="no-lse", tolerance=output_tolerance(q.dtype))
     assert fake_flash_attn.CALLS[0]["return_attn_probs"] is False
@@ -368,7 +383,10 @@ def test_a_full_build_has_no_marker_and_no_extra_reasons(fake_flash_attn):
 
 
 def test_mla_shaped_heads_are_refused_with_the_reason():
-    spec = AttentionSpec(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=256,
-                         dtype=torch.bfloat16, device="cuda")
-    assert "head_dim_v 128 other than head_dim 192 (MLA-shaped heads) is not supported (accepted " \
-           "(head_dim, head_dim_v): head_dim_v == head_dim)" in FlashAttn2Backend.capabilities.reasons(spec)
+    spec = AttentionSpec(
+        num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=256, dtype=torch.bfloat16, device="cuda"
+    )
+    assert (
+        "head_dim_v 128 other than head_dim 192 (MLA-shaped heads) is not supported (accepted "
+        "(head_dim, head_dim_v): head_dim_v == head_dim)" in FlashAttn2Backend.capabilities.reasons(spec)
+    )

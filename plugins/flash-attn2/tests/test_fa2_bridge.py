@@ -121,12 +121,22 @@ def test_adapter_on_the_bridged_view_matches_reference_on_the_16_token_view(fake
     backend = FlashAttn2Backend()
     out = torch.full_like(q, float("nan"))  # every row must be written
     lse = torch.full(q.shape[:2], float("nan"))
-    backend._forward(q, bridge_cache(cache16), backend.plan(bridge_meta(meta16)), out=out, lse=lse,
-                     scale=0.125, window=0, softcap=0.0, sinks=None)
+    backend._forward(
+        q,
+        bridge_cache(cache16),
+        backend.plan(bridge_meta(meta16)),
+        out=out,
+        lse=lse,
+        scale=0.125,
+        window=0,
+        softcap=0.0,
+        sinks=None,
+    )
     ref, ref_lse = reference_attention(q, cache16, meta16, scale=0.125, return_lse=True, compute_dtype=torch.float64)
     assert_close_to_reference(out, ref, backend="flash-attn2", case="bridge", tolerance=output_tolerance(q.dtype))
-    assert_close_to_reference(lse, ref_lse, backend="flash-attn2", case="bridge", what="lse",
-                              tolerance=lse_tolerance(q.dtype))
+    assert_close_to_reference(
+        lse, ref_lse, backend="flash-attn2", case="bridge", what="lse", tolerance=lse_tolerance(q.dtype)
+    )
 
 
 # ---------------------------------------------------------------------------------- conversion
@@ -143,10 +153,14 @@ def test_conversion_needs_no_data_on_the_host():
     out = big_block_table(table)
     assert out.shape == (7, 3) and out.device.type == "meta"
     meta = BatchMeta(
-        num_reqs=7, query_start_loc=torch.empty(8, dtype=torch.int32, device="meta"),
-        seq_lens=torch.empty(7, dtype=torch.int32, device="meta"), block_table=table,
-        slot_mapping=torch.empty(9, dtype=torch.int64, device="meta"), block_size=16,
-        max_query_len=3, max_seq_len=600,
+        num_reqs=7,
+        query_start_loc=torch.empty(8, dtype=torch.int32, device="meta"),
+        seq_lens=torch.empty(7, dtype=torch.int32, device="meta"),
+        block_table=table,
+        slot_mapping=torch.empty(9, dtype=torch.int64, device="meta"),
+        block_size=16,
+        max_query_len=3,
+        max_seq_len=600,
     )
     assert bridge_meta(meta, validate=False).block_table.shape == (7, 3)
 

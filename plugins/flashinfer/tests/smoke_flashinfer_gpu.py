@@ -22,15 +22,31 @@ from paged_conformance.tolerances import lse_tolerance, output_tolerance
 from paged_core import BatchMeta, BlockAllocator, allocate_kv_cache, reference_attention
 
 
-def make_case(query_lens, seq_lens, *, num_heads=32, num_kv_heads=8, head_dim=128,
-              dtype=torch.bfloat16, block_size=16, table_width=None, num_blocks=None, seed=0,
-              device="cuda"):
+def make_case(
+    query_lens,
+    seq_lens,
+    *,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype=torch.bfloat16,
+    block_size=16,
+    table_width=None,
+    num_blocks=None,
+    seed=0,
+    device="cuda",
+):
     """A batch, a cache filled with random K/V over shuffled blocks, and q."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     nblocks = num_blocks or sum(math.ceil(s / block_size) for s in seq_lens) + 8
-    meta = BatchMeta.build(query_lens, seq_lens, block_size=block_size,
-                           allocator=BlockAllocator(nblocks, seed=seed), device=device,
-                           table_width=table_width)
+    meta = BatchMeta.build(
+        query_lens,
+        seq_lens,
+        block_size=block_size,
+        allocator=BlockAllocator(nblocks, seed=seed),
+        device=device,
+        table_width=table_width,
+    )
     cache = allocate_kv_cache(nblocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
@@ -41,19 +57,29 @@ def make_case(query_lens, seq_lens, *, num_heads=32, num_kv_heads=8, head_dim=12
 def pad_rows_of(meta: BatchMeta) -> torch.Tensor:
     """bool [num_tokens]: rows that belong to padding requests (seq_len 0)."""
     qlens, slens = meta.host()
-    return torch.tensor([s == 0 for q, s in zip(qlens, slens, strict=True) for _ in range(q)], dtype=torch.bool,
-                        device=meta.device)
+    return torch.tensor(
+        [s == 0 for q, s in zip(qlens, slens, strict=True) for _ in range(q)], dtype=torch.bool, device=meta.device
+    )
 
 
-def compare(backend, meta_or_plan, meta, cache, q, *, window=0, softcap=0.0, return_lse=True,
-            compute_dtype=torch.float64) -> tuple[bool, str]:
+def compare(
+    backend, meta_or_plan, meta, cache, q, *, window=0, softcap=0.0, return_lse=True, compute_dtype=torch.float64
+) -> tuple[bool, str]:
     """Run the backend (into a NaN-poisoned out: an unwritten row fails) and the reference;
     (ok, a one-line summary with the errors)."""
-    res = backend.forward(q, cache, meta_or_plan, window=window, softcap=softcap, return_lse=return_lse,
-                          out=torch.full_like(q, float("nan")))
+    res = backend.forward(
+        q,
+        cache,
+        meta_or_plan,
+        window=window,
+        softcap=softcap,
+        return_lse=return_lse,
+        out=torch.full_like(q, float("nan")),
+    )
     out, lse = res if return_lse else (res, None)
-    ref_out, ref_lse = reference_attention(q, cache, meta, window=window, softcap=softcap,
-                                           compute_dtype=compute_dtype, return_lse=True)
+    ref_out, ref_lse = reference_attention(
+        q, cache, meta, window=window, softcap=softcap, compute_dtype=compute_dtype, return_lse=True
+    )
     tol = output_tolerance(q.dtype)
     diff = (out.to(compute_dtype) - ref_out).abs()
     bound = tol.atol + tol.rtol * ref_out.abs()
@@ -77,14 +103,30 @@ def compare(backend, meta_or_plan, meta, cache, q, *, window=0, softcap=0.0, ret
     return ok, msg
 
 
-def graph_replay(backend_cls, *, num_reqs=16, num_heads=32, num_kv_heads=8, head_dim=128,
-                 dtype=torch.bfloat16, block_size=16, width=64) -> tuple[bool, str]:
+def graph_replay(
+    backend_cls,
+    *,
+    num_reqs=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype=torch.bfloat16,
+    block_size=16,
+    width=64,
+) -> tuple[bool, str]:
     """Plan outside, capture forward on a padded decode batch, re-plan with new lengths and new
     q/K/V values, replay; the replay must equal an eager run of the same plan bit for bit, and
     the reference within tolerance."""
     backend = backend_cls(cuda_graph=True)
-    kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-              block_size=block_size, table_width=width, num_blocks=num_reqs * width + 8)
+    kw = dict(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        block_size=block_size,
+        table_width=width,
+        num_blocks=num_reqs * width + 8,
+    )
     g = torch.Generator(device="cpu").manual_seed(1)
     lens_a = [int(x) for x in torch.randint(1, width * block_size, (num_reqs,), generator=g)]
     lens_b = [int(x) for x in torch.randint(1, width * block_size, (num_reqs,), generator=g)]
@@ -119,8 +161,7 @@ def graph_replay(backend_cls, *, num_reqs=16, num_heads=32, num_kv_heads=8, head
     same_b = torch.equal(replayed, backend.forward(q_static, cache, plan_b))
     replay_ok, replay_msg = compare_tensor(replayed, meta_b, cache, q_static)
     ok = same_a and same_b and replay_ok
-    return ok, (f"replay A == eager A: {same_a}; replay B == eager B: {same_b}; "
-                f"replay B vs reference: {replay_msg}")
+    return ok, (f"replay A == eager A: {same_a}; replay B == eager B: {same_b}; replay B vs reference: {replay_msg}")
 
 
 def compare_tensor(out, meta, cache, q) -> tuple[bool, str]:
@@ -155,8 +196,10 @@ def main() -> int:
         return 1
     import flashinfer
 
-    print(f"flashinfer {getattr(flashinfer, '__version__', '?')}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}")
+    print(
+        f"flashinfer {getattr(flashinfer, '__version__', '?')}, torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name()}"
+    )
     g = torch.Generator().manual_seed(0)
     decode_lens = [int(x) for x in torch.randint(100, 4096, (64,), generator=g)]
     decode_lens[-4:] = [0, 0, 0, 0]  # padding requests
@@ -170,8 +213,12 @@ def main() -> int:
         "mixed_with_padding": ([300, 1, 1, 1, 17], [900, 70, 0, 130, 17]),
         "prefill_4x1024_and_chunk": ([1024, 1024, 1024, 1024, 333], [1024, 1024, 1024, 1024, 2000]),
     }
-    variants = {"plain": dict(), "window=256": dict(window=256), "softcap=30": dict(softcap=30.0),
-                "window=1": dict(window=1)}
+    variants = {
+        "plain": dict(),
+        "window=256": dict(window=256),
+        "softcap=30": dict(softcap=30.0),
+        "window=1": dict(window=1),
+    }
     failures = 0
     backend = FlashInferBackend()
     for name, (ql, sl) in cases.items():
@@ -181,15 +228,24 @@ def main() -> int:
             try:
                 # BatchMeta path (implicit plan), then the explicit plan path.
                 ok, msg = compare(backend, meta, meta, cache, q, **kw)
-                plan = backend.plan(meta, num_heads=q.shape[1], num_kv_heads=cache.num_kv_heads,
-                                    head_dim=q.shape[2], dtype=q.dtype, **kw)
+                plan = backend.plan(
+                    meta,
+                    num_heads=q.shape[1],
+                    num_kv_heads=cache.num_kv_heads,
+                    head_dim=q.shape[2],
+                    dtype=q.dtype,
+                    **kw,
+                )
                 ok2, msg2 = compare(backend, plan, meta, cache, q, return_lse=False, **kw)
                 ok, msg = ok and ok2, f"{msg}; explicit plan: {msg2}"
             except Exception as exc:  # report and keep going: one line per check
                 ok, msg = False, f"{type(exc).__name__}: {exc}"
             failures += not ok
-            print(f"{'PASS' if ok else 'FAIL'} {name} {vname}: {msg} "
-                  f"[{time.perf_counter() - t0:.1f}s; paths: {_path_of(backend)}]", flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'} {name} {vname}: {msg} "
+                f"[{time.perf_counter() - t0:.1f}s; paths: {_path_of(backend)}]",
+                flush=True,
+            )
     for mixed in ("prefill",):
         b2 = FlashInferBackend(mixed=mixed)
         meta, cache, q = make_case(*cases["mixed_2x512_chunks_30_decodes"], seed=7)

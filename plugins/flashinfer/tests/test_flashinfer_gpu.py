@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 
 def _smoke():
     # Imported by path: tests/ directories of several plugins share sys.path under pytest.
-    spec = importlib.util.spec_from_file_location("paged_flashinfer_gpu_smoke",
-                                                  Path(__file__).with_name("smoke_flashinfer_gpu.py"))
+    spec = importlib.util.spec_from_file_location(
+        "paged_flashinfer_gpu_smoke", Path(__file__).with_name("smoke_flashinfer_gpu.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -47,8 +48,7 @@ def test_matches_reference_float64(case, kw, dtype):
 def test_cuda_graph_replay_after_replan_equals_eager():
     from paged_flashinfer.backend import FlashInferBackend
 
-    ok, msg = _smoke().graph_replay(FlashInferBackend, num_reqs=8, num_heads=8, num_kv_heads=2,
-                                    head_dim=128, width=8)
+    ok, msg = _smoke().graph_replay(FlashInferBackend, num_reqs=8, num_heads=8, num_kv_heads=2, head_dim=128, width=8)
     assert ok, f"[flashinfer/cuda_graph] {msg}"
 
 

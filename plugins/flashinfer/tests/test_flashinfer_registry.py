@@ -28,14 +28,16 @@ def registry(monkeypatch):
 
 def _no_flashinfer(monkeypatch):
     real = fib.importlib.util.find_spec
-    monkeypatch.setattr(fib.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    monkeypatch.setattr(
+        fib.importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a)
+    )
 
 
 def _fake_flashinfer(monkeypatch):
     real = fib.importlib.util.find_spec
-    monkeypatch.setattr(fib.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flashinfer" else real(name, *a))
+    monkeypatch.setattr(
+        fib.importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else real(name, *a)
+    )
 
 
 def test_registered_with_priority_and_install_hint(registry):
@@ -117,8 +119,17 @@ def test_constructor_is_cheap_and_checks_options():
     ids=["cpu", "float32", "head_dim_96", "int8", "fp8", "fp8_e5m2", "sinks"],
 )
 def test_declared_capabilities_refuse_what_flashinfer_cannot_do(change, words):
-    base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,
-                device="cuda", window=128, softcap=30.0, return_lse=True)
+    base = dict(
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        window=128,
+        softcap=30.0,
+        return_lse=True,
+    )
     assert FlashInferBackend.capabilities.reasons(AttentionSpec(**base)) == []
     reasons = FlashInferBackend.capabilities.reasons(AttentionSpec(**{**base, **change}))
     assert any(words in r for r in reasons), reasons
@@ -209,8 +220,15 @@ def test_explicit_plan_needs_all_parameters_and_a_cuda_batch():
 )
 def test_mixed_batch_path(heads, window, mixed, path):
     plan = prepare_plan(BatchMeta.build([5, 1, 1], [40, 70, 9], block_size=16))
-    params = fib._Params(num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype=torch.bfloat16,
-                         window=window, softcap=0.0, scale=128**-0.5)
+    params = fib._Params(
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=128,
+        dtype=torch.bfloat16,
+        window=window,
+        softcap=0.0,
+        scale=128**-0.5,
+    )
     assert FlashInferBackend(mixed=mixed)._path(plan, params) == path
 
 
@@ -270,8 +288,12 @@ def test_cascade_reads_the_prefix_through_a_request_with_keys():
     meta = _shared_prefix_meta([1, 1, 1], [0, 300, 290], prefix_blocks=16)
     table = meta.block_table.clone()
     table[0, :16] = 99
-    meta = BatchMeta.from_lists([1, 1, 1], [0, 300, 290], [table[0, :16].tolist(), *(
-        table[r, : -(-n // 16)].tolist() for r, n in ((1, 300), (2, 290)))], block_size=16)
+    meta = BatchMeta.from_lists(
+        [1, 1, 1],
+        [0, 300, 290],
+        [table[0, :16].tolist(), *(table[r, : -(-n // 16)].tolist() for r, n in ((1, 300), (2, 290)))],
+        block_size=16,
+    )
     c = prepare_plan(meta, prefix_blocks=16).cascade
     assert c.prefix_indices.tolist() == list(range(1, 17))
 
@@ -288,15 +310,24 @@ class _Recorder:
 
 
 def _mla_params(**kw):
-    base = dict(num_heads=16, num_kv_heads=16, head_dim=192, dtype=torch.bfloat16, window=0, softcap=0.0,
-                scale=192**-0.5, head_dim_vo=128)
+    base = dict(
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=192,
+        dtype=torch.bfloat16,
+        window=0,
+        softcap=0.0,
+        scale=192**-0.5,
+        head_dim_vo=128,
+    )
     return fib._Params(**{**base, **kw})
 
 
 def test_mla_claim_is_the_deepseek_pair_only():
     caps = FlashInferBackend.capabilities
-    spec = AttentionSpec(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16,
-                         device="cuda", dtype=torch.bfloat16)
+    spec = AttentionSpec(
+        num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16, device="cuda", dtype=torch.bfloat16
+    )
     assert caps.reasons(spec) == []
     assert caps.reasons(dataclasses.replace(spec, head_dim=96, head_dim_v=64)) == [
         "head_dim 96 is not supported (accepted: 64, 128, 256)",
@@ -305,11 +336,13 @@ def test_mla_claim_is_the_deepseek_pair_only():
     ]
     # 192 with V of 192 is no FA3 instantiation: not claimed through the pair.
     assert caps.reasons(dataclasses.replace(spec, head_dim_v=192)) == [
-        "head_dim 192 is not supported (accepted: 64, 128, 256)"]
+        "head_dim 192 is not supported (accepted: 64, 128, 256)"
+    ]
 
 
-@pytest.mark.parametrize(("qlens", "equal_dims_path"), [([1, 1, 1], "decode"), ([5, 1, 1], "batch_attention")],
-                         ids=["decode", "mixed"])
+@pytest.mark.parametrize(
+    ("qlens", "equal_dims_path"), [([1, 1, 1], "decode"), ([5, 1, 1], "batch_attention")], ids=["decode", "mixed"]
+)
 def test_mla_batches_take_the_prefill_wrapper(qlens, equal_dims_path):
     # The decode wrapper's plan has one head_dim; BatchAttention is not claimed for the pair.
     plan = prepare_plan(BatchMeta.build(qlens, [40, 70, 9], block_size=16))
@@ -323,7 +356,7 @@ def test_mla_plan_passes_head_dim_vo(monkeypatch):
     plan = prepare_plan(BatchMeta.build([5, 1], [40, 70], block_size=16))
     wrapper = _Recorder()
     b._plan_into(fib._Slot("prefill", wrapper), plan, _mla_params())
-    (args, kwargs), = wrapper.calls
+    ((args, kwargs),) = wrapper.calls
     assert args[4:8] == (16, 16, 192, 16)  # heads, KV heads, head_dim_qk, page size
     assert kwargs["head_dim_vo"] == 128
     # Equal dims pass head_dim_vo == head_dim: what FlashInfer's default (None) means.
@@ -349,6 +382,5 @@ def test_mla_plan_keyword_reaches_the_params(monkeypatch):
     monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
     meta = BatchMeta.build([1], [9], block_size=16)
     monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
-    FlashInferBackend()._plan(meta, num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128,
-                              dtype=torch.bfloat16)
+    FlashInferBackend()._plan(meta, num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, dtype=torch.bfloat16)
     assert seen[0].head_dim_vo == 128 and seen[0].head_dim == 192

@@ -71,7 +71,8 @@ def _variants():
     xs = [buf, buf[8:], buf[1:], torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.float32)[4:]]
     ns = [1, 16, 48, 17, 0, -32, 2**31 - 16, 2**31, 2**40 + 16, 2**63]
     for x, y, n, m, f, block, warps in itertools.product(
-            xs, [buf, None], ns, [5, 1, 2**33], [1.0, 2.5], [32, 64], [4, 8]):
+        xs, [buf, None], ns, [5, 1, 2**33], [1.0, 2.5], [32, 64], [4, 8]
+    ):
         yield {"x_ptr": x, "y_ptr": y, "n": n, "m": m, "f": f, "BLOCK": block, "num_warps": warps}
 
 
@@ -205,8 +206,9 @@ def first_call_capture(backend: str, case: str, tmp_path: Path, autotune: str) -
         pytest.skip(f"needs the repository's {HOST_COST.name} (not in an installed distribution)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PAGED_AUTOTUNE=autotune)
-    proc = subprocess.run([sys.executable, str(HOST_COST), "capture", backend, case], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HOST_COST), "capture", backend, case], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.startswith("ok "), proc.stdout
 
@@ -231,8 +233,13 @@ def test_a_later_process_does_not_tune_again(backend, tmp_path):
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PAGED_AUTOTUNE="1")
     timed = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(FIRST_CALL), "child", backend, "decode 64 x 4096", "128"],
-                              env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, str(FIRST_CALL), "child", backend, "decode 64 x 4096", "128"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         timed.append(json.loads(proc.stdout.strip().splitlines()[-1])["timed_configs"])
     assert timed[0] > 0, "the first process timed no config: nothing was tuned"
@@ -264,13 +271,14 @@ def _recorded(monkeypatch, layer, launches):
 def test_recording_replays_with_the_next_layers_tensors(monkeypatch):
     q, k, out, fixed = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
     tiles, attention = _FakeBinary(), _FakeBinary()
-    rec = _recorded(monkeypatch, LayerTensors(q=q, k=k, v=None, out=out),
-                    [(tiles, [fixed, 3]), (attention, [q, fixed, k, out, 7])])
+    rec = _recorded(
+        monkeypatch, LayerTensors(q=q, k=k, v=None, out=out), [(tiles, [fixed, 3]), (attention, [q, fixed, k, out, 7])]
+    )
     assert rec.ok
     q2, k2, out2 = torch.ones(8), torch.ones(8), torch.ones(8)
     rec.replay(LayerTensors(q=q2, k=k2, v=None, out=out2))
     assert tiles.calls == []  # reads no layer tensor: ran once, when recorded
-    (grid, args), = attention.calls
+    ((grid, args),) = attention.calls
     # Pointers as ints (Triton's launcher takes them so, without a driver query per tensor).
     assert grid == (4, 2, 1) and list(args[:4]) == [q2.data_ptr(), fixed.data_ptr(), k2.data_ptr(), out2.data_ptr()]
     assert args[4] == 7

@@ -56,5 +56,3 @@ def _tanh_exp2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(y_ptr + offs, 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0), mask=offs < n)
-
-

@@ -34,13 +34,17 @@ NUM_SLOTS = NB * BS
 STORE = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DTYPES = [(dt, kv) for kv in STORE for dt in (torch.float32, torch.float16, torch.bfloat16)]
 LAYOUTS = ["allocated", "contiguous", "pool", "hnd"]
-GPU = pytest.mark.skipif(not torch.cuda.is_available(),
-                         reason="needs a CUDA GPU (the kernel compiled, not interpreted)")
+GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel compiled, not interpreted)"
+)
 # On a GPU machine Triton runs compiled, and a CPU cache takes paged_core.write_kv itself (which
 # sends invalid slots to the spill block): there is no kernel to compare on the CPU there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CPU = pytest.mark.skipif(not INTERPRETED, reason="the CPU runs the kernel only under TRITON_INTERPRET=1 "
-                         "(this machine compiles for its GPU; the CPU takes paged_core.write_kv)")
+CPU = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="the CPU runs the kernel only under TRITON_INTERPRET=1 "
+    "(this machine compiles for its GPU; the CPU takes paged_core.write_kv)",
+)
 DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=GPU)]
 # Valid slots in several blocks, padding (-1), slots past the pool and below -1 (never written).
 SLOTS = [0, 7, -1, 13, NUM_SLOTS, 19, NUM_SLOTS + 3, 5, -7, 2**40, 1]
@@ -73,25 +77,51 @@ def make_cache(layout: str, dtype: torch.dtype, kv_dtype: str, device: str):
     elif layout == "pool":  # FlashInfer's / vLLM's [num_blocks, 2, block_size, heads, dim]
         pool = torch.empty(NB, 2, BS, H, D, dtype=store, device=device)
         spool = torch.empty(NB, 2, BS, H, device=device)
-        cache = KVCache(k=pool[:, 0], v=pool[:, 1], kv_dtype=kv_dtype, dtype=dtype,
-                        k_scale=spool[:, 0] if quant else None, v_scale=spool[:, 1] if quant else None)
+        cache = KVCache(
+            k=pool[:, 0],
+            v=pool[:, 1],
+            kv_dtype=kv_dtype,
+            dtype=dtype,
+            k_scale=spool[:, 0] if quant else None,
+            v_scale=spool[:, 1] if quant else None,
+        )
         storages = [pool] + ([spool] if quant else [])
     elif layout == "static":  # allocate_kv_cache with static scales: one per KV head for k, one for v
-        cache = allocate_kv_cache(NB, BS, H, D, dtype=dtype, kv_dtype=kv_dtype, device=device,
-                                  k_scale=torch.tensor([0.02, 0.05, 0.1], device=device), v_scale=0.03)
+        cache = allocate_kv_cache(
+            NB,
+            BS,
+            H,
+            D,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            device=device,
+            k_scale=torch.tensor([0.02, 0.05, 0.1], device=device),
+            v_scale=0.03,
+        )
         storages = list(cache._spill[:2])  # the scales are fixed: never written, not poisoned
     elif layout == "static-pool":  # an engine's pool with per-tensor scales (vLLM's fp8 caches)
         pool = torch.empty(NB, 2, BS, H, D, dtype=store, device=device)
         ks, vs = torch.tensor([0.04], device=device), torch.tensor([0.07], device=device)
-        cache = KVCache(k=pool[:, 0], v=pool[:, 1], kv_dtype=kv_dtype, dtype=dtype,
-                        k_scale=static_scale(ks, pool[:, 0]), v_scale=static_scale(vs, pool[:, 1]))
+        cache = KVCache(
+            k=pool[:, 0],
+            v=pool[:, 1],
+            kv_dtype=kv_dtype,
+            dtype=dtype,
+            k_scale=static_scale(ks, pool[:, 0]),
+            v_scale=static_scale(vs, pool[:, 1]),
+        )
         storages = [pool]
     else:  # HND storage [num_blocks, heads, block_size, dim] seen as NHD
         pool = torch.empty(2, NB, H, BS, D, dtype=store, device=device)
         spool = torch.empty(2, NB, H, BS, device=device)
-        cache = KVCache(k=pool[0].transpose(1, 2), v=pool[1].transpose(1, 2), kv_dtype=kv_dtype, dtype=dtype,
-                        k_scale=spool[0].transpose(1, 2) if quant else None,
-                        v_scale=spool[1].transpose(1, 2) if quant else None)
+        cache = KVCache(
+            k=pool[0].transpose(1, 2),
+            v=pool[1].transpose(1, 2),
+            kv_dtype=kv_dtype,
+            dtype=dtype,
+            k_scale=spool[0].transpose(1, 2) if quant else None,
+            v_scale=spool[1].transpose(1, 2) if quant else None,
+        )
         storages = [pool] + ([spool] if quant else [])
     for i, t in enumerate(storages):
         poison(t, seed=10 + i)
@@ -110,10 +140,15 @@ def clone_cache(cache: KVCache, storages: list[torch.Tensor]):
 
     index = {id(s): i for i, s in enumerate(storages)}
     # Static scales are not among the storages: the twin shares them.
-    spill = None if cache._spill is None else tuple(copies[index[id(s)]] if id(s) in index else s
-                                                     for s in cache._spill)
-    twin = dataclasses.replace(cache, k=moved(cache.k), v=moved(cache.v), k_scale=moved(cache.k_scale),
-                               v_scale=moved(cache.v_scale), _spill=spill)
+    spill = None if cache._spill is None else tuple(copies[index[id(s)]] if id(s) in index else s for s in cache._spill)
+    twin = dataclasses.replace(
+        cache,
+        k=moved(cache.k),
+        v=moved(cache.v),
+        k_scale=moved(cache.k_scale),
+        v_scale=moved(cache.v_scale),
+        _spill=spill,
+    )
     return twin, copies
 
 
@@ -124,7 +159,7 @@ def rows(n: int, dtype: torch.dtype, device: str, *, seed: int, layout: str = "c
         k, v = (torch.randn(2, n, H, D, generator=g) * 4).to(dtype).to(device)
     elif layout == "fused":  # [n, q_heads + 2 * kv_heads, D], k and v slices of it
         qkv = (torch.randn(n, 4 + 2 * H, D, generator=g) * 4).to(dtype).to(device)
-        k, v = qkv[:, 4:4 + H], qkv[:, 4 + H:]
+        k, v = qkv[:, 4 : 4 + H], qkv[:, 4 + H :]
     else:  # every other element of the head dim, and v's heads reversed in memory order
         big = (torch.randn(n, H, 2 * D, generator=g) * 4).to(dtype).to(device)
         k = big[:, :, ::2]
@@ -192,8 +227,10 @@ def test_static_scales_write_what_paged_core_writes(dtype, kv_dtype, layout, dev
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows_layout", ["fused", "strided"])
-@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, "auto"), (torch.float16, "int8"),
-                                                 (torch.bfloat16, "fp8"), (torch.float16, "fp8_e5m2")])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [(torch.bfloat16, "auto"), (torch.float16, "int8"), (torch.bfloat16, "fp8"), (torch.float16, "fp8_e5m2")],
+)
 def test_strided_rows(dtype, kv_dtype, rows_layout, device):
     cache, storages = make_cache("pool", dtype, kv_dtype, device)
     k, v = rows(len(SLOTS), dtype, device, seed=3, layout=rows_layout)
@@ -356,10 +393,19 @@ def test_code_conversions_equal_torch_on_every_fp8_midpoint(device):
     points = torch.cat([_midpoints(torch.float8_e4m3fn, 500.0), _midpoints(torch.float8_e5m2, 65536.0)])
     halves = torch.arange(-128, 128) + 0.5
     g = torch.Generator().manual_seed(11)
-    y = torch.cat([points, -points, halves, halves.nextafter(torch.tensor(0.0)),
-                   torch.tensor([480.0, -1000.0, 61440.0, -1e6]),
-                   (torch.rand(4000, generator=g) - 0.5) * 300, torch.randn(4000, generator=g) * 2**-7,
-                   (torch.rand(4000, generator=g) - 0.5) * 2**17, torch.randn(4000, generator=g) * 2**-15])
+    y = torch.cat(
+        [
+            points,
+            -points,
+            halves,
+            halves.nextafter(torch.tensor(0.0)),
+            torch.tensor([480.0, -1000.0, 61440.0, -1e6]),
+            (torch.rand(4000, generator=g) - 0.5) * 300,
+            torch.randn(4000, generator=g) * 2**-7,
+            (torch.rand(4000, generator=g) - 0.5) * 2**17,
+            torch.randn(4000, generator=g) * 2**-15,
+        ]
+    )
     fp8 = torch.empty(len(y), dtype=torch.uint8, device=device)
     int8 = torch.empty(len(y), dtype=torch.int8, device=device)
     e5m2 = torch.empty(len(y), dtype=torch.uint8, device=device)
@@ -379,14 +425,20 @@ def test_the_changing_arguments_come_first():
 
 
 @GPU
-@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, "auto"), (torch.bfloat16, "int8"),
-                                                 (torch.float16, "fp8")])
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"), [(torch.bfloat16, "auto"), (torch.bfloat16, "int8"), (torch.float16, "fp8")]
+)
 def test_gpu_first_call_inside_a_cuda_graph_capture(dtype, kv_dtype):
     # A head count no other test uses: the kernel compiles inside the capture (DirectKernel).
     cache = allocate_kv_cache(NB, BS, 5, 40, dtype=dtype, kv_dtype=kv_dtype, device="cuda")
-    want = dataclasses.replace(cache, k=cache.k.clone(), v=cache.v.clone(),
-                               k_scale=None if cache.k_scale is None else cache.k_scale.clone(),
-                               v_scale=None if cache.v_scale is None else cache.v_scale.clone(), _spill=None)
+    want = dataclasses.replace(
+        cache,
+        k=cache.k.clone(),
+        v=cache.v.clone(),
+        k_scale=None if cache.k_scale is None else cache.k_scale.clone(),
+        v_scale=None if cache.v_scale is None else cache.v_scale.clone(),
+        _spill=None,
+    )
     k = torch.zeros(6, 5, 40, dtype=dtype, device="cuda")
     v = torch.zeros_like(k)
     slots = torch.tensor([3, -1, 17, 0, NUM_SLOTS, 9], device="cuda")

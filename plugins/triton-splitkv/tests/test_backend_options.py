@@ -25,37 +25,43 @@ from paged_triton_splitkv.backend import TritonSplitKVBackend  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(("options", "needle"), [
-    (dict(num_splits=2**40), "num_splits is 1099511627776; accepted: None or an int from 1 to 256"),
-    (dict(num_splits=True), "num_splits is True; accepted: None or an int from 1 to 256"),
-    (dict(num_splits=0), "num_splits is 0; accepted"),
-    (dict(cascade="no"), "cascade is 'no'; accepted: True or False"),
-    (dict(cascade=1), "cascade is 1; accepted: True or False"),
-    (dict(batch_invariant="yes"), "batch_invariant is 'yes'; accepted: True or False"),
-    (dict(split_kv=1), "split_kv is 1; accepted: 'auto', True or False"),
-    (dict(split_kv="on"), "split_kv is 'on'; accepted: 'auto', True or False"),
-    (dict(blocks_per_split=True), "blocks_per_split is True; accepted: an int from 1 to"),
-    (dict(blocks_per_split=2**40), "blocks_per_split is 1099511627776; accepted: an int from 1 to"),
-    (dict(cascade=True, min_prefix_tokens="x"), "min_prefix_tokens is 'x'; accepted: an int >= 0"),
-    (dict(min_prefix_tokens=-1), "min_prefix_tokens is -1; accepted: an int >= 0"),
-    # Options that would silently override each other.
-    (dict(split_kv=False, num_splits=3), "split_kv=False and num_splits=3 contradict each other"),
-    (dict(batch_invariant=True, num_splits=1), "num_splits=1 does not combine with batch_invariant=True"),
-    # The cascade pass's splits follow the batch: its promise would not hold.
-    (dict(batch_invariant=True, cascade=True), "cascade=True does not combine with batch_invariant=True"),
-])
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        (dict(num_splits=2**40), "num_splits is 1099511627776; accepted: None or an int from 1 to 256"),
+        (dict(num_splits=True), "num_splits is True; accepted: None or an int from 1 to 256"),
+        (dict(num_splits=0), "num_splits is 0; accepted"),
+        (dict(cascade="no"), "cascade is 'no'; accepted: True or False"),
+        (dict(cascade=1), "cascade is 1; accepted: True or False"),
+        (dict(batch_invariant="yes"), "batch_invariant is 'yes'; accepted: True or False"),
+        (dict(split_kv=1), "split_kv is 1; accepted: 'auto', True or False"),
+        (dict(split_kv="on"), "split_kv is 'on'; accepted: 'auto', True or False"),
+        (dict(blocks_per_split=True), "blocks_per_split is True; accepted: an int from 1 to"),
+        (dict(blocks_per_split=2**40), "blocks_per_split is 1099511627776; accepted: an int from 1 to"),
+        (dict(cascade=True, min_prefix_tokens="x"), "min_prefix_tokens is 'x'; accepted: an int >= 0"),
+        (dict(min_prefix_tokens=-1), "min_prefix_tokens is -1; accepted: an int >= 0"),
+        # Options that would silently override each other.
+        (dict(split_kv=False, num_splits=3), "split_kv=False and num_splits=3 contradict each other"),
+        (dict(batch_invariant=True, num_splits=1), "num_splits=1 does not combine with batch_invariant=True"),
+        # The cascade pass's splits follow the batch: its promise would not hold.
+        (dict(batch_invariant=True, cascade=True), "cascade=True does not combine with batch_invariant=True"),
+    ],
+)
 def test_bad_options_are_refused(options, needle):
     with pytest.raises(InputError) as exc:
         TritonSplitKVBackend(**options)
     assert needle in str(exc.value)
 
 
-@pytest.mark.parametrize(("declared", "needle"), [
-    ("2", "shared_prefix_blocks is '2'; accepted: None or an int from 0 to the block table's width (4)"),
-    (True, "shared_prefix_blocks is True; accepted"),
-    (-1, "shared_prefix_blocks is -1; accepted"),
-    (5, "shared_prefix_blocks is 5; accepted"),
-])
+@pytest.mark.parametrize(
+    ("declared", "needle"),
+    [
+        ("2", "shared_prefix_blocks is '2'; accepted: None or an int from 0 to the block table's width (4)"),
+        (True, "shared_prefix_blocks is True; accepted"),
+        (-1, "shared_prefix_blocks is -1; accepted"),
+        (5, "shared_prefix_blocks is 5; accepted"),
+    ],
+)
 def test_bad_declared_prefixes_are_refused(declared, needle):
     meta = BatchMeta.build([1, 1], [13, 16], block_size=4)
     with pytest.raises(InputError) as exc:
@@ -80,12 +86,16 @@ def test_a_declared_prefix_the_table_does_not_hold_is_refused_with_validation_on
     # not share; requests 1-2 came out wrong (relative error 1.22).
     q, cache, meta = _shared_batch()
     b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4, validate=True)
-    with pytest.raises(InputError, match=r"shared_prefix_blocks=2 but request 2 holds blocks \[1, 9\] in its "
-                                         r"first 2 columns, request 0 \[1, 2\]"):
+    with pytest.raises(
+        InputError,
+        match=r"shared_prefix_blocks=2 but request 2 holds blocks \[1, 9\] in its "
+        r"first 2 columns, request 0 \[1, 2\]",
+    ):
         b.plan(meta, shared_prefix_blocks=2)
     plan = b.plan(meta, shared_prefix_blocks=1)  # true: accepted
-    torch.testing.assert_close(b.forward(q, cache, plan), ReferenceBackend().forward(q, cache, meta),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        b.forward(q, cache, plan), ReferenceBackend().forward(q, cache, meta), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_a_declared_prefix_is_the_callers_promise_with_validation_off():

@@ -86,10 +86,22 @@ def _run(backend, query_lens, seed=0):
         table[r, :per_req] = torch.arange(1 + r * per_req, 1 + (r + 1) * per_req, dtype=torch.int32)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_t = torch.tensor(seq, dtype=torch.int32)
-    slots = torch.cat([table[r, (torch.arange(seq[r] - q, seq[r]) // BS)].long() * BS
-                       + torch.arange(seq[r] - q, seq[r]) % BS for r, q in enumerate(query_lens)])
-    meta = BatchMeta(num_reqs=num_reqs, query_start_loc=qsl, seq_lens=seq_t, block_table=table,
-                     slot_mapping=slots, block_size=BS, max_query_len=max(query_lens), max_seq_len=MAX_MODEL_LEN)
+    slots = torch.cat(
+        [
+            table[r, (torch.arange(seq[r] - q, seq[r]) // BS)].long() * BS + torch.arange(seq[r] - q, seq[r]) % BS
+            for r, q in enumerate(query_lens)
+        ]
+    )
+    meta = BatchMeta(
+        num_reqs=num_reqs,
+        query_start_loc=qsl,
+        seq_lens=seq_t,
+        block_table=table,
+        slot_mapping=slots,
+        block_size=BS,
+        max_query_len=max(query_lens),
+        max_seq_len=MAX_MODEL_LEN,
+    )
     cache = allocate_kv_cache(1 + num_reqs * per_req, BS, HKV, D, dtype=torch.float32)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "_test_direct", Path(__file__).resolve().parents[2] / "triton-common" / "tests" / "test_direct.py")
+    "_test_direct", Path(__file__).resolve().parents[2] / "triton-common" / "tests" / "test_direct.py"
+)
 _direct = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_direct)
 

@@ -43,14 +43,29 @@ def test_nan_lse_gives_nan_in_both_merges(with_sinks):
     want_out, want_lse = merge_states_torch(outs, lses, sinks=sinks)
     # Poisoned with a value the merge never produces: every row must be written.
     out, lse = paged_triton_splitkv.merge_states(
-        outs.to(DEVICE), lses.to(DEVICE), torch.full((4, 2, 16), 123.0, device=DEVICE),
-        torch.full((4, 2), 123.0, device=DEVICE), sinks=None if sinks is None else sinks.to(DEVICE))
+        outs.to(DEVICE),
+        lses.to(DEVICE),
+        torch.full((4, 2, 16), 123.0, device=DEVICE),
+        torch.full((4, 2), 123.0, device=DEVICE),
+        sinks=None if sinks is None else sinks.to(DEVICE),
+    )
     out, lse = out.cpu(), lse.cpu()
     assert torch.isnan(out[2, 0]).all() and torch.isnan(lse[2, 0])
     assert torch.equal(out[3, 1], torch.zeros(16)) and lse[3, 1].item() == -math.inf
     # The two merges are the same float32 arithmetic: the shared float32 tolerances hold.
     real = ~torch.isnan(want_lse)
-    assert_close_to_reference(out[real], want_out[real].double(), backend="triton-splitkv", case="merge",
-                              tolerance=output_tolerance(torch.float32))
-    assert_close_to_reference(lse[real], want_lse[real].double(), backend="triton-splitkv", case="merge",
-                              what="lse", tolerance=lse_tolerance(torch.float32))
+    assert_close_to_reference(
+        out[real],
+        want_out[real].double(),
+        backend="triton-splitkv",
+        case="merge",
+        tolerance=output_tolerance(torch.float32),
+    )
+    assert_close_to_reference(
+        lse[real],
+        want_lse[real].double(),
+        backend="triton-splitkv",
+        case="merge",
+        what="lse",
+        tolerance=lse_tolerance(torch.float32),
+    )

@@ -40,8 +40,21 @@ HEAD_DIM = 64
 # --------------------------------------------------------------------------------------------
 
 
-def reference_attention(q, k_cache, v_cache, *, query_start_loc, seq_lens, block_table, scale, window=0,
-                        softcap=0.0, sinks=None, k_scale=None, v_scale=None):
+def reference_attention(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    scale,
+    window=0,
+    softcap=0.0,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Float64 oracle: (out [N, Hq, D] float64, lse [N, Hq] float64, natural log incl. sink)."""
     num_tokens, hq, d = q.shape
     num_blocks, bs, hkv, _ = k_cache.shape
@@ -109,7 +122,7 @@ def make_batch(seq_lens, block_size, num_blocks, max_blocks=None, seed=0, shared
     for r, n in enumerate(need):
         ids = prefix_ids[:n] + [perm.pop() for _ in range(max(0, n - shared_prefix))]
         bt[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        bt[r, len(ids):: 2] = num_blocks + 5  # out-of-range ids past the context: never read
+        bt[r, len(ids) :: 2] = num_blocks + 5  # out-of-range ids past the context: never read
     return torch.tensor(seq_lens, dtype=torch.int32), bt
 
 
@@ -126,8 +139,9 @@ def assert_lse_close(lse, ref_lse, dtype=torch.float32, kv="auto"):
     """LSE against the reference: -inf exactly where no key is visible, else within tolerance."""
     lse = lse.double().cpu()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs"
-    assert_close_to_reference(lse, ref_lse, backend="triton-splitkv", case="lse", what="lse",
-                              tolerance=lse_tolerance(dtype, kv))
+    assert_close_to_reference(
+        lse, ref_lse, backend="triton-splitkv", case="lse", what="lse", tolerance=lse_tolerance(dtype, kv)
+    )
 
 
 def run_decode(q, kc, vc, seq_lens, bt, *, dtype, ks=None, vs=None, with_lse=True, **kw):
@@ -136,15 +150,23 @@ def run_decode(q, kc, vc, seq_lens, bt, *, dtype, ks=None, vs=None, with_lse=Tru
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE) if with_lse else None
     split_decode_attention(
-        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, seq_lens=seq_lens.to(DEVICE),
-        block_table=bt.to(DEVICE), max_seq_len=int(seq_lens.max()), scale=HEAD_DIM**-0.5,
-        k_scale=dev(ks), v_scale=dev(vs), lse=lse, **kw,
+        q.to(DEVICE),
+        kc.to(DEVICE),
+        vc.to(DEVICE),
+        out,
+        seq_lens=seq_lens.to(DEVICE),
+        block_table=bt.to(DEVICE),
+        max_seq_len=int(seq_lens.max()),
+        scale=HEAD_DIM**-0.5,
+        k_scale=dev(ks),
+        v_scale=dev(vs),
+        lse=lse,
+        **kw,
     )
     return out.cpu(), (None if lse is None else lse.cpu())
 
 
-def decode_case(seq_lens, *, hq=4, hkv=1, block_size=16, dtype=torch.float32, kv_dtype=None, seed=0,
-                head_dim=HEAD_DIM):
+def decode_case(seq_lens, *, hq=4, hkv=1, block_size=16, dtype=torch.float32, kv_dtype=None, seed=0, head_dim=HEAD_DIM):
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 4
     kc, vc, ks, vs = make_cache(num_blocks, block_size, hkv, dtype, kv_dtype, seed, head_dim)
     sl, bt = make_batch(seq_lens, block_size, num_blocks, seed=seed)
@@ -161,8 +183,9 @@ def decode_case(seq_lens, *, hq=4, hkv=1, block_size=16, dtype=torch.float32, kv
 def test_decode_matches_reference_for_split_counts(num_splits):
     q, kc, vc, _, _, sl, bt = decode_case([70, 130, 255], hq=6, hkv=2)  # group 3 -> padded to 4
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=num_splits)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(3), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(3), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, f"splits={num_splits}")
     assert_lse_close(lse, ref_lse)
 
@@ -176,8 +199,9 @@ def test_several_splits_are_one_launch_that_merges_itself(num_splits, monkeypatc
     real_launch = split_launch._launch_split
     monkeypatch.setattr(split_launch, "_launch_split", lambda *a, **k: (launches.append(k), real_launch(*a, **k)))
     monkeypatch.setattr(split_launch, "merge_states", lambda *a, **k: pytest.fail("a second, merge launch"))
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=num_splits)
     assert len(launches) == 1
     counters = launches[0]["counters"]
@@ -188,9 +212,17 @@ def test_several_splits_are_one_launch_that_merges_itself(num_splits, monkeypatc
     # The same counters again, as a recording's or a graph's replay uses them: the same bits.
     again = torch.full_like(out, float("nan"), device=DEVICE)
     kw = {k: v for k, v in launches[0].items() if k != "final"}
-    real_launch(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), None, None,
-                torch.full((num_splits, 4, 6, HEAD_DIM), float("nan"), device=DEVICE),
-                torch.full((num_splits, 4, 6), float("nan"), device=DEVICE), final=(again, None, None), **kw)
+    real_launch(
+        q.to(DEVICE),
+        kc.to(DEVICE),
+        vc.to(DEVICE),
+        None,
+        None,
+        torch.full((num_splits, 4, 6, HEAD_DIM), float("nan"), device=DEVICE),
+        torch.full((num_splits, 4, 6), float("nan"), device=DEVICE),
+        final=(again, None, None),
+        **kw,
+    )
     assert torch.equal(again.cpu(), out), "a second launch on the reset counters must merge the same way"
     assert not counters.any()
 
@@ -200,16 +232,18 @@ def test_the_fused_merge_is_the_same_on_every_launch():
     missed one changes the result, differently from launch to launch. Many launches on a GPU,
     where programs really run at once; two under the interpreter."""
     q, kc, vc, _, _, sl, bt = decode_case([700, 1300, 2000, 90], hq=8, hkv=2, seed=13)
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
-                                 block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, _ = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     first, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=13, with_lse=False)
     assert_close(first, ref, torch.float32, "fused merge, 13 splits")
     args = [t.to(DEVICE) for t in (q, kc, vc, sl, bt)]
     out = torch.empty_like(args[0])
     for i in range(300 if DEVICE == "cuda" else 1):
         out.fill_(float("nan"))
-        split_decode_attention(*args[:3], out, seq_lens=args[3], block_table=args[4], max_seq_len=2000,
-                               scale=HEAD_DIM**-0.5, num_splits=13)
+        split_decode_attention(
+            *args[:3], out, seq_lens=args[3], block_table=args[4], max_seq_len=2000, scale=HEAD_DIM**-0.5, num_splits=13
+        )
         assert torch.equal(out.cpu(), first), f"launch {i + 2} differs from the first"
 
 
@@ -218,8 +252,9 @@ def test_decode_half_precision(dtype):
     # Block 64 > BLOCK_N exercises tiles smaller than a block.
     q, kc, vc, _, _, sl, bt = decode_case([100, 37], block_size=64, dtype=dtype, seed=3)
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, num_splits=3)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert out.dtype == dtype
     assert_close(out, ref, dtype, str(dtype))
     assert_lse_close(lse, ref_lse, dtype)
@@ -229,8 +264,9 @@ def test_head_dim_not_power_of_two():
     # head_dim 80 -> padded to 128 and masked; block 32 with BLOCK_N 32 (one block per step).
     q, kc, vc, _, _, sl, bt = decode_case([75, 140], hq=4, hkv=2, block_size=32, seed=41, head_dim=80)
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, "head_dim 80")
     assert_lse_close(lse, ref_lse)
 
@@ -239,22 +275,33 @@ def test_short_request_among_long_ones_and_padding_rows():
     # 8 splits over 3 tokens leaves most splits of request 1 empty; requests 2 and 4 are padding.
     q, kc, vc, _, _, sl, bt = decode_case([200, 3, 0, 129, 0], seed=5)
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=8)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(5), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(5), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, "mixed lengths")
     assert torch.equal(out[[2, 4]], torch.zeros_like(out[[2, 4]])), "padding rows must be exact zeros"
     assert torch.isneginf(lse[[2, 4]]).all()
     assert_lse_close(lse, ref_lse)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
-                         ids=["int8", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2], ids=["int8", "fp8", "fp8_e5m2"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantized_cache_matches_dequantized_reference(kv_dtype, dtype):
     q, kc, vc, ks, vs, sl, bt = decode_case([90, 161], hq=4, hkv=1, dtype=dtype, kv_dtype=kv_dtype, seed=7)
     out, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=3)
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt,
-                                 scale=HEAD_DIM**-0.5, k_scale=ks, v_scale=vs)
+    ref, _ = reference_attention(
+        q,
+        kc,
+        vc,
+        query_start_loc=decode_qsl(2),
+        seq_lens=sl,
+        block_table=bt,
+        scale=HEAD_DIM**-0.5,
+        k_scale=ks,
+        v_scale=vs,
+    )
     kv = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}[kv_dtype]
     assert_close(out, ref, dtype, f"{kv_dtype}/{dtype}", kv=kv)
 
@@ -269,8 +316,9 @@ def test_window_softcap_sinks(kw):
     kw = dict(kw)
     if kw.pop("sinks", False):
         kw["sinks"] = torch.linspace(-1.0, 3.0, 6, dtype=torch.float32)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5, **kw)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5, **kw
+    )
     if "sinks" in kw:
         kw["sinks"] = kw["sinks"].to(DEVICE)
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3, **kw)
@@ -284,8 +332,9 @@ def test_invalid_block_ids_are_masked_not_read():
     bt[0, 2] = -3  # keys 32..47 of request 0 vanish
     bt[1, 1] = kc.shape[0] + 100  # keys 16..31 of request 1 vanish
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=3)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, "invalid ids")
     assert_lse_close(lse, ref_lse)
 
@@ -294,8 +343,9 @@ def test_table_narrower_than_seq_len_masks_the_rest():
     q, kc, vc, _, _, sl, bt = decode_case([100], seed=17)
     bt = bt[:, :3].contiguous()  # 48 keys addressable out of 100
     out, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=2)
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(1), seq_lens=sl,
-                                 block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, _ = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(1), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, "narrow table")
 
 
@@ -303,12 +353,14 @@ def test_table_narrower_than_seq_len_masks_the_rest():
 def test_batch_invariant_mode_is_bitwise_stable(dtype):
     q, kc, vc, _, _, sl, bt = decode_case([250, 70, 0, 131], hq=4, hkv=1, dtype=dtype, seed=19)
     batch_out, batch_lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, blocks_per_split=2)
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt,
-                                 scale=HEAD_DIM**-0.5)
+    ref, _ = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(batch_out, ref, dtype, "batch-invariant mode")
     for r in (1, 3):
-        alone_out, alone_lse = run_decode(q[r:r + 1], kc, vc, sl[r:r + 1], bt[r:r + 1], dtype=dtype,
-                                          blocks_per_split=2)
+        alone_out, alone_lse = run_decode(
+            q[r : r + 1], kc, vc, sl[r : r + 1], bt[r : r + 1], dtype=dtype, blocks_per_split=2
+        )
         assert torch.equal(alone_out[0], batch_out[r]), f"request {r}: output differs alone vs in batch"
         assert torch.equal(alone_lse[0], batch_lse[r])
     # A larger grid than needed (fixed CUDA-graph grid) only adds empty splits.
@@ -327,8 +379,9 @@ def test_block_ids_loaded_a_tile_ahead(block_size, kw):
     q, kc, vc, _, _, sl, bt = decode_case([200, 3, 0, 129], hq=4, hkv=2, block_size=block_size, seed=23)
     bt[3, 1] = -2  # a bad id: its keys vanish
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, **kw)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, f"block ids a tile ahead {kw}")
     assert_lse_close(lse, ref_lse)
 
@@ -343,13 +396,29 @@ def test_multi_token_tiles_see_their_causal_and_window_edges(window):
     q, kc, vc, _, _, qsl, sl, bt = cascade_case(q_lens, seq_lens, 0, hq=4, hkv=2, seed=41)
     out = torch.full(q.shape, float("nan"), device=DEVICE)
     split_launch._launch_split(
-        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), None, None, None, None,
-        seq_lens=sl.to(DEVICE), block_table=bt.to(DEVICE), query_start_loc=qsl.to(DEVICE), scale=HEAD_DIM**-0.5,
-        softcap=0.0, window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=max(q_lens),
-        max_keys=max(seq_lens), final=(out, None, None),
+        q.to(DEVICE),
+        kc.to(DEVICE),
+        vc.to(DEVICE),
+        None,
+        None,
+        None,
+        None,
+        seq_lens=sl.to(DEVICE),
+        block_table=bt.to(DEVICE),
+        query_start_loc=qsl.to(DEVICE),
+        scale=HEAD_DIM**-0.5,
+        softcap=0.0,
+        window=window,
+        key_start=0,
+        num_splits=1,
+        tokens_per_split=0,
+        max_query_len=max(q_lens),
+        max_keys=max(seq_lens),
+        final=(out, None, None),
     )
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5,
-                                 window=window)
+    ref, _ = reference_attention(
+        q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5, window=window
+    )
     assert_close(out.cpu(), ref, torch.float32, f"multi-token tiles, window {window}")
 
 
@@ -405,8 +474,18 @@ def test_single_split_writes_output_directly(dtype, kv_dtype, kw):
     kw = dict(kw)
     if kw.pop("sinks", False):
         kw["sinks"] = torch.linspace(-1.0, 3.0, 6, dtype=torch.float32)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(4), seq_lens=sl,
-                                       block_table=bt, scale=HEAD_DIM**-0.5, k_scale=ks, v_scale=vs, **kw)
+    ref, ref_lse = reference_attention(
+        q,
+        kc,
+        vc,
+        query_start_loc=decode_qsl(4),
+        seq_lens=sl,
+        block_table=bt,
+        scale=HEAD_DIM**-0.5,
+        k_scale=ks,
+        v_scale=vs,
+        **kw,
+    )
     if "sinks" in kw:
         kw["sinks"] = kw["sinks"].to(DEVICE)
     out, lse = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=1, **kw)
@@ -418,18 +497,28 @@ def test_single_split_writes_output_directly(dtype, kv_dtype, kw):
     # of blocks_per_split (which always merges) covers the same keys in the same tiles.
     if not kw:
         plain, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, num_splits=1, with_lse=False)
-        merged, _ = run_decode(q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, blocks_per_split=bt.shape[1],
-                               with_lse=False)
+        merged, _ = run_decode(
+            q, kc, vc, sl, bt, dtype=dtype, ks=ks, vs=vs, blocks_per_split=bt.shape[1], with_lse=False
+        )
         assert torch.equal(plain, merged)
 
 
 def test_fixed_kernel_config_bypasses_the_autotuner():
     q, kc, vc, _, _, sl, bt = decode_case([70, 130], hq=4, hkv=1, seed=29)
-    ref, _ = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt,
-                                 scale=HEAD_DIM**-0.5)
+    ref, _ = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     for splits in (1, 3):
-        out, _ = run_decode(q, kc, vc, sl, bt, dtype=torch.float32, num_splits=splits,
-                            kernel_config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+        out, _ = run_decode(
+            q,
+            kc,
+            vc,
+            sl,
+            bt,
+            dtype=torch.float32,
+            num_splits=splits,
+            kernel_config={"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+        )
         assert_close(out, ref, torch.float32, f"fixed config, splits={splits}")
 
 
@@ -462,8 +551,9 @@ def test_merge_states_matches_torch_and_handles_empty(dtype):
 def test_merge_of_disjoint_key_sets_equals_attention_over_union():
     q, kc, vc, _, _, sl, bt = decode_case([150, 90], seed=29)
     scale = HEAD_DIM**-0.5
-    full, full_lse = reference_attention(q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl,
-                                         block_table=bt, scale=scale)
+    full, full_lse = reference_attention(
+        q, kc, vc, query_start_loc=decode_qsl(2), seq_lens=sl, block_table=bt, scale=scale
+    )
     # Disjoint key sets: the first 48 keys (blocks 0-2) and the rest, by masking table entries.
     bt_a, bt_b = bt.clone(), bt.clone()
     bt_a[:, 3:] = -1
@@ -481,8 +571,9 @@ def test_merge_of_disjoint_key_sets_equals_attention_over_union():
 # --------------------------------------------------------------------------------------------
 
 
-def cascade_case(q_lens, seq_lens, prefix_blocks, *, hq=4, hkv=1, block_size=16, dtype=torch.float32,
-                 kv_dtype=None, seed=31):
+def cascade_case(
+    q_lens, seq_lens, prefix_blocks, *, hq=4, hkv=1, block_size=16, dtype=torch.float32, kv_dtype=None, seed=31
+):
     num_blocks = prefix_blocks + sum(math.ceil(s / block_size) for s in seq_lens) + 4
     kc, vc, ks, vs = make_cache(num_blocks, block_size, hkv, dtype, kv_dtype, seed)
     sl, bt = make_batch(seq_lens, block_size, num_blocks, seed=seed, shared_prefix=prefix_blocks)
@@ -495,11 +586,23 @@ def run_cascade(q, kc, vc, qsl, sl, bt, prefix_blocks, *, ks=None, vs=None, **kw
     out = torch.full_like(q, float("nan")).to(DEVICE)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE)
     dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    q_lens = (qsl[1:] - qsl[:-1])
+    q_lens = qsl[1:] - qsl[:-1]
     cascade_attention(
-        q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), out, query_start_loc=qsl.to(DEVICE), seq_lens=sl.to(DEVICE),
-        block_table=bt.to(DEVICE), prefix_blocks=prefix_blocks, max_query_len=int(q_lens.max()),
-        max_seq_len=int(sl.max()), scale=HEAD_DIM**-0.5, k_scale=dev(ks), v_scale=dev(vs), lse=lse, **kw,
+        q.to(DEVICE),
+        kc.to(DEVICE),
+        vc.to(DEVICE),
+        out,
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=sl.to(DEVICE),
+        block_table=bt.to(DEVICE),
+        prefix_blocks=prefix_blocks,
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(sl.max()),
+        scale=HEAD_DIM**-0.5,
+        k_scale=dev(ks),
+        v_scale=dev(vs),
+        lse=lse,
+        **kw,
     )
     return out.cpu(), lse.cpu()
 
@@ -511,8 +614,9 @@ def test_cascade_decode_batch_matches_reference(dtype):
     q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, seq_lens, 6, hq=6, hkv=2, dtype=dtype)
     assert shared_prefix_blocks(bt, sl, 16) == 6
     out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 6)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, dtype, "cascade decode")
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     assert_lse_close(lse, ref_lse, dtype)
@@ -536,8 +640,10 @@ def test_cascade_reads_the_prefix_through_a_request_that_holds_it():
 
     rows = [bt[0, :9].tolist()] + [bt[r, : -(-n // 16)].tolist() for r, n in enumerate(seq_lens) if r]
     meta = BatchMeta.from_lists([1] * 5, seq_lens, rows, block_size=16, device=DEVICE)
-    for backend, kw in [(TritonSplitKVBackend(cascade=True, min_prefix_tokens=16), {}),
-                        (TritonSplitKVBackend(min_prefix_tokens=16), {"shared_prefix_blocks": 6})]:
+    for backend, kw in [
+        (TritonSplitKVBackend(cascade=True, min_prefix_tokens=16), {}),
+        (TritonSplitKVBackend(min_prefix_tokens=16), {"shared_prefix_blocks": 6}),
+    ]:
         plan = backend.plan(meta, **kw)
         assert (plan.prefix_blocks, plan.prefix_row) == (6, 1)
         got = backend.forward(q.to(DEVICE), _cache_of(kc, vc), plan)
@@ -576,15 +682,26 @@ def test_the_cascade_path_is_recorded_once_per_step(monkeypatch):
     plan = backend.plan(meta, shared_prefix_blocks=4)
     layers = []
     for _ in range(2):
-        cache = backend.allocate(meta.block_table.shape[0] * meta.block_table.shape[1] + 1, 16, num_kv_heads=1,
-                                 head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
+        cache = backend.allocate(
+            meta.block_table.shape[0] * meta.block_table.shape[1] + 1,
+            16,
+            num_kv_heads=1,
+            head_dim=HEAD_DIM,
+            dtype=torch.float32,
+            device=DEVICE,
+        )
         layers.append((torch.randn(3, 2, HEAD_DIM, device=DEVICE), cache))
     outs = [backend.forward(q, cache, plan) for q, cache in layers]
     assert launcher_calls == [4], f"the launcher ran {len(launcher_calls)} times for two layers of one plan"
     (args,) = binary.calls  # the second layer's replay, with its own tensors
     q2, cache2 = layers[1]
-    assert list(args) == [q2.data_ptr(), cache2.k.data_ptr(), cache2.v.data_ptr(), outs[1].data_ptr(),
-                          meta.block_table.data_ptr()]
+    assert list(args) == [
+        q2.data_ptr(),
+        cache2.k.data_ptr(),
+        cache2.v.data_ptr(),
+        outs[1].data_ptr(),
+        meta.block_table.data_ptr(),
+    ]
 
 
 def _cache_of(kc, vc):
@@ -593,13 +710,15 @@ def _cache_of(kc, vc):
     return KVCache(kc.to(DEVICE), vc.to(DEVICE), dtype=kc.dtype)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="the cascade's prefix pass runs on a forked CUDA stream: needs a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the cascade's prefix pass runs on a forked CUDA stream: needs a CUDA device"
+)
 def test_concurrent_cascade_passes_eager_and_in_a_cuda_graph():
     q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, [130, 97, 180, 0, 111], 6, hq=6, hkv=2, dtype=torch.bfloat16)
     eager, eager_lse = run_cascade(q, kc, vc, qsl, sl, bt, 6, prefix_splits=2)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(eager, ref, torch.bfloat16, "cascade, passes on two streams")
     assert_lse_close(eager_lse, ref_lse, torch.bfloat16)
     again, _ = run_cascade(q, kc, vc, qsl, sl, bt, 6, prefix_splits=2)
@@ -608,8 +727,19 @@ def test_concurrent_cascade_passes_eager_and_in_a_cuda_graph():
     args = [t.to(DEVICE) for t in (q, kc, vc, qsl, sl, bt)]
     out = torch.full_like(args[0], float("nan"))
     call = lambda: cascade_attention(  # noqa: E731
-        args[0], args[1], args[2], out, query_start_loc=args[3], seq_lens=args[4], block_table=args[5],
-        prefix_blocks=6, max_query_len=1, max_seq_len=180, scale=HEAD_DIM**-0.5, prefix_splits=2)
+        args[0],
+        args[1],
+        args[2],
+        out,
+        query_start_loc=args[3],
+        seq_lens=args[4],
+        block_table=args[5],
+        prefix_blocks=6,
+        max_query_len=1,
+        max_seq_len=180,
+        scale=HEAD_DIM**-0.5,
+        prefix_splits=2,
+    )
     call()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -626,10 +756,20 @@ def test_cascade_multi_token_queries_reaching_into_the_prefix():
     q_lens, seq_lens = [5, 40, 1, 3], [120, 100, 64, 77]
     q, kc, vc, ks, vs, qsl, sl, bt = cascade_case(q_lens, seq_lens, 4, kv_dtype=torch.int8, seed=37)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 4, ks=ks, vs=vs, softcap=4.0, sinks=sinks.to(DEVICE),
-                           num_splits=2)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5, softcap=4.0, sinks=sinks, k_scale=ks, v_scale=vs)
+    out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 4, ks=ks, vs=vs, softcap=4.0, sinks=sinks.to(DEVICE), num_splits=2)
+    ref, ref_lse = reference_attention(
+        q,
+        kc,
+        vc,
+        query_start_loc=qsl,
+        seq_lens=sl,
+        block_table=bt,
+        scale=HEAD_DIM**-0.5,
+        softcap=4.0,
+        sinks=sinks,
+        k_scale=ks,
+        v_scale=vs,
+    )
     assert_close(out, ref, torch.float32, "cascade multi-token", kv="int8")
     assert_lse_close(lse, ref_lse, kv="int8")
 
@@ -641,8 +781,9 @@ def test_cascade_prefix_split_along_its_keys(prefix_splits):
     q_lens, seq_lens = [1, 40, 1, 1, 3], [400, 330, 320, 0, 350]
     q, kc, vc, _, _, qsl, sl, bt = cascade_case(q_lens, seq_lens, 20, seed=41)
     out, lse = run_cascade(q, kc, vc, qsl, sl, bt, 20, prefix_splits=prefix_splits)
-    ref, ref_lse = reference_attention(q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt,
-                                       scale=HEAD_DIM**-0.5)
+    ref, ref_lse = reference_attention(
+        q, kc, vc, query_start_loc=qsl, seq_lens=sl, block_table=bt, scale=HEAD_DIM**-0.5
+    )
     assert_close(out, ref, torch.float32, f"cascade, {prefix_splits} prefix splits")
     assert_lse_close(lse, ref_lse)
     assert torch.equal(out[42], torch.zeros_like(out[42]))  # the padding request's row
@@ -731,8 +872,7 @@ def test_a_plan_made_before_copy_computes_the_copied_batch(options):
     from paged_triton_unified.backend import TritonUnifiedBackend
 
     backend = TritonSplitKVBackend(**options) if options else TritonUnifiedBackend()
-    static = BatchMeta.build([1, 1, 1], [40, 7, 0], block_size=16, num_blocks=24, table_width=6, seed=1,
-                             device=DEVICE)
+    static = BatchMeta.build([1, 1, 1], [40, 7, 0], block_size=16, num_blocks=24, table_width=6, seed=1, device=DEVICE)
     cache = backend.allocate(24, 16, num_kv_heads=1, head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
@@ -744,9 +884,15 @@ def test_a_plan_made_before_copy_computes_the_copied_batch(options):
     static.copy_(step)
     got = backend.forward(q, cache, plan)
     torch.testing.assert_close(got, backend.forward(q, cache, backend.plan(step)), atol=0, rtol=0)
-    ref, _ = reference_attention(q.cpu(), cache.k.cpu(), cache.v.cpu(), query_start_loc=step.query_start_loc.cpu(),
-                                 seq_lens=step.seq_lens.cpu(), block_table=step.block_table.cpu(),
-                                 scale=HEAD_DIM**-0.5)
+    ref, _ = reference_attention(
+        q.cpu(),
+        cache.k.cpu(),
+        cache.v.cpu(),
+        query_start_loc=step.query_start_loc.cpu(),
+        seq_lens=step.seq_lens.cpu(),
+        block_table=step.block_table.cpu(),
+        scale=HEAD_DIM**-0.5,
+    )
     assert_close(got.cpu(), ref, torch.float32, "old plan, copied batch")
 
 
@@ -762,8 +908,17 @@ def test_the_autotune_key_holds_a_power_of_two_loop_length_of_at_least_256(seq_l
 
     monkeypatch.setattr(split_launch, "_split", Recorder())
     q, kc, vc, _, _, sl, bt = decode_case(seq_lens)
-    split_decode_attention(q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt,
-                           max_seq_len=max(seq_lens), scale=0.125, num_splits=num_splits)
+    split_decode_attention(
+        q,
+        kc,
+        vc,
+        torch.empty_like(q),
+        seq_lens=sl,
+        block_table=bt,
+        max_seq_len=max(seq_lens),
+        scale=0.125,
+        num_splits=num_splits,
+    )
     (keys,) = seen
     assert keys >= 256 and keys & (keys - 1) == 0
     if max(seq_lens) == 9000:
@@ -782,11 +937,16 @@ def test_the_autotune_key_holds_the_occupancy_class_except_with_fixed_splits(mon
 
     monkeypatch.setattr(split_launch, "_split", Recorder())
     monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
-    for batch, kw in [(1, {"num_splits": 16}), (2, {"num_splits": 16}), (1, {"blocks_per_split": 16}),
-                      (8, {"blocks_per_split": 16})]:
+    for batch, kw in [
+        (1, {"num_splits": 16}),
+        (2, {"num_splits": 16}),
+        (1, {"blocks_per_split": 16}),
+        (8, {"blocks_per_split": 16}),
+    ]:
         q, kc, vc, _, _, sl, bt = decode_case([4096] * batch, hq=32, hkv=8)
-        split_decode_attention(q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt, max_seq_len=4096,
-                               scale=0.125, **kw)
+        split_decode_attention(
+            q, kc, vc, torch.empty_like(q), seq_lens=sl, block_table=bt, max_seq_len=4096, scale=0.125, **kw
+        )
     assert seen == [(256, 1), (256, 2), (256, 0), (256, 0)], seen
 
 

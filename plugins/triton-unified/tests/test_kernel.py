@@ -154,8 +154,7 @@ def run(batch, **kwargs):
     out = torch.full_like(q, math.nan)  # poisoned: every row must be written
     lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
     args = {
-        name: batch[name]
-        for name in ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len")
+        name: batch[name] for name in ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len")
     }
     for name in ("k_scale", "v_scale"):
         if name in batch:
@@ -176,15 +175,22 @@ def assert_close_to_reference(batch, dtype, config=None, *, relative=False, **kw
     kv = KV_NAMES.get(batch["k_cache"].dtype, "auto")
     where = dict(query_start_loc=batch["query_start_loc"].tolist(), seq_lens=batch["seq_lens"].tolist())
     unit = max(ref_out.abs().max().item(), 1e-300) if relative else 1.0
-    conformance_close(out / unit, ref_out / unit, backend="triton-unified", case="test",
-                      tolerance=output_tolerance(dtype, kv), **where)  # NaN (an unwritten row): an infinite error
+    conformance_close(
+        out / unit,
+        ref_out / unit,
+        backend="triton-unified",
+        case="test",
+        tolerance=output_tolerance(dtype, kv),
+        **where,
+    )  # NaN (an unwritten row): an infinite error
     empty = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all(), (
         "lse must be -inf exactly for rows with no visible key"
     )
     assert (out[empty[:, :, None].expand_as(out)] == 0).all(), "rows with no visible key must be exact zeros"
-    conformance_close(lse, ref_lse, backend="triton-unified", case="test", what="lse",
-                      tolerance=lse_tolerance(dtype, kv), **where)
+    conformance_close(
+        lse, ref_lse, backend="triton-unified", case="test", what="lse", tolerance=lse_tolerance(dtype, kv), **where
+    )
     return out, lse
 
 
@@ -238,8 +244,9 @@ def test_softcap_sinks_and_window():
     assert_close_to_reference(batch, torch.float32, scale=1.0, softcap=5.0, sinks=sinks, window=30)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
-                         ids=["int8", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2], ids=["int8", "fp8", "fp8_e5m2"]
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_cache(kv_dtype, dtype):
     batch = make_batch(MIXED, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, kv_dtype=kv_dtype)
@@ -260,8 +267,11 @@ def test_mixed_batch_with_separate_large_config():
     assert_close_to_reference(batch, torch.float32, scale=0.125, config=config, window=25)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
-                         ids=["int8", "fp8-fp16-dots", "fp8_e5m2-fp16-dots"])
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=["int8", "fp8-fp16-dots", "fp8_e5m2-fp16-dots"],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_quantized_cache_edge_ranges(dtype, kv_dtype):
     """fp8 runs fp16 dots on its codes: q beyond fp16's range (bf16) is shifted by a power of
@@ -279,9 +289,7 @@ def test_quantized_cache_edge_ranges(dtype, kv_dtype):
 def test_padding_requests_are_exact_zeros():
     # seq_len 0 marks CUDA-graph padding: one-row and zero-row padding requests between real ones.
     requests = [(1, 0), (5, 20), (1, 0), (0, 0), (1, 9)]
-    batch = make_batch(
-        requests, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16
-    )
+    batch = make_batch(requests, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
     sinks = torch.ones(4, dtype=torch.float32, device=DEVICE)
     out, lse = assert_close_to_reference(batch, torch.bfloat16, scale=0.125, sinks=sinks)
     for row in (0, 6):
@@ -305,8 +313,9 @@ def test_a_bad_block_id_deep_in_a_long_context_is_masked():
     # The unmasked bulk of a tile runs only after its block ids were checked, 1,024 per pass: a
     # bad id in the second pass must still send the range down the masked path. A decode and a
     # 16-token chunk over 4,200 tokens of 4-token blocks (1,050 blocks).
-    batch = make_batch([(1, 4200), (16, 4200)], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=4,
-                       dtype=torch.float32)
+    batch = make_batch(
+        [(1, 4200), (16, 4200)], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=4, dtype=torch.float32
+    )
     good, _ = assert_close_to_reference(batch, torch.float32, scale=0.125)
     batch["block_table"] = batch["block_table"].clone()
     batch["block_table"][:, 1030] = -1  # keys 4,120-4,123 of both requests drop out
@@ -357,8 +366,9 @@ def test_the_backends_claim_the_cache_formats_the_kernels_read():
 
 def test_checks_what_the_kernel_needs_beyond_the_contract():
     batch = make_batch([(2, 2)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
-    args = {name: batch[name] for name in ("query_start_loc", "seq_lens", "block_table", "max_query_len",
-                                           "max_seq_len")}
+    args = {
+        name: batch[name] for name in ("query_start_loc", "seq_lens", "block_table", "max_query_len", "max_seq_len")
+    }
     q, k = batch["q"], batch["k_cache"]
     strided = torch.zeros(*k.shape[:3], 2 * k.shape[3], device=DEVICE)[..., ::2]  # head_dim stride 2
     with pytest.raises(InputError, match=r"k_cache's last-dimension stride is 2; .* pass k_cache.contiguous\(\)"):

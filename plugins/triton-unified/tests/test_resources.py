@@ -19,16 +19,25 @@ def test_reports_registers_and_shared_memory_per_config():
         pytest.skip("this Triton wheel ships no cuobjdump: the offline resource report needs it")
     # Its own process: the other tests of this directory run Triton's interpreter, which cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "plugins" / p / "src") for p in ("triton-unified", "triton-common")]
-                                   + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "plugins" / p / "src") for p in ("triton-unified", "triton-common")] + [env.get("PYTHONPATH", "")]
+    )
     script = ROOT / "scripts" / "kernel_resources.py"
-    run = subprocess.run([sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2,128/4/2/80"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2,128/4/2/80"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {}
     for line in run.stdout.splitlines():
-        m = re.match(r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+(?:/\d+)?)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
-                     r"((?:\d+ )*\d+)\s+\d+\s+\d+", line)
+        m = re.match(
+            r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+(?:/\d+)?)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
+            r"((?:\d+ )*\d+)\s+\d+\s+\d+",
+            line,
+        )
         if m:
             rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]), [int(n) for n in m[6].split()])
     assert set(rows) == {"32/4/1", "128/4/2", "128/4/2/80"}, run.stdout
@@ -49,10 +58,17 @@ def test_reports_registers_and_shared_memory_per_config():
     # deep, i.e. its third stage holds a third 64-key K/V buffer (2 x 16 KB) more than two.
     split_src = ROOT / "plugins" / "triton-splitkv" / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(split_src), env["PYTHONPATH"]])
-    out = subprocess.run([sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    split = {m[1]: float(m[2]) for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)",
-                                                     out.stdout)}
+    split = {
+        m[1]: float(m[2])
+        for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)", out.stdout)
+    }
     assert set(split) == {"64/4/2", "64/4/3"}, out.stdout
     assert split["64/4/3"] >= split["64/4/2"] + 31, split

@@ -108,13 +108,19 @@ def enable(backend: str = "triton-unified", *, kv_dtype: str = "auto", **backend
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     if kv_dtype != "auto" and hook == "gathered":
-        raise UnsupportedSpecError(backend, [
-            f"kv_dtype={kv_dtype!r} on transformers {_transformers_version()}: its model writes K/V into its "
-            "own full-precision pool and hands the attention function a gathered copy, so there is no write "
-            "a quantized pool could take; accepted: kv_dtype='auto' there, or transformers 5.17 for int8/fp8"
-        ])
-    name = implementation_name(backend, backend_options if kv_dtype == "auto" else
-                               {**backend_options, "kv_dtype": kv_dtype}, hook=hook or "pool")
+        raise UnsupportedSpecError(
+            backend,
+            [
+                f"kv_dtype={kv_dtype!r} on transformers {_transformers_version()}: its model writes K/V into its "
+                "own full-precision pool and hands the attention function a gathered copy, so there is no write "
+                "a quantized pool could take; accepted: kv_dtype='auto' there, or transformers 5.17 for int8/fp8"
+            ],
+        )
+    name = implementation_name(
+        backend,
+        backend_options if kv_dtype == "auto" else {**backend_options, "kv_dtype": kv_dtype},
+        hook=hook or "pool",
+    )
     # The name is the options' text: options of other types (validate="True") share it, so the
     # adapter is reused only for the very options (with their types) it was made with.
     given = [(k, type(v), v) for k, v in sorted(backend_options.items())]
@@ -148,12 +154,15 @@ def register(adapter: PagedAttention) -> str:
         from transformers import modeling_flash_attention_utils as loader
 
         if not hasattr(loader, "_loaded_implementation"):
-            raise UnsupportedSpecError(adapter.backend.name, [
-                f"transformers {_transformers_version()} has no flash-attention loader state "
-                f"(modeling_flash_attention_utils._loaded_implementation) to record {adapter.name!r} in, so "
-                "set_attn_implementation would look the name up as a flash-attention package; accepted: "
-                f"transformers {_supported_releases()}"
-            ])
+            raise UnsupportedSpecError(
+                adapter.backend.name,
+                [
+                    f"transformers {_transformers_version()} has no flash-attention loader state "
+                    f"(modeling_flash_attention_utils._loaded_implementation) to record {adapter.name!r} in, so "
+                    "set_attn_implementation would look the name up as a flash-attention package; accepted: "
+                    f"transformers {_supported_releases()}"
+                ],
+            )
         # transformers leaves the module global unannotated at None, so mypy infers it as None.
         loader._loaded_implementation = adapter.name  # type: ignore[assignment]
     return adapter.name
@@ -217,8 +226,13 @@ class PagedAttention:
                 "layer_idx (every transformers decoder layer's attention sets it)"
             )
         if dropout:
-            raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
-                                                           "training mode); paged serves inference: call model.eval()"])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [
+                    f"attention dropout {dropout} (the model is in "
+                    "training mode); paged serves inference: call model.eval()"
+                ],
+            )
         group, kv, padding_slot = self._pool(module, cache, layer)
         plan = self._plan(kwargs, group, query, kv, scaling, padding_slot)
         # [1, H, N, D] -> [N, H, D]; q must be dense in head_dim, which a transpose keeps.
@@ -230,9 +244,17 @@ class PagedAttention:
         out = self.backend.forward(q, kv, plan, scale=scaling)
         return out.unsqueeze(0), None  # [1, N, H, D], as transformers' paged paths return
 
-    def _gathered(self, module: torch.nn.Module, layer: int | None, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, dropout: float, scaling: float | None,
-                  kwargs: dict) -> tuple[torch.Tensor, None]:
+    def _gathered(
+        self,
+        module: torch.nn.Module,
+        layer: int | None,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        dropout: float,
+        scaling: float | None,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, None]:
         """transformers 5.24, 5.25: attention over the K/V the model wrote and gathered itself."""
         if "write_index" not in kwargs or "cu_seq_lens_q" not in kwargs:
             raise InputError(
@@ -241,20 +263,29 @@ class PagedAttention:
                 "with model.set_attn_implementation('sdpa') for a plain forward"
             )
         if dropout:
-            raise UnsupportedSpecError(self.backend.name, [f"attention dropout {dropout} (the model is in "
-                                                           "training mode); paged serves inference: call model.eval()"])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [
+                    f"attention dropout {dropout} (the model is in "
+                    "training mode); paged serves inference: call model.eval()"
+                ],
+            )
         if kwargs.get("block_table") is not None:
-            raise UnsupportedSpecError(self.backend.name, [
-                "transformers' decode fast path (a block table with its k_cache/v_cache) is meant for "
-                "flash_attn_with_kvcache; accepted: ContinuousBatchingConfig(max_blocks_per_request=0)"
-            ])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [
+                    "transformers' decode fast path (a block table with its k_cache/v_cache) is meant for "
+                    "flash_attn_with_kvcache; accepted: ContinuousBatchingConfig(max_blocks_per_request=0)"
+                ],
+            )
         window = getattr(module, "sliding_window", None)
         if window:
             raise UnsupportedSpecError(self.backend.name, [_window_reason(module, layer, window)])
         if getattr(module, "is_causal", True) is False:
-            raise UnsupportedSpecError(self.backend.name, [
-                f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
-            ])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"],
+            )
         # [1, kv_heads, rows, D] -> [rows, 1, kv_heads, D]: one-token blocks, a view of the gathered rows.
         k = key[0].transpose(0, 1).unsqueeze(1)
         v = value[0].transpose(0, 1).unsqueeze(1)
@@ -264,13 +295,21 @@ class PagedAttention:
         plan = step.plans.get(0)
         if plan is None or step.rows != k.shape[0]:
             meta = batch_meta_from_gathered(
-                cu_seq_lens_q=kwargs["cu_seq_lens_q"], cu_seq_lens_k=kwargs["cu_seq_lens_k"],
-                num_tokens=query.shape[2], num_kv_rows=k.shape[0],
-                max_query_len=int(kwargs["max_length_q"]), max_seq_len=int(kwargs["max_length_k"]),
+                cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+                cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+                num_tokens=query.shape[2],
+                num_kv_rows=k.shape[0],
+                max_query_len=int(kwargs["max_length_q"]),
+                max_seq_len=int(kwargs["max_length_k"]),
             )
             plan = self.backend.plan(
-                meta, num_heads=query.shape[1], num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                head_dim_v=kv.head_dim_v, dtype=query.dtype, scale=scaling,
+                meta,
+                num_heads=query.shape[1],
+                num_kv_heads=kv.num_kv_heads,
+                head_dim=kv.head_dim,
+                head_dim_v=kv.head_dim_v,
+                dtype=query.dtype,
+                scale=scaling,
             )
             step.plans[0], step.rows = plan, k.shape[0]
         q = query[0].transpose(0, 1)
@@ -285,21 +324,33 @@ class PagedAttention:
             caps = self.backend.capabilities
             if step_key[-1] and not captures_whole_steps(caps):
                 # transformers captures each step whole: the plan (first layer) with the forwards.
-                why = ("which this backend does not claim to be safe in (capabilities.cuda_graphs is False)"
-                       if not caps.cuda_graphs else
-                       "and transformers captures each step whole, plan() included, while this backend "
-                       "plans on the host (capabilities.device_plan is False: a replay would run the "
-                       "captured schedule on another batch)")
-                raise UnsupportedSpecError(self.backend.name, [
-                    f"running inside a CUDA-graph capture, {why}; accepted: "
-                    "ContinuousBatchingConfig(use_cuda_graph=False), or a backend that claims CUDA graphs "
-                    "and plans on the device (triton-unified, triton-splitkv)"
-                ])
+                why = (
+                    "which this backend does not claim to be safe in (capabilities.cuda_graphs is False)"
+                    if not caps.cuda_graphs
+                    else "and transformers captures each step whole, plan() included, while this backend "
+                    "plans on the host (capabilities.device_plan is False: a replay would run the "
+                    "captured schedule on another batch)"
+                )
+                raise UnsupportedSpecError(
+                    self.backend.name,
+                    [
+                        f"running inside a CUDA-graph capture, {why}; accepted: "
+                        "ContinuousBatchingConfig(use_cuda_graph=False), or a backend that claims CUDA graphs "
+                        "and plans on the device (triton-unified, triton-splitkv)"
+                    ],
+                )
             step = self._step = _Step(step_key)
         return step
 
-    def _plan(self, kwargs: dict, group: int, query: torch.Tensor, kv: KVCache, scaling: float | None,
-              padding_slot: int | None) -> Any:
+    def _plan(
+        self,
+        kwargs: dict,
+        group: int,
+        query: torch.Tensor,
+        kv: KVCache,
+        scaling: float | None,
+        padding_slot: int | None,
+    ) -> Any:
         write_index = kwargs["write_index"][group]
         # transformers captures a CUDA graph by running the same step twice, eagerly and then under
         # capture: a plan built by the eager run holds tensors computed outside the graph, which a
@@ -324,8 +375,12 @@ class PagedAttention:
                 max_seq_len=int(max_k),
             )
             plan = self.backend.plan(
-                meta, num_heads=query.shape[1], num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                dtype=query.dtype, scale=scaling,
+                meta,
+                num_heads=query.shape[1],
+                num_kv_heads=kv.num_kv_heads,
+                head_dim=kv.head_dim,
+                dtype=query.dtype,
+                scale=scaling,
             )
             step.plans[group] = plan
         return plan
@@ -349,17 +404,26 @@ class PagedAttention:
             views[layer] = entry
         return entry
 
-    def _quantized_pool(self, cache: Any, layer: int, group: int, kv: KVCache,
-                        padding_slot: int | None) -> tuple[int, KVCache, int | None]:
+    def _quantized_pool(
+        self, cache: Any, layer: int, group: int, kv: KVCache, padding_slot: int | None
+    ) -> tuple[int, KVCache, int | None]:
         """A pool of paged's quantized format covering the same slots as transformers' view."""
         if padding_slot is None:
-            raise UnsupportedSpecError(self.backend.name, [
-                f"kv_dtype={self.kv_dtype!r} on transformers {_transformers_version()}: its pages interleave "
-                "every layer, so a pool of paged's format with the same slots would hold every layer's "
-                "pages for each layer; accepted: kv_dtype='auto', or transformers 5.17"
-            ])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [
+                    f"kv_dtype={self.kv_dtype!r} on transformers {_transformers_version()}: its pages interleave "
+                    "every layer, so a pool of paged's format with the same slots would hold every layer's "
+                    "pages for each layer; accepted: kv_dtype='auto', or transformers 5.17"
+                ],
+            )
         quantized = self.backend.allocate(
-            kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, dtype=kv.dtype, kv_dtype=self.kv_dtype,
+            kv.num_blocks,
+            kv.block_size,
+            kv.num_kv_heads,
+            kv.head_dim,
+            dtype=kv.dtype,
+            kv_dtype=self.kv_dtype,
             device=kv.device,
         )
         return group, quantized, -1
@@ -374,9 +438,10 @@ class PagedAttention:
         if window:
             raise UnsupportedSpecError(self.backend.name, [_window_reason(module, layer, window)])
         if getattr(module, "is_causal", True) is False:
-            raise UnsupportedSpecError(self.backend.name, [
-                f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"
-            ])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [f"layer {layer} ({type(module).__name__}) is not causal; paged computes causal attention only"],
+            )
 
 
 def _window_reason(module: torch.nn.Module, layer: int | None, window: int) -> str:
@@ -456,8 +521,11 @@ def _view_pool(cache: Any, layer: int) -> tuple[int, KVCache, int | None]:
             )
         shape = (k_all.shape[0] // bs, bs, k_all.shape[1], k_all.shape[2])
         k_blocks, v_blocks = k_all.view(shape), v_all.view(shape)
-        return group, KVCache(k=k_blocks[:-1], v=v_blocks[:-1], kv_dtype="auto", dtype=k_all.dtype,
-                              _spill=(k_blocks, v_blocks)), -1
+        return (
+            group,
+            KVCache(k=k_blocks[:-1], v=v_blocks[:-1], kv_dtype="auto", dtype=k_all.dtype, _spill=(k_blocks, v_blocks)),
+            -1,
+        )
     group, k_pages, v_pages = cache.get_cache_for_block_table(layer)
     if k_pages.dim() != 4 or k_pages.stride(-1) != 1 or k_pages.shape != v_pages.shape:
         raise PagedError(

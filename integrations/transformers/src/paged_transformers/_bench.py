@@ -32,8 +32,11 @@ def describe_environment() -> str:
     parts = [datetime.date.today().isoformat(), platform.node(), _cpu()]
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
-    parts += [f"Python {platform.python_version()}", f"torch {torch.__version__}",
-              f"transformers {transformers.__version__}"]
+    parts += [
+        f"Python {platform.python_version()}",
+        f"torch {torch.__version__}",
+        f"transformers {transformers.__version__}",
+    ]
     if importlib.util.find_spec("triton") is not None:
         import triton
 
@@ -50,13 +53,26 @@ def qwen3_shaped_model(layers: int, *, small: bool = False, dtype=None, device="
 
     dims: dict[str, Any]
     if small:
-        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=128)
+        dims = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=128,
+        )
     else:
-        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=151936)
-    config = transformers.Qwen3Config(num_hidden_layers=layers, max_position_embeddings=32768,
-                                      initializer_range=0.02, **dims)
+        dims = dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+        )
+    config = transformers.Qwen3Config(
+        num_hidden_layers=layers, max_position_embeddings=32768, initializer_range=0.02, **dims
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)

@@ -158,8 +158,7 @@ def batch_meta_from_gathered(
         slot_mapping = torch.where(n < cu_q[-1], slot, -1)
     else:
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-    query_start_loc = torch.cat([cu_q.to(torch.int32),
-                                 torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
+    query_start_loc = torch.cat([cu_q.to(torch.int32), torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
     return BatchMeta(
         num_reqs=num_reqs + 1,
         query_start_loc=query_start_loc,

@@ -59,10 +59,14 @@ SUPPORTED: dict[str, Release] = {
 
 #: What each hook relies on in transformers (checked by ``tests/test_hook_shape.py``).
 HOOKS: dict[str, Hook] = {
-    "pool": Hook("paged|sdpa", ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_seqlen_q", "max_seqlen_k",
-                                "read_index", "write_index")),
-    "gathered": Hook("flash_attention_2", ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-                                           "read_index", "write_index", "block_table")),
+    "pool": Hook(
+        "paged|sdpa",
+        ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_seqlen_q", "max_seqlen_k", "read_index", "write_index"),
+    ),
+    "gathered": Hook(
+        "flash_attention_2",
+        ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "read_index", "write_index", "block_table"),
+    ),
 }
 
 #: The releases the tests ran on, oldest first.
@@ -116,28 +120,40 @@ def check_transformers_version(version: str | None = None) -> str:
         try:
             import transformers
         except ImportError as exc:
-            raise UnsupportedSpecError("paged-transformers", [
-                f"transformers is not installed ({exc}); install it with: {_fix()}"
-            ]) from exc
+            raise UnsupportedSpecError(
+                "paged-transformers", [f"transformers is not installed ({exc}); install it with: {_fix()}"]
+            ) from exc
         version = transformers.__version__
     if hook_of(version) is not None:
         return version
     mm = _major_minor(version)
     minors = sorted(_major_minor(key) for key in SUPPORTED)
     if mm < minors[0]:
-        why = (f"transformers {version} predates the continuous-batching attention interface paged uses "
-               f"({_key(minors[0])})")
+        why = (
+            f"transformers {version} predates the continuous-batching attention interface paged uses "
+            f"({_key(minors[0])})"
+        )
     elif mm > minors[-1]:
-        why = (f"transformers {version} is newer than the newest release paged-transformers was tested "
-               f"with ({SUPPORTED[_key(minors[-1])].tested})")
+        why = (
+            f"transformers {version} is newer than the newest release paged-transformers was tested "
+            f"with ({SUPPORTED[_key(minors[-1])].tested})"
+        )
     else:
         below = max(m for m in minors if m < mm)
         above = min(m for m in minors if m > mm)
-        gap = (f"{below[0]}.{below[1] + 1} to {above[0]}.{above[1] - 1}" if below[0] == above[0] else
-               f"the releases after {below[0]}.{below[1]} and before {above[0]}.{above[1]}")
-        why = (f"transformers {version} is not supported: {gap} are untested (each changed how the cache "
-               "reaches the attention function)")
-    raise UnsupportedSpecError("paged-transformers", [
-        f"{why}; accepted: transformers {_accepted()} (tested: {', '.join(r.tested for r in SUPPORTED.values())}). "
-        f"Fix: {_fix()}"
-    ])
+        gap = (
+            f"{below[0]}.{below[1] + 1} to {above[0]}.{above[1] - 1}"
+            if below[0] == above[0]
+            else f"the releases after {below[0]}.{below[1]} and before {above[0]}.{above[1]}"
+        )
+        why = (
+            f"transformers {version} is not supported: {gap} are untested (each changed how the cache "
+            "reaches the attention function)"
+        )
+    raise UnsupportedSpecError(
+        "paged-transformers",
+        [
+            f"{why}; accepted: transformers {_accepted()} (tested: {', '.join(r.tested for r in SUPPORTED.values())}). "
+            f"Fix: {_fix()}"
+        ],
+    )

@@ -58,21 +58,33 @@ def register() -> None:
     from ._backend import ENUM_NAME
 
     if not supported_vllm(vllm.__version__):
-        _log.warning("paged-vllm supports vLLM %s, not %s: the %s attention backend is not registered "
-                     "(%s, or 'paged-vllm[cuda]', for a supported vLLM)",
-                     " and ".join(f"{v}.x" for v in SUPPORTED_VLLM), vllm.__version__, ENUM_NAME,
-                     pip_install("'paged-vllm[cpu]'"))
+        _log.warning(
+            "paged-vllm supports vLLM %s, not %s: the %s attention backend is not registered "
+            "(%s, or 'paged-vllm[cuda]', for a supported vLLM)",
+            " and ".join(f"{v}.x" for v in SUPPORTED_VLLM),
+            vllm.__version__,
+            ENUM_NAME,
+            pip_install("'paged-vllm[cpu]'"),
+        )
         return
     slot = AttentionBackendEnum[ENUM_NAME]
     if slot.is_overridden() and slot.get_path() != _BACKEND_PATH:
-        _log.warning("paged-vllm: vLLM's %s attention backend is taken by %s; paged's backend is not "
-                     "registered (uninstall the other plugin to use paged)", ENUM_NAME, slot.get_path())
+        _log.warning(
+            "paged-vllm: vLLM's %s attention backend is taken by %s; paged's backend is not "
+            "registered (uninstall the other plugin to use paged)",
+            ENUM_NAME,
+            slot.get_path(),
+        )
         return
     register_backend(slot, _BACKEND_PATH)
     if current_platform.is_cpu():
         cpu = AttentionBackendEnum.CPU_ATTN
         if cpu.is_overridden() and cpu.get_path() != _CPU_OVERRIDE:
-            _log.warning("paged-vllm: vLLM's CPU_ATTN backend is overridden by %s, so on the CPU platform "
-                         "--attention-backend %s keeps that backend instead of paged's", cpu.get_path(), ENUM_NAME)
+            _log.warning(
+                "paged-vllm: vLLM's CPU_ATTN backend is overridden by %s, so on the CPU platform "
+                "--attention-backend %s keeps that backend instead of paged's",
+                cpu.get_path(),
+                ENUM_NAME,
+            )
         else:
             register_backend(cpu, _CPU_OVERRIDE)

@@ -128,7 +128,7 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
 
 
 #: vLLM's fp8 caches with per-tensor scales: vLLM name -> paged kv_dtype (its static scales).
-FP8_CACHE_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
+FP8_CACHE_DTYPES: dict[str, KVDtype] = {"fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
 #: vLLM's caches with one scale per (token, KV head), stored inline after each head's codes:
 #: paged's per-slot scales. vLLM name -> paged kv_dtype.
 PER_TOKEN_HEAD_DTYPES: dict[str, KVDtype] = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8"}
@@ -151,16 +151,21 @@ class PagedAttentionBackend(AttentionBackend):
         """Per-token-head caches pack a float32 scale after each head's codes, K side and V side
         (vLLM's own layout for them: ``[K(hs) | scale | V(hs) | scale]`` per slot and head)."""
         mode = getattr(spec, "kv_quant_mode", None)
-        if (getattr(spec, "state_content_bytes", None) is not None or mode is None
-                or not getattr(mode, "is_per_token_head", False) or mode.name.startswith("INT4")):
+        if (
+            getattr(spec, "state_content_bytes", None) is not None
+            or mode is None
+            or not getattr(mode, "is_per_token_head", False)
+            or mode.name.startswith("INT4")
+        ):
             return spec
         elem = torch.empty((), dtype=spec.dtype).element_size()
         content = (spec.head_size + spec.head_size_v) * elem + 2 * _SCALE_BYTES
         return dataclasses.replace(spec, state_content_bytes=content)
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         """vLLM 0.26 asks each backend for its cache's logical shape (0.32 no longer does): the
         one vLLM's own Triton backend uses, ``[num_blocks, num_kv_heads, block_size, 2 * width]``,
         K then V along the last dimension; a per-token-head cache widens each side by the 4 bytes
@@ -250,10 +255,18 @@ class PagedAttentionBackend(AttentionBackend):
             block_size = 16 if sizes is None or 16 in sizes else min(sizes)
         # The head counts are not known yet (the builder checks each layer's); one head per KV head
         # asks only about what is known.
-        spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_dim=head_size, block_size=block_size,
-                             dtype=dtype, kv_dtype=_paged_kv_dtype(kv_cache_dtype),
-                             kv_scales=_paged_kv_scales(kv_cache_dtype),
-                             window=1 if has_sliding_window else 0, sinks=has_sink, device=_device_type())
+        spec = AttentionSpec(
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=head_size,
+            block_size=block_size,
+            dtype=dtype,
+            kv_dtype=_paged_kv_dtype(kv_cache_dtype),
+            kv_scales=_paged_kv_scales(kv_cache_dtype),
+            window=1 if has_sliding_window else 0,
+            sinks=has_sink,
+            device=_device_type(),
+        )
         reasons = [f"{backend.name}: {r}" for r in backend.reasons(spec)]
         reasons += _vllm_reasons(kv_cache_dtype=kv_cache_dtype, attn_type=attn_type)
         beyond = [
@@ -262,13 +275,17 @@ class PagedAttentionBackend(AttentionBackend):
             (use_mm_prefix, "bidirectional multimodal prefixes are not supported (paged is causal)"),
             (use_per_head_quant_scales, "per-head quantization scales are not supported"),
             (use_non_causal, "non-causal attention is not supported (paged is causal)"),
-            (use_batch_invariant and not backend.capabilities.batch_invariant,
-             f"batch invariance is not claimed by {backend.name}"),
+            (
+                use_batch_invariant and not backend.capabilities.batch_invariant,
+                f"batch invariance is not claimed by {backend.name}",
+            ),
             (use_pcp, "prefill context parallelism is not supported"),
             (use_dcp, "decode context parallelism is not supported"),
             (use_rswa, "R-SWA is not supported"),
-            (use_adaptive_verification,
-             "adaptive verification (device query lengths below the host's) is not supported"),
+            (
+                use_adaptive_verification,
+                "adaptive verification (device query lengths below the host's) is not supported",
+            ),
         ]
         return reasons + [r for on, r in beyond if on]
 
@@ -286,14 +303,23 @@ def _paged_kv_dtype(kv_cache_dtype: Any) -> KVDtype:
     return PER_TOKEN_HEAD_DTYPES.get(kv_cache_dtype, "auto")
 
 
-def _vllm_reasons(*, kv_cache_dtype: Any, attn_type: str, alibi: bool = False, head_size_v: int | None = None,
-                  head_size: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+def _vllm_reasons(
+    *,
+    kv_cache_dtype: Any,
+    attn_type: str,
+    alibi: bool = False,
+    head_size_v: int | None = None,
+    head_size: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """What a vLLM layer can ask for that no paged backend computes, as sentences."""
     out = []
     if kv_cache_dtype not in (None, "auto", *FP8_CACHE_DTYPES, *PER_TOKEN_HEAD_DTYPES):
-        out.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', 'fp8' / "
-                   "'fp8_e4m3', 'fp8_e5m2' (codes with vLLM's per-tensor scales, paged's static scales), "
-                   "'int8_per_token_head', 'fp8_per_token_head' (paged's per-slot scales)")
+        out.append(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', 'fp8' / "
+            "'fp8_e4m3', 'fp8_e5m2' (codes with vLLM's per-tensor scales, paged's static scales), "
+            "'int8_per_token_head', 'fp8_per_token_head' (paged's per-slot scales)"
+        )
     if attn_type != AttentionType.DECODER:
         out.append(f"attention type {attn_type!r} is not supported; accepted: {AttentionType.DECODER.value!r}")
     if alibi:
@@ -317,8 +343,9 @@ class PagedAttentionMetadata:
 class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
     """``CommonAttentionMetadata`` -> ``BatchMeta`` and the step's plans, once per step."""
 
-    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
-                 device: torch.device) -> None:
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.backend = paged_backend()
         self.block_size = int(kv_cache_spec.block_size)
@@ -338,20 +365,26 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             raise UnsupportedSpecError(self.backend.name, reasons)
         # vLLM's CPU platform logs "Cannot use AttentionBackendEnum.CUSTOM backend on CPU" before resolving CPU_ATTN to
         # this backend (paged_vllm._cpu); this line says what actually serves the layers.
-        _log.info("paged-vllm: %d attention layer(s) of this KV cache group run on paged backend %r "
-                  "(block_size %d)", len(layers), self.backend.name, self.block_size)
+        _log.info(
+            "paged-vllm: %d attention layer(s) of this KV cache group run on paged backend %r (block_size %d)",
+            len(layers),
+            self.backend.name,
+            self.block_size,
+        )
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> AttentionCGSupport:
         return cudagraph_support(paged_backend())
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> PagedAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> PagedAttentionMetadata:
         meta = batch_meta_from_vllm(common_attn_metadata, self.block_size)
         plans = {key: self.backend.plan(meta, **layer) for key, layer in self.layers.items()}
         counters["plan"] += len(plans)
-        return PagedAttentionMetadata(meta=meta, plans=plans,
-                                      num_actual_tokens=int(common_attn_metadata.num_actual_tokens))
+        return PagedAttentionMetadata(
+            meta=meta, plans=plans, num_actual_tokens=int(common_attn_metadata.num_actual_tokens)
+        )
 
 
 class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
@@ -394,31 +427,56 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
     # ----------------------------------------------------------------------------- checks
     def spec(self, block_size: int, device: str) -> AttentionSpec:
         return AttentionSpec(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-            block_size=block_size, dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size,
+            block_size=block_size,
+            dtype=self.dtype,
+            kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
             kv_scales=_paged_kv_scales(self.kv_cache_dtype),
-            window=self.sliding_window, softcap=self.logits_soft_cap, sinks=self.sinks is not None,
+            window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+            sinks=self.sinks is not None,
             device=device,
         )
 
     def reasons(self, block_size: int, device: str, *, head_size_v: int | None = None) -> list[str]:
         """Every reason this layer cannot run on the paged backend (empty: it can)."""
-        out = _vllm_reasons(kv_cache_dtype=self.kv_cache_dtype, attn_type=self.attn_type,
-                            alibi=self.alibi_slopes is not None, head_size_v=head_size_v,
-                            head_size=self.head_size, extra=self.extra)
+        out = _vllm_reasons(
+            kv_cache_dtype=self.kv_cache_dtype,
+            attn_type=self.attn_type,
+            alibi=self.alibi_slopes is not None,
+            head_size_v=head_size_v,
+            head_size=self.head_size,
+            extra=self.extra,
+        )
         return out + self.backend.reasons(self.spec(block_size, device))
 
     @property
     def layer_key(self) -> tuple:
-        return (self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
-                self.logits_soft_cap, self.scale, self.kv_cache_dtype)
+        return (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.sliding_window,
+            self.logits_soft_cap,
+            self.scale,
+            self.kv_cache_dtype,
+        )
 
     def layer_description(self) -> dict[str, Any]:
         """The keywords ``backend.plan`` takes for this layer."""
-        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-                    dtype=self.dtype, kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
-                    kv_scales=_paged_kv_scales(self.kv_cache_dtype),
-                    window=self.sliding_window, softcap=self.logits_soft_cap, scale=self.scale)
+        return dict(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size,
+            dtype=self.dtype,
+            kv_dtype=_paged_kv_dtype(self.kv_cache_dtype),
+            kv_scales=_paged_kv_scales(self.kv_cache_dtype),
+            window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+            scale=self.scale,
+        )
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         self.dtype = act_dtype
@@ -437,8 +495,10 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
-            raise UnsupportedSpecError(self.backend.name, [
-                f"layer {getattr(layer, 'layer_name', '?')!r}: fused output quantization is not supported"])
+            raise UnsupportedSpecError(
+                self.backend.name,
+                [f"layer {getattr(layer, 'layer_name', '?')!r}: fused output quantization is not supported"],
+            )
         if attn_metadata is None:  # vLLM's profiling and warm-up runs have no batch
             return output
         n = attn_metadata.num_actual_tokens
@@ -449,8 +509,16 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
         if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
             self.backend.write(cache, key[:n], value[:n], meta)
             counters["write"] += 1
-        self.backend.forward(query[:n], cache, plan, scale=self.scale, window=self.sliding_window,
-                             softcap=self.logits_soft_cap, sinks=self._sinks(), out=output[:n])
+        self.backend.forward(
+            query[:n],
+            cache,
+            plan,
+            scale=self.scale,
+            window=self.sliding_window,
+            softcap=self.logits_soft_cap,
+            sinks=self._sinks(),
+            out=output[:n],
+        )
         counters["forward"] += 1
         return output
 
@@ -481,20 +549,27 @@ class PagedAttentionImpl(AttentionImpl[PagedAttentionMetadata]):
             return cached[1]
         scales = None
         if self.kv_cache_dtype in FP8_CACHE_DTYPES:
-            scales = (_layer_scale(layer, "_k_scale", kv_cache.device),
-                      _layer_scale(layer, "_v_scale", kv_cache.device))
+            scales = (
+                _layer_scale(layer, "_k_scale", kv_cache.device),
+                _layer_scale(layer, "_v_scale", kv_cache.device),
+            )
         if self.kv_cache_dtype in PER_TOKEN_HEAD_DTYPES:
-            view = per_token_head_view(kv_cache, self.head_size, PER_TOKEN_HEAD_DTYPES[self.kv_cache_dtype],
-                                       dtype=self.dtype)
+            view = per_token_head_view(
+                kv_cache, self.head_size, PER_TOKEN_HEAD_DTYPES[self.kv_cache_dtype], dtype=self.dtype
+            )
         else:
-            view = pool_view(kv_cache, self.head_size, dtype=self.dtype, scales=scales,
-                             kv_dtype=FP8_CACHE_DTYPES.get(self.kv_cache_dtype, "fp8"))
+            view = pool_view(
+                kv_cache,
+                self.head_size,
+                dtype=self.dtype,
+                scales=scales,
+                kv_dtype=FP8_CACHE_DTYPES.get(self.kv_cache_dtype, "fp8"),
+            )
         self._cache = (kv_cache, view)
         return view
 
 
-def per_token_head_view(kv_cache: torch.Tensor, head_size: int, kv_dtype: str, *,
-                        dtype: torch.dtype) -> KVCache:
+def per_token_head_view(kv_cache: torch.Tensor, head_size: int, kv_dtype: str, *, dtype: torch.dtype) -> KVCache:
     """vLLM's per-token-head cache ``[num_blocks, num_kv_heads, block_size, 2 * (head_size + 4)]``
     (logical; int8, or uint8 for fp8 codes): per (block, head, slot) ``[K codes | K scale | V codes
     | V scale]``, each scale one float32 in the 4 bytes after its codes. As a paged ``KVCache``:
@@ -508,8 +583,7 @@ def per_token_head_view(kv_cache: torch.Tensor, head_size: int, kv_dtype: str, *
     """
     code_dtype = {"int8": torch.int8, "fp8": torch.uint8}[kv_dtype]
     width = 2 * (head_size + _SCALE_BYTES)
-    if (kv_cache.dim() != 4 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1
-            or kv_cache.dtype != code_dtype):
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != width or kv_cache.stride(-1) != 1 or kv_cache.dtype != code_dtype:
         raise InputError(
             f"vLLM's {kv_dtype} per-token-head KV cache of this layer is {kv_cache.dtype} "
             f"{list(kv_cache.shape)} with strides {kv_cache.stride()}; accepted: {code_dtype} "
@@ -524,16 +598,26 @@ def per_token_head_view(kv_cache: torch.Tensor, head_size: int, kv_dtype: str, *
     nhd = kv_cache.transpose(1, 2)
     if kv_dtype == "fp8":
         nhd = nhd.view(torch.float8_e4m3fn)
-    k, v = nhd[..., :head_size], nhd[..., head_size + _SCALE_BYTES: 2 * head_size + _SCALE_BYTES]
+    k, v = nhd[..., :head_size], nhd[..., head_size + _SCALE_BYTES : 2 * head_size + _SCALE_BYTES]
     words = torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(kv_cache.untyped_storage())
     n_blocks, heads, block_size = kv_cache.shape[:3]
 
     def scales(at: int) -> torch.Tensor:
-        return torch.as_strided(words, (n_blocks, block_size, heads),
-                                (strides[0] // 4, strides[2] // 4, strides[1] // 4), (offset + at) // 4)
+        return torch.as_strided(
+            words,
+            (n_blocks, block_size, heads),
+            (strides[0] // 4, strides[2] // 4, strides[1] // 4),
+            (offset + at) // 4,
+        )
 
-    return KVCache(k=k, v=v, kv_dtype=kv_dtype, dtype=dtype, k_scale=scales(head_size),
-                   v_scale=scales(2 * head_size + _SCALE_BYTES))
+    return KVCache(
+        k=k,
+        v=v,
+        kv_dtype=kv_dtype,
+        dtype=dtype,
+        k_scale=scales(head_size),
+        v_scale=scales(2 * head_size + _SCALE_BYTES),
+    )
 
 
 def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
@@ -541,8 +625,10 @@ def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
     tensor when it lives there, so a scale vLLM calibrates in place is the cache's."""
     scale = getattr(layer, name, None)
     if not isinstance(scale, torch.Tensor):
-        raise InputError(f"layer {getattr(layer, 'layer_name', '?')!r} has no {name} tensor; an fp8 cache "
-                         "needs vLLM's per-tensor scales (vLLM's Attention layer sets them)")
+        raise InputError(
+            f"layer {getattr(layer, 'layer_name', '?')!r} has no {name} tensor; an fp8 cache "
+            "needs vLLM's per-tensor scales (vLLM's Attention layer sets them)"
+        )
     if scale.dtype != torch.float32 or scale.device != device:
         scale = scale.to(device=device, dtype=torch.float32)
     return scale
@@ -552,8 +638,14 @@ def _layer_scale(layer: Any, name: str, device: torch.device) -> torch.Tensor:
 _FP8_CODES = {name: QUANT_FORMATS[name][0] for name in ("fp8", "fp8_e5m2")}
 
 
-def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | None = None,
-              scales: tuple[torch.Tensor, torch.Tensor] | None = None, kv_dtype: str = "fp8") -> KVCache:
+def pool_view(
+    kv_cache: torch.Tensor,
+    head_size: int,
+    *,
+    dtype: torch.dtype | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_dtype: str = "fp8",
+) -> KVCache:
     """vLLM's per-layer cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (logical;
     K in the first ``head_size`` of the last dimension, V in the rest) as a paged ``KVCache``:
     two NHD views, no copy, whatever physical order vLLM resolved.
@@ -574,7 +666,7 @@ def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | No
     ...           kv_dtype="fp8_e5m2").k.dtype
     torch.float8_e5m2
     """
-    if (kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1):
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size or kv_cache.stride(-1) != 1:
         raise InputError(
             f"vLLM's KV cache of this layer is {list(kv_cache.shape)} with strides {kv_cache.stride()}; "
             f"accepted: [num_blocks, num_kv_heads, block_size, 2 * {head_size}] with the last dimension "
@@ -584,14 +676,23 @@ def pool_view(kv_cache: torch.Tensor, head_size: int, *, dtype: torch.dtype | No
     if scales is None:
         return KVCache(k=nhd[..., :head_size], v=nhd[..., head_size:], kv_dtype="auto", dtype=kv_cache.dtype)
     if kv_dtype not in _FP8_CODES:
-        raise InputError(f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(map(repr, _FP8_CODES))} (the "
-                         "paged format of vLLM's fp8 caches with per-tensor scales)")
+        raise InputError(
+            f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(map(repr, _FP8_CODES))} (the "
+            "paged format of vLLM's fp8 caches with per-tensor scales)"
+        )
     code_dtype = _FP8_CODES[kv_dtype]
     if kv_cache.dtype not in (torch.uint8, code_dtype):
-        raise InputError(f"vLLM's {kv_dtype} KV cache of this layer is {kv_cache.dtype}; accepted: uint8 "
-                         f"storage (vLLM's fp8 caches) or {str(code_dtype).removeprefix('torch.')}")
+        raise InputError(
+            f"vLLM's {kv_dtype} KV cache of this layer is {kv_cache.dtype}; accepted: uint8 "
+            f"storage (vLLM's fp8 caches) or {str(code_dtype).removeprefix('torch.')}"
+        )
     codes = nhd.view(code_dtype)
     k, v = codes[..., :head_size], codes[..., head_size:]
-    return KVCache(k=k, v=v, kv_dtype=kv_dtype, dtype=dtype or torch.bfloat16,
-                   k_scale=static_scale(scales[0], k, name="k_scale"),
-                   v_scale=static_scale(scales[1], v, name="v_scale"))
+    return KVCache(
+        k=k,
+        v=v,
+        kv_dtype=kv_dtype,
+        dtype=dtype or torch.bfloat16,
+        k_scale=static_scale(scales[0], k, name="k_scale"),
+        v_scale=static_scale(scales[1], v, name="v_scale"),
+    )

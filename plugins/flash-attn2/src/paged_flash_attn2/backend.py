@@ -44,9 +44,11 @@ __all__ = [
 #: What installs the backend and flash-attn (shown whenever it is unavailable).
 INSTALL = pip_install("'paged-core[flash-attn]'")
 #: What that install costs where no prebuilt flash-attn wheel matches torch and CUDA.
-BUILD_COST = ("without a prebuilt wheel for this torch and CUDA, pip compiles flash-attn from source: "
-              "tens of minutes; for Hopper, plugins/flash-attn2/build_sm90.sh builds only the paged "
-              "kernels, about 6 minutes on 16 cores")
+BUILD_COST = (
+    "without a prebuilt wheel for this torch and CUDA, pip compiles flash-attn from source: "
+    "tens of minutes; for Hopper, plugins/flash-attn2/build_sm90.sh builds only the paged "
+    "kernels, about 6 minutes on 16 cores"
+)
 #: The flash-attn versions this adapter was written against (pyproject: flash-attn>=2.6,<3).
 MIN_VERSION, MAX_MAJOR = (2, 6), 3
 
@@ -130,26 +132,34 @@ def _package_reasons() -> list[str]:
         flash_attn = importlib.import_module("flash_attn")
         flash_attn.flash_attn_varlen_func  # noqa: B018 - the one entry point the adapter uses
     except Exception as exc:  # undefined symbols, CUDA/torch ABI mismatch, missing libcudart ...
-        return [f"flash-attn is installed but does not import: {type(exc).__name__}: {exc} (to fix: "
-                "pip install --force-reinstall --no-build-isolation 'flash-attn>=2.6,<3')"]
+        return [
+            f"flash-attn is installed but does not import: {type(exc).__name__}: {exc} (to fix: "
+            "pip install --force-reinstall --no-build-isolation 'flash-attn>=2.6,<3')"
+        ]
     # ``flash_attn.__version__`` is the version string (the module is untyped to mypy).
     version = cast(str, version or getattr(flash_attn, "__version__", "0.0"))
     v = _version_tuple(version)
     if not (MIN_VERSION <= v and v[0] < MAX_MAJOR):
-        return [f"flash-attn {version} is installed; accepted: >=2.6,<3 (to fix: "
-                "pip install --no-build-isolation 'flash-attn>=2.6,<3')"]
+        return [
+            f"flash-attn {version} is installed; accepted: >=2.6,<3 (to fix: "
+            "pip install --no-build-isolation 'flash-attn>=2.6,<3')"
+        ]
     return []
 
 
 def _device_reasons() -> list[str]:
     if not torch.cuda.is_available():
-        return ["no CUDA device is visible; flash-attn 2 runs on NVIDIA GPUs of compute capability "
-                "8.0 or newer (to fix: run on such a machine, with a CUDA build of torch)"]
+        return [
+            "no CUDA device is visible; flash-attn 2 runs on NVIDIA GPUs of compute capability "
+            "8.0 or newer (to fix: run on such a machine, with a CUDA build of torch)"
+        ]
     # flash_api.cpp: TORCH_CHECK(cc_major >= 8, "FlashAttention only supports Ampere GPUs or newer.")
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
-        return [f"the GPU has compute capability {major}.{minor}; flash-attn 2 needs 8.0 or newer "
-                "(to fix: run on an Ampere, Ada or Hopper GPU)"]
+        return [
+            f"the GPU has compute capability {major}.{minor}; flash-attn 2 needs 8.0 or newer "
+            "(to fix: run on an Ampere, Ada or Hopper GPU)"
+        ]
     return []
 
 
@@ -181,12 +191,14 @@ def _build_reasons(head_dim: int, dtype: torch.dtype) -> list[str]:
         out.append(
             f"head_dim {head_dim} runs on flash-attn's head-dim-{kernel} kernel, which this pruned build "
             f"does not have (compiled: {', '.join(map(str, sorted(dims)))}; {marker}); to fix: rebuild with "
-            f"FA_HEAD_DIMS=\"{' '.join(map(str, sorted(dims | {kernel})))}\" bash plugins/flash-attn2/build_sm90.sh"
+            f'FA_HEAD_DIMS="{" ".join(map(str, sorted(dims | {kernel})))}" bash plugins/flash-attn2/build_sm90.sh'
         )
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if name is not None and name not in dtypes:
-        out.append(f"dtype {name} is not in this pruned build (compiled: {', '.join(sorted(dtypes))}; {marker}); "
-                   f"to fix: rebuild with FA_DTYPES=\"{' '.join(sorted(dtypes | {name}))}\"")
+        out.append(
+            f"dtype {name} is not in this pruned build (compiled: {', '.join(sorted(dtypes))}; {marker}); "
+            f'to fix: rebuild with FA_DTYPES="{" ".join(sorted(dtypes | {name}))}"'
+        )
     return out
 
 
@@ -224,8 +236,14 @@ class FlashAttn2Plan:
 
 
 def varlen_kwargs(
-    q: torch.Tensor, cache: KVCache, plan: FlashAttn2Plan, *, scale: float, window: int = 0,
-    softcap: float = 0.0, return_lse: bool = False,
+    q: torch.Tensor,
+    cache: KVCache,
+    plan: FlashAttn2Plan,
+    *,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    return_lse: bool = False,
 ) -> dict[str, Any]:
     """The keyword arguments of ``flash_attn.flash_attn_varlen_func`` for one layer.
 
@@ -406,14 +424,13 @@ class FlashAttn2Backend(Backend):
         p = plan if isinstance(plan, FlashAttn2Plan) else self.plan(self._batch_of(plan))
         if q.shape[0] == 0:
             return
-        res = _varlen_func()(**varlen_kwargs(
-            q, cache, p, scale=scale, window=window, softcap=softcap, return_lse=lse is not None
-        ))
+        res = _varlen_func()(
+            **varlen_kwargs(q, cache, p, scale=scale, window=window, softcap=softcap, return_lse=lse is not None)
+        )
         res_out = res[0] if lse is not None else res
         # Padding requests (seq_len 0) must give exact zeros. flash-attn already writes zeros for
         # rows without keys (flash_fwd_kernel.h early exit); the mask makes it a guarantee (NaN
         # included) at the price of the copy into `out` that the public API needs anyway.
-        torch.where(p.pad_rows[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device),
-                    res_out, out=out)
+        torch.where(p.pad_rows[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), res_out, out=out)
         if lse is not None:
             lse.copy_(lse_to_paged(res[1], p))

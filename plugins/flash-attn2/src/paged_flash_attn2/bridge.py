@@ -92,7 +92,12 @@ class BridgedAllocator:
     """
 
     def __init__(
-        self, num_blocks: int, *, ratio: int = RATIO, shuffle: bool = True, seed: int = 0,
+        self,
+        num_blocks: int,
+        *,
+        ratio: int = RATIO,
+        shuffle: bool = True,
+        seed: int = 0,
         reserve_zero: bool = True,
     ):
         _check_ratio(ratio)

@@ -85,8 +85,7 @@ def _flashinfer() -> Any:
         import flashinfer
     except Exception as exc:  # ImportError, or a broken install raising anything on import
         raise InputError(
-            f"the flashinfer backend could not import flashinfer ({type(exc).__name__}: {exc}); "
-            f"to fix: {INSTALL}"
+            f"the flashinfer backend could not import flashinfer ({type(exc).__name__}: {exc}); to fix: {INSTALL}"
         ) from exc
     return flashinfer
 
@@ -275,8 +274,12 @@ def _plain_plan(meta: BatchMeta, qsl_cpu: torch.Tensor, sl_cpu: torch.Tensor) ->
             req = torch.searchsorted(meta.query_start_loc[1:].contiguous(), rows, right=True)
             pad_rows = pad[req.clamp(max=max(r - 1, 0))]
     return FlashInferPlan(
-        meta=meta, batch_class=batch_class, pages=pages, qo_indptr_cpu=qsl_cpu,
-        kv_lens_cpu=eff_cpu, pad_rows=pad_rows,
+        meta=meta,
+        batch_class=batch_class,
+        pages=pages,
+        qo_indptr_cpu=qsl_cpu,
+        kv_lens_cpu=eff_cpu,
+        pad_rows=pad_rows,
     )
 
 
@@ -449,8 +452,16 @@ class FlashInferBackend(Backend):
                 )
             if scale is None:
                 scale = head_dim**-0.5
-            params = _Params(int(num_heads), int(num_kv_heads), int(head_dim), dtype, int(window),
-                             float(softcap), float(scale), int(head_dim_v or head_dim))
+            params = _Params(
+                int(num_heads),
+                int(num_kv_heads),
+                int(head_dim),
+                dtype,
+                int(window),
+                float(softcap),
+                float(scale),
+                int(head_dim_v or head_dim),
+            )
             if meta.num_tokens:  # an empty batch runs nothing (forward returns at once)
                 self._load(plan, params, meta.device)
         return plan
@@ -481,10 +492,15 @@ class FlashInferBackend(Backend):
         """The shared prefix the plan uses, in blocks: declared, found (``cascade=True``, a read
         of the block table) or none; 0 when shorter than ``min_prefix_tokens``."""
         if declared is not None:
-            if not isinstance(declared, int) or isinstance(declared, bool) or not (
-                    0 <= declared <= meta.block_table.shape[1]):
-                raise InputError(f"shared_prefix_blocks is {declared!r}; accepted: an int from 0 to the "
-                                 f"block table's width ({meta.block_table.shape[1]})")
+            if (
+                not isinstance(declared, int)
+                or isinstance(declared, bool)
+                or not (0 <= declared <= meta.block_table.shape[1])
+            ):
+                raise InputError(
+                    f"shared_prefix_blocks is {declared!r}; accepted: an int from 0 to the "
+                    f"block table's width ({meta.block_table.shape[1]})"
+                )
             prefix = declared
         elif self.cascade and meta.num_reqs > 1:
             prefix = shared_prefix_blocks(meta.block_table, meta.seq_lens, meta.block_size)
@@ -511,8 +527,12 @@ class FlashInferBackend(Backend):
         # BatchAttention has no sliding window; and with one query head per KV head (MHA) it
         # failed the conformance case mixed_prefill_and_decode-g1 on the H200 (FlashInfer 0.7.4,
         # 2026-11-29; g4 and g3 passed), so MHA mixed batches take the prefill wrapper.
-        if (plan.batch_class == "mixed" and self.mixed == "batch_attention" and params.window == 0
-                and params.num_heads != params.num_kv_heads):
+        if (
+            plan.batch_class == "mixed"
+            and self.mixed == "batch_attention"
+            and params.window == 0
+            and params.num_heads != params.num_kv_heads
+        ):
             return "batch_attention"
         return "prefill"
 
@@ -533,29 +553,40 @@ class FlashInferBackend(Backend):
                 r = plan.meta.num_reqs
                 cap = max(int(plan.pages.indices.numel()), 1)
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace(device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                    self._workspace(device),
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=True,
                     paged_kv_indptr_buffer=torch.zeros(r + 1, dtype=torch.int32, device=device),
                     paged_kv_indices_buffer=torch.zeros(cap, dtype=torch.int32, device=device),
                     paged_kv_last_page_len_buffer=torch.zeros(r, dtype=torch.int32, device=device),
                     backend=self.decode_backend,
                 )
-                return _Slot(path, wrapper, graph=True, capacity=cap,
-                             pad_rows=torch.zeros(r, dtype=torch.bool, device=device))
+                return _Slot(
+                    path, wrapper, graph=True, capacity=cap, pad_rows=torch.zeros(r, dtype=torch.bool, device=device)
+                )
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace(device), "NHD", use_tensor_cores=True, backend=self.decode_backend,
+                self._workspace(device),
+                "NHD",
+                use_tensor_cores=True,
+                backend=self.decode_backend,
             )
             return _Slot(path, wrapper)
         if path == "prefill":
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace(device), "NHD", backend=self.prefill_backend,
+                self._workspace(device),
+                "NHD",
+                backend=self.prefill_backend,
             )
             return _Slot(path, wrapper)
         if path == "cascade":
             # As MultiLevelCascadeAttentionWrapper(2, workspace, "NHD") builds its levels (one
             # prefill wrapper each, one float workspace); its run() returns no LSE and takes no
             # out=, so the levels are run here, the same way (cascade.py run).
-            wrappers = tuple(fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace(device), "NHD", backend=self.prefill_backend) for _ in range(2))
+            wrappers = tuple(
+                fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(device), "NHD", backend=self.prefill_backend)
+                for _ in range(2)
+            )
             return _Slot(path, wrappers)
         # BatchAttention owns its workspaces (attention/_core.py __init__: 384 MB float, 8 MB int).
         dev = f"cuda:{device.index}" if device.index is not None else "cuda"
@@ -598,10 +629,18 @@ class FlashInferBackend(Backend):
             # tensors: no sync); indices stay on the device (copied into the fixed buffer in
             # graph mode, kept by reference otherwise).
             slot.wrapper.plan(
-                pages.indptr_cpu, pages.indices, pages.last_page_len_cpu,
-                p.num_heads, p.num_kv_heads, p.head_dim, bs,
-                pos_encoding_mode="NONE", window_left=p.window_left,
-                logits_soft_cap=p.softcap, non_blocking=True, **common,
+                pages.indptr_cpu,
+                pages.indices,
+                pages.last_page_len_cpu,
+                p.num_heads,
+                p.num_kv_heads,
+                p.head_dim,
+                bs,
+                pos_encoding_mode="NONE",
+                window_left=p.window_left,
+                logits_soft_cap=p.softcap,
+                non_blocking=True,
+                **common,
             )
             if slot.graph:
                 assert slot.pad_rows is not None
@@ -616,30 +655,71 @@ class FlashInferBackend(Backend):
             prefix_level, suffix_level = slot.wrapper
             # Level 0 is not causal (cascade.py plan: causal only on the last level): every query
             # lies after the prefix, which prepare_plan checked.
-            prefix_level.plan(c.prefix_qo_indptr_cpu, c.prefix_indptr_cpu, c.prefix_indices,
-                              c.prefix_last_page_len_cpu, p.num_heads, p.num_kv_heads, p.head_dim, bs,
-                              causal=False, head_dim_vo=p.head_dim_vo, **levels)
-            suffix_level.plan(plan.qo_indptr_cpu, sp.indptr_cpu, sp.indices, sp.last_page_len_cpu,
-                              p.num_heads, p.num_kv_heads, p.head_dim, bs, causal=True,
-                              head_dim_vo=p.head_dim_vo, **levels)
+            prefix_level.plan(
+                c.prefix_qo_indptr_cpu,
+                c.prefix_indptr_cpu,
+                c.prefix_indices,
+                c.prefix_last_page_len_cpu,
+                p.num_heads,
+                p.num_kv_heads,
+                p.head_dim,
+                bs,
+                causal=False,
+                head_dim_vo=p.head_dim_vo,
+                **levels,
+            )
+            suffix_level.plan(
+                plan.qo_indptr_cpu,
+                sp.indptr_cpu,
+                sp.indices,
+                sp.last_page_len_cpu,
+                p.num_heads,
+                p.num_kv_heads,
+                p.head_dim,
+                bs,
+                causal=True,
+                head_dim_vo=p.head_dim_vo,
+                **levels,
+            )
         elif slot.path == "prefill":
             # prefill.py plan: qo_indptr.to("cpu") and _paged_kv_host_metadata(indptr,
             # last_page_len).to("cpu"): CPU tensors here, so no sync.
             slot.wrapper.plan(
-                plan.qo_indptr_cpu, pages.indptr_cpu, pages.indices, pages.last_page_len_cpu,
-                p.num_heads, p.num_kv_heads, p.head_dim, bs, head_dim_vo=p.head_dim_vo,
-                causal=True, pos_encoding_mode="NONE", window_left=p.window_left,
-                logits_soft_cap=p.softcap, non_blocking=True, **common,
+                plan.qo_indptr_cpu,
+                pages.indptr_cpu,
+                pages.indices,
+                pages.last_page_len_cpu,
+                p.num_heads,
+                p.num_kv_heads,
+                p.head_dim,
+                bs,
+                head_dim_vo=p.head_dim_vo,
+                causal=True,
+                pos_encoding_mode="NONE",
+                window_left=p.window_left,
+                logits_soft_cap=p.softcap,
+                non_blocking=True,
+                **common,
             )
         else:
             # attention/_core.py BatchAttention.plan: causal is bottom-right aligned
             # (persistent.cuh: "kv_len - q_len + ..."), matching our rule of positions. It calls
             # torch.cuda.synchronize() itself after its host copies: one sync per step.
             slot.wrapper.plan(
-                plan.qo_indptr_cpu, pages.indptr_cpu, pages.indices, plan.kv_lens_cpu,
-                p.num_heads, p.num_kv_heads, p.head_dim, p.head_dim_vo, bs,
-                causal=True, sm_scale=p.scale, logits_soft_cap=p.softcap,
-                q_data_type=p.dtype, kv_data_type=p.dtype,
+                plan.qo_indptr_cpu,
+                pages.indptr_cpu,
+                pages.indices,
+                plan.kv_lens_cpu,
+                p.num_heads,
+                p.num_kv_heads,
+                p.head_dim,
+                p.head_dim_vo,
+                bs,
+                causal=True,
+                sm_scale=p.scale,
+                logits_soft_cap=p.softcap,
+                q_data_type=p.dtype,
+                kv_data_type=p.dtype,
             )
 
     @staticmethod
@@ -674,8 +754,16 @@ class FlashInferBackend(Backend):
         if cache.quantized:  # capabilities refuse it; a direct _forward call must not misread codes
             raise InputError(f"kv_dtype {cache.kv_dtype!r} is not supported by the flashinfer backend")
         p = self._plan_for(plan)
-        params = _Params(int(q.shape[1]), cache.num_kv_heads, int(q.shape[2]), q.dtype, int(window),
-                         float(softcap), float(scale), cache.head_dim_v)
+        params = _Params(
+            int(q.shape[1]),
+            cache.num_kv_heads,
+            int(q.shape[2]),
+            q.dtype,
+            int(window),
+            float(softcap),
+            float(scale),
+            cache.head_dim_v,
+        )
         slot = self._load(p, params, q.device)
 
         qc = q if q.is_contiguous() else q.contiguous()

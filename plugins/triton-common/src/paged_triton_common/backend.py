@@ -42,9 +42,11 @@ def _interpreter_off() -> list[str]:
     if INTERPRET:
         return []
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return ["TRITON_INTERPRET=1 was set after the Triton kernels were imported, and Triton reads it "
-                "when they are defined: set it before the first use of the backend (in the shell, or "
-                "at the top of the script)"]
+        return [
+            "TRITON_INTERPRET=1 was set after the Triton kernels were imported, and Triton reads it "
+            "when they are defined: set it before the first use of the backend (in the shell, or "
+            "at the top of the script)"
+        ]
     return ["Triton runs on the CPU only under its interpreter: set TRITON_INTERPRET=1 (slow; for tests)"]
 
 
@@ -110,12 +112,24 @@ class TritonBackend(Backend):
         if _capturing():
             call()  # allocations from the graph's pool, every launch captured; nothing kept
             return
-        layer = LayerTensors(q=q, k=cache.k, v=cache.v, out=out, k_scale=cache.k_scale, v_scale=cache.v_scale,
-                             sinks=sinks, lse=lse)
+        layer = LayerTensors(
+            q=q, k=cache.k, v=cache.v, out=out, k_scale=cache.k_scale, v_scale=cache.v_scale, sinks=sinks, lse=lse
+        )
         # Everything a recording depends on besides the batch: the layer's shapes, strides,
         # dtypes and pointer alignment (the compiled binaries are specialised on it).
-        key = (cache._layout, q.shape, q.stride(), q.data_ptr() % 16 == 0, out.stride(), out.data_ptr() % 16 == 0,
-               scale, window, softcap, None if sinks is None else sinks.data_ptr() % 16 == 0, lse is None)
+        key = (
+            cache._layout,
+            q.shape,
+            q.stride(),
+            q.data_ptr() % 16 == 0,
+            out.stride(),
+            out.data_ptr() % 16 == 0,
+            scale,
+            window,
+            softcap,
+            None if sinks is None else sinks.data_ptr() % 16 == 0,
+            lse is None,
+        )
         if plan.generation != plan.meta._generation:  # the batch was copied into or reassigned
             plan.recordings.clear()
             plan.generation = plan.meta._generation

@@ -62,6 +62,8 @@ _INT, _INT_NOSPEC, _EXACT = range(3)
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+
 class _Active(threading.local):
     active: Recording | None = None  # the Recording this thread's launches are added to
 
@@ -221,13 +223,17 @@ class DirectKernel:
         self.capture_config = capture_config
         self._cache: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         # The interpreter's kernels are not JITFunctions: they always take the normal path.
-        self.enabled = (isinstance(jit, JITFunction) and (self.tuner is None or not _tuner_hooks(self.tuner))
-                        and direct_launch_supported())
+        self.enabled = (
+            isinstance(jit, JITFunction)
+            and (self.tuner is None or not _tuner_hooks(self.tuner))
+            and direct_launch_supported()
+        )
         if isinstance(jit, JITFunction):
             params = jit.params
             self.names = tuple(p.name for p in params)
-            self.defaults = {n: p.default for n, p in jit.signature.parameters.items()
-                             if p.default is not inspect.Parameter.empty}
+            self.defaults = {
+                n: p.default for n, p in jit.signature.parameters.items() if p.default is not inspect.Parameter.empty
+            }
             constexprs = {p.name for p in params if p.is_constexpr}
             nospec = {p.name for p in params if p.do_not_specialize}
         else:  # the interpreter's InterpretedFunction: the same facts from the Python function
@@ -250,8 +256,10 @@ class DirectKernel:
         if self.tuner is None:
             return None
         args = {k: v for k, v in kwargs.items() if k in self.tuner.arg_names}
-        return tuple([args[k] for k in self.tuner.keys if k in args]
-                     + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+        return tuple(
+            [args[k] for k in self.tuner.keys if k in args]
+            + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")]
+        )
 
     def binary_key(self, kwargs: Mapping[str, Any]) -> tuple:
         """What Triton compiles a binary of one config on, for a launch with ``kwargs``: a
@@ -282,8 +290,18 @@ class DirectKernel:
         # What Triton itself calls for the stream (~0.3 us; torch.cuda.current_stream() ~5 us).
         stream = torch._C._cuda_getCurrentRawStream(device)
         n = len(grid)
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *args)
+        compiled.run(
+            grid[0],
+            grid[1] if n > 1 else 1,
+            grid[2] if n > 2 else 1,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+        )
 
     def launch(self, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Any:
         """Launch on ``grid`` with ``kwargs`` (every argument by keyword); returns the binary."""
@@ -329,8 +347,10 @@ class DirectKernel:
         if key in tuner.cache:
             return key, configs, tuner.cache[key]
         if getattr(tuner, "cache_results", False):
+
             def not_tuned() -> None:
                 raise _NotTuned
+
             try:
                 if tuner.check_disk_cache(key, configs, not_tuned):
                     return key, configs, tuner.cache[key]
@@ -389,7 +409,6 @@ class DirectKernel:
         return compiled
 
 
-
 class LayerTensors(NamedTuple):
     """The tensors of one attention layer's call that a :class:`Recording` swaps between layers
     (None for absent ones); everything else a recorded launch reads is fixed by the batch."""
@@ -410,8 +429,9 @@ class _Launch:
 
     __slots__ = ("args", "device", "function", "grid", "keep", "metadata", "run", "slots")
 
-    def __init__(self, compiled: Any, grid: tuple[int, ...], args: list[Any], slots: list[tuple[int, int]],
-                 device: int) -> None:
+    def __init__(
+        self, compiled: Any, grid: tuple[int, ...], args: list[Any], slots: list[tuple[int, int]], device: int
+    ) -> None:
         n = len(grid)
         self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
@@ -490,5 +510,15 @@ class Recording:
             for pos, i in launch.slots:
                 args[pos] = layer[i].data_ptr()  # type: ignore[union-attr]  # slots name the fields that hold tensors
             g = launch.grid
-            launch.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(launch.device),
-                       launch.function, launch.metadata, None, None, None, *args)
+            launch.run(
+                g[0],
+                g[1],
+                g[2],
+                torch._C._cuda_getCurrentRawStream(launch.device),
+                launch.function,
+                launch.metadata,
+                None,
+                None,
+                None,
+                *args,
+            )

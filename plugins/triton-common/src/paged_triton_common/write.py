@@ -134,13 +134,25 @@ def write_kv_kernel(
     k_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS] (written only if KV_QUANT)
     v_scale_ptr,  # float32 [num_blocks, BLOCK_SIZE, NUM_KV_HEADS] (written only if KV_QUANT)
     num_slots,  # num_blocks * BLOCK_SIZE
-    stride_k_t, stride_k_h, stride_k_d,
-    stride_v_t, stride_v_h, stride_v_d,
+    stride_k_t,
+    stride_k_h,
+    stride_k_d,
+    stride_v_t,
+    stride_v_h,
+    stride_v_d,
     stride_sm_t,
-    stride_kc_b, stride_kc_s, stride_kc_h,
-    stride_vc_b, stride_vc_s, stride_vc_h,
-    stride_ks_b, stride_ks_s, stride_ks_h,
-    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -173,20 +185,30 @@ def write_kv_kernel(
         dims_v = tl.arange(0, HEAD_DIM_V_PAD)
         mask_v = mask_h[:, None] & (dims_v < HEAD_DIM_V)[None, :]  # [BLOCK_H, HEAD_DIM_V_PAD]
     _write_rows(
-        k_ptr, k_cache_ptr, k_scale_ptr,
+        k_ptr,
+        k_cache_ptr,
+        k_scale_ptr,
         token * stride_k_t + heads[:, None] * stride_k_h + dims[None, :] * stride_k_d,
         block * stride_kc_b + offset * stride_kc_s + heads[:, None] * stride_kc_h + dims[None, :],
         block * stride_ks_b + offset * stride_ks_s + heads * stride_ks_h,
-        mask, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, STATIC_SCALE=STATIC_SCALE,
+        mask,
+        mask_h,
+        KV_QUANT=KV_QUANT,
+        Q_MAX=Q_MAX,
+        STATIC_SCALE=STATIC_SCALE,
     )
     _write_rows(
-        v_ptr, v_cache_ptr, v_scale_ptr,
+        v_ptr,
+        v_cache_ptr,
+        v_scale_ptr,
         token * stride_v_t + heads[:, None] * stride_v_h + dims_v[None, :] * stride_v_d,
         block * stride_vc_b + offset * stride_vc_s + heads[:, None] * stride_vc_h + dims_v[None, :],
         block * stride_vs_b + offset * stride_vs_s + heads * stride_vs_h,
-        mask_v, mask_h,
-        KV_QUANT=KV_QUANT, Q_MAX=Q_MAX, STATIC_SCALE=STATIC_SCALE,
+        mask_v,
+        mask_h,
+        KV_QUANT=KV_QUANT,
+        Q_MAX=Q_MAX,
+        STATIC_SCALE=STATIC_SCALE,
     )
 
 
@@ -231,13 +253,25 @@ class _Plan:
         self.num_warps = 4 if tile >= 1024 else 2 if tile >= 256 else 1
         self.scalars: dict[str, Any] = dict(
             num_slots=cache.num_blocks * cache.block_size,
-            stride_k_t=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
-            stride_v_t=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+            stride_k_t=k.stride(0),
+            stride_k_h=k.stride(1),
+            stride_k_d=k.stride(2),
+            stride_v_t=v.stride(0),
+            stride_v_h=v.stride(1),
+            stride_v_d=v.stride(2),
             stride_sm_t=slot_mapping.stride(0),
-            stride_kc_b=cache.k.stride(0), stride_kc_s=cache.k.stride(1), stride_kc_h=cache.k.stride(2),
-            stride_vc_b=cache.v.stride(0), stride_vc_s=cache.v.stride(1), stride_vc_h=cache.v.stride(2),
-            stride_ks_b=ks_strides[0], stride_ks_s=ks_strides[1], stride_ks_h=ks_strides[2],
-            stride_vs_b=vs_strides[0], stride_vs_s=vs_strides[1], stride_vs_h=vs_strides[2],
+            stride_kc_b=cache.k.stride(0),
+            stride_kc_s=cache.k.stride(1),
+            stride_kc_h=cache.k.stride(2),
+            stride_vc_b=cache.v.stride(0),
+            stride_vc_s=cache.v.stride(1),
+            stride_vc_h=cache.v.stride(2),
+            stride_ks_b=ks_strides[0],
+            stride_ks_s=ks_strides[1],
+            stride_ks_h=ks_strides[2],
+            stride_vs_b=vs_strides[0],
+            stride_vs_s=vs_strides[1],
+            stride_vs_h=vs_strides[2],
             NUM_KV_HEADS=heads,
             HEAD_DIM=head_dim,
             BLOCK_SIZE=cache.block_size,
@@ -265,8 +299,16 @@ class _Plan:
         # Without quantization the scale pointers are never written: any tensor keeps the
         # signature fixed.
         ks, vs = cache._scales() if self.kv_quant else (k_cache, v_cache)
-        kwargs = dict(k_ptr=k, v_ptr=v, slot_mapping_ptr=slot_mapping, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
-                      k_scale_ptr=ks, v_scale_ptr=vs, **self.scalars)
+        kwargs = dict(
+            k_ptr=k,
+            v_ptr=v,
+            slot_mapping_ptr=slot_mapping,
+            k_cache_ptr=k_cache,
+            v_cache_ptr=v_cache,
+            k_scale_ptr=ks,
+            v_scale_ptr=vs,
+            **self.scalars,
+        )
         compiled = _write[(n, self.head_blocks)](**kwargs, num_warps=self.num_warps)
         if compiled is None or not _write.enabled:
             return  # the interpreter: every call takes this path
@@ -285,8 +327,16 @@ _plans: dict[tuple, _Plan] = {}
 def _admit(key: tuple | None, cache: KVCache, k: Any, v: Any, slot_mapping: Any) -> tuple[_Plan, int]:
     """The checks of ``paged_core.write_kv`` (raising its errors), then the plan of the inputs."""
     n = check_write_inputs(cache, k, v, slot_mapping)
-    plan_key = (cache._generation, k.stride(), v.stride(), slot_mapping.stride(), slot_mapping.dtype,
-                k.data_ptr() & 15, v.data_ptr() & 15, slot_mapping.data_ptr() & 15)
+    plan_key = (
+        cache._generation,
+        k.stride(),
+        v.stride(),
+        slot_mapping.stride(),
+        slot_mapping.dtype,
+        k.data_ptr() & 15,
+        v.data_ptr() & 15,
+        slot_mapping.data_ptr() & 15,
+    )
     plan = _plans.get(plan_key)
     if plan is None:
         if len(_plans) >= _SEEN_MAX:
@@ -327,9 +377,22 @@ def write_checked(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping
         # Everything check_write_inputs reads and the plan depends on; the cache enters by the
         # generation of its structure check, a number no other check had.
         key: tuple = (
-            cache._generation, k.shape, v.shape, slot_mapping.shape, k.stride(), v.stride(),
-            slot_mapping.stride(), k.dtype, v.dtype, slot_mapping.dtype, k.device, v.device,
-            slot_mapping.device, ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15,
+            cache._generation,
+            k.shape,
+            v.shape,
+            slot_mapping.shape,
+            k.stride(),
+            v.stride(),
+            slot_mapping.stride(),
+            k.dtype,
+            v.dtype,
+            slot_mapping.dtype,
+            k.device,
+            v.device,
+            slot_mapping.device,
+            ptrs[0] & 15,
+            ptrs[1] & 15,
+            ptrs[2] & 15,
         )
     except (AttributeError, TypeError, RuntimeError):
         ptrs = None  # not tensors: the checks say what is wrong
@@ -344,8 +407,7 @@ def write_checked(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping
         return
     if plan.torch_path:
         torch_write_kv(cache, k, v, slot_mapping)
-    elif (plan.tail is not None and ptrs is not None and _hooks_empty()
-            and torch.cuda.current_device() == plan.device):
+    elif plan.tail is not None and ptrs is not None and _hooks_empty() and torch.cuda.current_device() == plan.device:
         ptrs.extend(plan.tail)
         _write._run(plan.compiled, ptrs, (n, plan.head_blocks), plan.device)
     else:

@@ -107,9 +107,7 @@ class TritonSplitKVBackend(TritonBackend):
         if batch_invariant:
             # Mixed batches go to the unified kernel, whose tiles follow the batch: the bitwise
             # promise holds for decode batches, so that is what this mode claims.
-            self.capabilities = dataclasses.replace(
-                self.capabilities, batch_invariant=True, mixed_batches=False
-            )
+            self.capabilities = dataclasses.replace(self.capabilities, batch_invariant=True, mixed_batches=False)
 
     def _plan(self, meta: BatchMeta, *, shared_prefix_blocks: int | None = None, **layer) -> TritonPlan:
         """Once per step (``plan(meta, ...)`` checks the layer keywords, then calls this). With
@@ -150,9 +148,19 @@ class TritonSplitKVBackend(TritonBackend):
             # in order on the current stream (the first layer, and a CUDA-graph capture, run the
             # two passes on two streams).
             call: Callable[[], object] = lambda: cascade_attention(  # noqa: E731
-                q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                block_table=meta.block_table, prefix_blocks=plan.prefix_blocks, prefix_row=plan.prefix_row,
-                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, scale=scale, **kv,
+                q,
+                cache.k,
+                cache.v,
+                out,
+                query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens,
+                block_table=meta.block_table,
+                prefix_blocks=plan.prefix_blocks,
+                prefix_row=plan.prefix_row,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                scale=scale,
+                **kv,
             )
         else:
             # The path and split count depend only on the batch and the cache's layout: decided
@@ -172,15 +180,34 @@ class TritonSplitKVBackend(TritonBackend):
                 )
             if num_splits is None or num_splits > 1 or self.split_kv is True:
                 split_decode_attention(
-                    q, cache.k, cache.v, out, seq_lens=meta.seq_lens, block_table=meta.block_table,
-                    max_seq_len=meta.max_seq_len, scale=scale, num_splits=num_splits, window=window,
-                    blocks_per_split=self.blocks_per_split, **kv,
+                    q,
+                    cache.k,
+                    cache.v,
+                    out,
+                    seq_lens=meta.seq_lens,
+                    block_table=meta.block_table,
+                    max_seq_len=meta.max_seq_len,
+                    scale=scale,
+                    num_splits=num_splits,
+                    window=window,
+                    blocks_per_split=self.blocks_per_split,
+                    **kv,
                 )
                 return
         unified_attention(
-            q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-            block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            scale=scale, window=window, **kv, check=False,  # checked by Backend.forward
+            q,
+            cache.k,
+            cache.v,
+            out,
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens,
+            block_table=meta.block_table,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            scale=scale,
+            window=window,
+            **kv,
+            check=False,  # checked by Backend.forward
         )
 
 

@@ -43,8 +43,7 @@ from paged_triton_common.tuning import replay_bench
 def _tile_block_ids(bt_row_ptr, t0, start, end, stride_bt_b, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Physical blocks of keys t0 .. t0 + BLOCK_N - 1 of one request; -1 outside [start, end)."""
     offs_n = t0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=(offs_n >= start) & (offs_n < end),
-                   other=-1)
+    return tl.load(bt_row_ptr + (offs_n // BLOCK_SIZE) * stride_bt_b, mask=(offs_n >= start) & (offs_n < end), other=-1)
 
 
 @triton.jit
@@ -68,10 +67,20 @@ def _attend_tile(
     v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
     scale,
     softcap,
-    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-    stride_ks_b, stride_ks_s, stride_ks_h,
-    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
     V_SCALE_ON_P: tl.constexpr,
@@ -130,13 +139,19 @@ def _attend_tile(
 def _store_partial(
     part_out_ptr,  # [num_tokens, num_q_heads, head_dim] float32 (one split's slice)
     part_lse_ptr,  # [num_tokens, num_q_heads] float32 (one split's slice)
-    m_i, l_i, acc,
+    m_i,
+    l_i,
+    acc,
     token,  # [BLOCK_M] int64
     head,  # [BLOCK_M]
     row_valid,  # [BLOCK_M] bool
-    offs_d, d_mask,
-    stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_t, stride_pl_h,
+    offs_d,
+    d_mask,
+    stride_po_t,
+    stride_po_h,
+    stride_po_d,
+    stride_pl_t,
+    stride_pl_h,
 ):
     """Write out normalized within this key range and its natural-log LSE (-inf, zeros if empty)."""
     # != rather than >: a NaN sum (NaN in this request's q or K) must stay NaN, not become 0.
@@ -157,13 +172,19 @@ def _store_final(
     out_ptr,  # [num_tokens, num_q_heads, head_dim], q's dtype
     lse_ptr,  # [num_tokens, num_q_heads] float32 (STORE_LSE only)
     sinks_ptr,  # [num_q_heads] float32 (HAS_SINKS only), natural-log logit without a value
-    m_i, l_i, acc,
+    m_i,
+    l_i,
+    acc,
     token,  # [BLOCK_M] int64
     head,  # [BLOCK_M]
     row_valid,  # [BLOCK_M] bool
-    offs_d, d_mask,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
+    offs_d,
+    d_mask,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_lse_t,
+    stride_lse_h,
     HAS_SINKS: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
@@ -238,8 +259,17 @@ else:
 # Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
 @triton.autotune(
     configs=_SPLIT_CONFIGS,
-    key=["GROUP_PAD", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE", "BLOCK_Q", "DIRECT_OUT", "FUSED_MERGE",
-         "keys_per_program", "occupancy"],
+    key=[
+        "GROUP_PAD",
+        "HEAD_DIM_PAD",
+        "HEAD_DIM_V_PAD",
+        "BLOCK_SIZE",
+        "BLOCK_Q",
+        "DIRECT_OUT",
+        "FUSED_MERGE",
+        "keys_per_program",
+        "occupancy",
+    ],
     cache_results=True,
     # Timed as CUDA-graph replays (paged_triton_common.tuning): a small decode's split kernel
     # takes less time than Triton's own launch path, which would otherwise be what is timed.
@@ -275,16 +305,37 @@ def split_kv_attention_kernel(
     num_q_tiles,  # int, query tiles per request (grid axis 0 = num_reqs * num_q_tiles)
     keys_per_program,  # int, a power of two near the keys one program walks: the autotune key only
     occupancy,  # int, programs per SM class (1, 2, 4, 8; 0 with fixed splits): the autotune key only
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-    stride_ks_b, stride_ks_s, stride_ks_h,
-    stride_vs_b, stride_vs_s, stride_vs_h,
-    stride_bt_r, stride_bt_b,
-    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
+    stride_bt_r,
+    stride_bt_b,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_po_d,
+    stride_pl_s,
+    stride_pl_t,
+    stride_pl_h,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_lse_t,
+    stride_lse_h,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per tile (1 for decode)
@@ -416,27 +467,86 @@ def split_kv_attention_kernel(
             # Decode: the single query sits at seq_len - 1, so [start, end) is already exact.
             vis = key_ok[None, :] & (offs_m[:, None] >= 0)
         m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
-            offs_dv, dv_mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
-            stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-            stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-            stride_ks_b, stride_ks_s, stride_ks_h,
-            stride_vs_b, stride_vs_s, stride_vs_h,
-            QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
+            m_i,
+            l_i,
+            acc,
+            q,
+            vis,
+            blk,
+            offs_n % BLOCK_SIZE,
+            key_ok,
+            kv_head,
+            offs_d,
+            d_mask,
+            offs_dv,
+            dv_mask,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            scale,
+            softcap,
+            stride_k_b,
+            stride_k_s,
+            stride_k_h,
+            stride_k_d,
+            stride_v_b,
+            stride_v_s,
+            stride_v_h,
+            stride_v_d,
+            stride_ks_b,
+            stride_ks_s,
+            stride_ks_h,
+            stride_vs_b,
+            stride_vs_s,
+            stride_vs_h,
+            QUANT,
+            FP8,
+            V_SCALE_ON_P,
+            USE_SOFTCAP,
+            DOT_PRECISION,
         )
 
     if DIRECT_OUT:
         _store_final(
-            out_ptr, out_lse_ptr, sinks_ptr, m_i, l_i, acc, token, head, row_valid, offs_dv, dv_mask,
-            stride_o_t, stride_o_h, stride_o_d, stride_lse_t, stride_lse_h, HAS_SINKS, STORE_LSE,
+            out_ptr,
+            out_lse_ptr,
+            sinks_ptr,
+            m_i,
+            l_i,
+            acc,
+            token,
+            head,
+            row_valid,
+            offs_dv,
+            dv_mask,
+            stride_o_t,
+            stride_o_h,
+            stride_o_d,
+            stride_lse_t,
+            stride_lse_h,
+            HAS_SINKS,
+            STORE_LSE,
         )
     else:
         # int64: with blocks_per_split, thousands of splits x a large batch overflow int32 offsets.
         split64 = split.to(tl.int64)
         _store_partial(
-            part_out_ptr + split64 * stride_po_s, part_lse_ptr + split64 * stride_pl_s,
-            m_i, l_i, acc, token, head, row_valid, offs_dv, dv_mask,
-            stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
+            part_out_ptr + split64 * stride_po_s,
+            part_lse_ptr + split64 * stride_pl_s,
+            m_i,
+            l_i,
+            acc,
+            token,
+            head,
+            row_valid,
+            offs_dv,
+            dv_mask,
+            stride_po_t,
+            stride_po_h,
+            stride_po_d,
+            stride_pl_t,
+            stride_pl_h,
         )
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial is stored before the count releases it
@@ -449,14 +559,32 @@ def split_kv_attention_kernel(
                 r_q = tile_q0 + offs_r // GROUP_PAD
                 r_hh = offs_r % GROUP_PAD
                 _merge_rows(
-                    part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, out_lse_ptr, tl.num_programs(2),
-                    (q_start + r_q).to(tl.int64), kv_head * GROUP + r_hh, (r_hh < GROUP) & (r_q < q_len),
-                    offs_dv, dv_mask,
-                    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-                    stride_pl_s, stride_pl_t, stride_pl_h,
-                    stride_o_t, stride_o_h, stride_o_d,
-                    stride_lse_t, stride_lse_h,
-                    HAS_SINKS, STORE_LSE, MERGE_PARTS_CHUNK,
+                    part_out_ptr,
+                    part_lse_ptr,
+                    sinks_ptr,
+                    out_ptr,
+                    out_lse_ptr,
+                    tl.num_programs(2),
+                    (q_start + r_q).to(tl.int64),
+                    kv_head * GROUP + r_hh,
+                    (r_hh < GROUP) & (r_q < q_len),
+                    offs_dv,
+                    dv_mask,
+                    stride_po_s,
+                    stride_po_t,
+                    stride_po_h,
+                    stride_po_d,
+                    stride_pl_s,
+                    stride_pl_t,
+                    stride_pl_h,
+                    stride_o_t,
+                    stride_o_h,
+                    stride_o_d,
+                    stride_lse_t,
+                    stride_lse_h,
+                    HAS_SINKS,
+                    STORE_LSE,
+                    MERGE_PARTS_CHUNK,
                 )
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -487,8 +615,12 @@ else:
         _PREFIX_CONFIGS = [PREFIX_DEFAULT_CONFIG]
 
 
-@triton.autotune(configs=_PREFIX_CONFIGS, key=["GROUP", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE"],
-                 cache_results=True, do_bench=replay_bench)
+@triton.autotune(
+    configs=_PREFIX_CONFIGS,
+    key=["GROUP", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE"],
+    cache_results=True,
+    do_bench=replay_bench,
+)
 @triton.jit
 def cascade_prefix_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], q dtype
@@ -510,14 +642,31 @@ def cascade_prefix_kernel(
     search_steps,  # int, ceil(log2(num_reqs)): binary-search steps from token to request
     num_blocks,
     max_blocks,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-    stride_ks_b, stride_ks_s, stride_ks_h,
-    stride_vs_b, stride_vs_s, stride_vs_h,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_ks_b,
+    stride_ks_s,
+    stride_ks_h,
+    stride_vs_b,
+    stride_vs_s,
+    stride_vs_h,
     stride_bt_b,
-    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_po_d,
+    stride_pl_s,
+    stride_pl_t,
+    stride_pl_h,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -600,19 +749,62 @@ def cascade_prefix_kernel(
         blk = tl.where(key_ok, blk, 0).to(tl.int64)
         vis = visible(key_ok, offs_n, pos, pos, 0, False)
         m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, q, vis, blk, offs_n % BLOCK_SIZE, key_ok, kv_head, offs_d, d_mask,
-            offs_dv, dv_mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale, softcap,
-            stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-            stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-            stride_ks_b, stride_ks_s, stride_ks_h,
-            stride_vs_b, stride_vs_s, stride_vs_h,
-            QUANT, FP8, V_SCALE_ON_P, USE_SOFTCAP, DOT_PRECISION,
+            m_i,
+            l_i,
+            acc,
+            q,
+            vis,
+            blk,
+            offs_n % BLOCK_SIZE,
+            key_ok,
+            kv_head,
+            offs_d,
+            d_mask,
+            offs_dv,
+            dv_mask,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            scale,
+            softcap,
+            stride_k_b,
+            stride_k_s,
+            stride_k_h,
+            stride_k_d,
+            stride_v_b,
+            stride_v_s,
+            stride_v_h,
+            stride_v_d,
+            stride_ks_b,
+            stride_ks_s,
+            stride_ks_h,
+            stride_vs_b,
+            stride_vs_s,
+            stride_vs_h,
+            QUANT,
+            FP8,
+            V_SCALE_ON_P,
+            USE_SOFTCAP,
+            DOT_PRECISION,
         )
 
     _store_partial(
-        part_out_ptr + split.to(tl.int64) * stride_po_s, part_lse_ptr + split.to(tl.int64) * stride_pl_s,
-        m_i, l_i, acc, token64, head, row_valid, offs_dv, dv_mask,
-        stride_po_t, stride_po_h, stride_po_d, stride_pl_t, stride_pl_h,
+        part_out_ptr + split.to(tl.int64) * stride_po_s,
+        part_lse_ptr + split.to(tl.int64) * stride_pl_s,
+        m_i,
+        l_i,
+        acc,
+        token64,
+        head,
+        row_valid,
+        offs_dv,
+        dv_mask,
+        stride_po_t,
+        stride_po_h,
+        stride_po_d,
+        stride_pl_t,
+        stride_pl_h,
     )
 
 
@@ -632,11 +824,20 @@ def _merge_rows(
     token,  # [ROWS] int64
     head,  # [ROWS]
     row_valid,  # [ROWS] bool
-    offs_d, d_mask,
-    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
+    offs_d,
+    d_mask,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_po_d,
+    stride_pl_s,
+    stride_pl_t,
+    stride_pl_h,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_lse_t,
+    stride_lse_h,
     HAS_SINKS: tl.constexpr,
     STORE_LSE: tl.constexpr,
     PARTS_CHUNK: tl.constexpr,  # parts loaded (and summed as a tree) per step
@@ -658,16 +859,20 @@ def _merge_rows(
     """
     offs_p = tl.arange(0, PARTS_CHUNK)
     lse_base = parts_lse_ptr + token * stride_pl_t + head * stride_pl_h  # [ROWS]
-    out_base = parts_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h \
-        + offs_d[None, :] * stride_po_d  # [ROWS, HEAD_DIM_PAD]
+    out_base = (
+        parts_out_ptr + token[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_d[None, :] * stride_po_d
+    )  # [ROWS, HEAD_DIM_PAD]
     o_mask = row_valid[:, None] & d_mask[None, :]
 
     m = tl.full(token.shape, float("-inf"), tl.float32)
     for s in range(0, num_parts, PARTS_CHUNK):
         part = s + offs_p
-        lse = tl.load(lse_base[None, :] + part[:, None] * stride_pl_s,
-                      mask=(part < num_parts)[:, None] & row_valid[None, :], other=float("-inf"),
-                      cache_modifier=".cg")  # [PARTS_CHUNK, ROWS]
+        lse = tl.load(
+            lse_base[None, :] + part[:, None] * stride_pl_s,
+            mask=(part < num_parts)[:, None] & row_valid[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # [PARTS_CHUNK, ROWS]
         m = tl.maximum(m, tl.max(lse, 0))
     empty = m == float("-inf")
     m_all = m
@@ -681,12 +886,21 @@ def _merge_rows(
     for s in range(0, num_parts, PARTS_CHUNK):
         part = s + offs_p
         in_range = part < num_parts
-        w = tl.exp(tl.load(lse_base[None, :] + part[:, None] * stride_pl_s,
-                           mask=in_range[:, None] & row_valid[None, :], other=float("-inf"),
-                           cache_modifier=".cg") - m_safe[None, :])  # [PARTS_CHUNK, ROWS]
-        o = tl.load(out_base[None, :, :] + part[:, None, None] * stride_po_s,
-                    mask=in_range[:, None, None] & o_mask[None, :, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # [PARTS_CHUNK, ROWS, HEAD_DIM_PAD]
+        w = tl.exp(
+            tl.load(
+                lse_base[None, :] + part[:, None] * stride_pl_s,
+                mask=in_range[:, None] & row_valid[None, :],
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            - m_safe[None, :]
+        )  # [PARTS_CHUNK, ROWS]
+        o = tl.load(
+            out_base[None, :, :] + part[:, None, None] * stride_po_s,
+            mask=in_range[:, None, None] & o_mask[None, :, :],
+            other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)  # [PARTS_CHUNK, ROWS, HEAD_DIM_PAD]
         denom += tl.sum(w, 0)
         # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
         # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.
@@ -712,10 +926,18 @@ def merge_states_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
     out_lse_ptr,  # [num_tokens, num_heads] float32 (STORE_LSE only)
     num_parts,
-    stride_po_s, stride_po_t, stride_po_h, stride_po_d,
-    stride_pl_s, stride_pl_t, stride_pl_h,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_lse_t, stride_lse_h,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_po_d,
+    stride_pl_s,
+    stride_pl_t,
+    stride_pl_h,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_lse_t,
+    stride_lse_h,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -757,8 +979,11 @@ def merge_states_kernel(
         part = s + offs_p
         in_range = part < num_parts
         w = tl.exp(tl.load(lse_base + part * stride_pl_s, mask=in_range, other=float("-inf")) - m_safe)
-        o = tl.load(out_base + part[:, None] * stride_po_s + offs_d[None, :] * stride_po_d,
-                    mask=in_range[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        o = tl.load(
+            out_base + part[:, None] * stride_po_s + offs_d[None, :] * stride_po_d,
+            mask=in_range[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         denom += tl.sum(w, 0)
         # An empty part may hold anything (a caller's NaN); w == 0 must not let it through. A NaN
         # weight (NaN in this request's inputs) must, so the test is != 0, not > 0.

@@ -98,8 +98,12 @@ def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> No
     if value is None and none_ok:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(name, repr(value), f"{'None or ' if none_ok else ''}a host int >= {minimum}",
-              f"pass {'None (automatic) or ' if none_ok else ''}an int of at least {minimum}")
+        _fail(
+            name,
+            repr(value),
+            f"{'None or ' if none_ok else ''}a host int >= {minimum}",
+            f"pass {'None (automatic) or ' if none_ok else ''}an int of at least {minimum}",
+        )
 
 
 # Host arithmetic in plain ints: triton.cdiv and triton.next_power_of_2 are constexpr functions
@@ -140,12 +144,20 @@ def _kv_args(
         v_cache_ptr=v_cache,
         k_scale_ptr=ks,
         v_scale_ptr=vs,
-        stride_k_b=k_cache.stride(0), stride_k_s=k_cache.stride(1),
-        stride_k_h=k_cache.stride(2), stride_k_d=k_cache.stride(3),
-        stride_v_b=v_cache.stride(0), stride_v_s=v_cache.stride(1),
-        stride_v_h=v_cache.stride(2), stride_v_d=v_cache.stride(3),
-        stride_ks_b=ks_strides[0], stride_ks_s=ks_strides[1], stride_ks_h=ks_strides[2],
-        stride_vs_b=vs_strides[0], stride_vs_s=vs_strides[1], stride_vs_h=vs_strides[2],
+        stride_k_b=k_cache.stride(0),
+        stride_k_s=k_cache.stride(1),
+        stride_k_h=k_cache.stride(2),
+        stride_k_d=k_cache.stride(3),
+        stride_v_b=v_cache.stride(0),
+        stride_v_s=v_cache.stride(1),
+        stride_v_h=v_cache.stride(2),
+        stride_v_d=v_cache.stride(3),
+        stride_ks_b=ks_strides[0],
+        stride_ks_s=ks_strides[1],
+        stride_ks_h=ks_strides[2],
+        stride_vs_b=vs_strides[0],
+        stride_vs_s=vs_strides[1],
+        stride_vs_h=vs_strides[2],
         HEAD_DIM=q.shape[2],
         HEAD_DIM_PAD=_pow2_at_least(q.shape[2], 16),
         # V's head dim (MLA-shaped layers) sizes the PV tile, the accumulator and the outputs.
@@ -206,8 +218,9 @@ _PREFIX_KEY_QUANTUM = 128
 _PREFIX_BLOCK_M_MIN = 64
 
 
-def _prefix_split(prefix_tokens: int, prefix_splits: int | None, *, row_tiles: int, num_kv_heads: int,
-                  device: torch.device) -> tuple[int, int]:
+def _prefix_split(
+    prefix_tokens: int, prefix_splits: int | None, *, row_tiles: int, num_kv_heads: int, device: torch.device
+) -> tuple[int, int]:
     """(keys per split, number of splits) for the cascade prefix pass; (0, 0) without a prefix.
 
     >>> _prefix_split(4000, 3, row_tiles=4, num_kv_heads=8, device=torch.device("cpu"))
@@ -283,8 +296,12 @@ def split_decode_attention(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = block_table.shape[0]
     if num_tokens != num_reqs:
-        _fail("q.shape[0] (num_tokens)", num_tokens, f"num_reqs = {num_reqs}: one query per request",
-              "use cascade_attention or triton-unified's unified_attention for longer queries")
+        _fail(
+            "q.shape[0] (num_tokens)",
+            num_tokens,
+            f"num_reqs = {num_reqs}: one query per request",
+            "use cascade_attention or triton-unified's unified_attention for longer queries",
+        )
     _check_count("blocks_per_split", blocks_per_split, minimum=1, none_ok=True)
     if blocks_per_split is not None:
         tokens_per_split = blocks_per_split * block_size
@@ -304,10 +321,26 @@ def split_decode_attention(
     # one split and in a batch several, and its bits must not depend on which epilogue ran.
     if num_splits == 1 and blocks_per_split is None:
         _launch_split(
-            q, k_cache, v_cache, k_scale, v_scale, None, None,
-            seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
-            window=window, key_start=0, num_splits=1, tokens_per_split=0, max_query_len=1, max_keys=max_seq_len,
-            final=(out, lse, sinks), kernel_config=kernel_config,
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            None,
+            None,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            query_start_loc=None,
+            scale=scale,
+            softcap=softcap,
+            window=window,
+            key_start=0,
+            num_splits=1,
+            tokens_per_split=0,
+            max_query_len=1,
+            max_keys=max_seq_len,
+            final=(out, lse, sinks),
+            kernel_config=kernel_config,
         )
         return out
     # Several splits: one launch, whose last program per (request, KV head) merges the partials
@@ -316,17 +349,34 @@ def split_decode_attention(
     part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, v_cache.shape[3], q.device)
     counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
-        q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
-        seq_lens=seq_lens, block_table=block_table, query_start_loc=None, scale=scale, softcap=softcap,
-        window=window, key_start=0, num_splits=num_splits, tokens_per_split=tokens_per_split, max_query_len=1,
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        part_out,
+        part_lse,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        query_start_loc=None,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        key_start=0,
+        num_splits=num_splits,
+        tokens_per_split=tokens_per_split,
+        max_query_len=1,
         max_keys=max_seq_len,
-        final=(out, lse, sinks), counters=counters, kernel_config=kernel_config,
+        final=(out, lse, sinks),
+        counters=counters,
+        kernel_config=kernel_config,
     )
     return out
 
 
-def _partials(num_parts: int, num_tokens: int, num_q_heads: int, head_dim: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _partials(
+    num_parts: int, num_tokens: int, num_q_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 workspaces ``[num_parts, num_tokens, num_q_heads, head_dim]`` and ``[num_parts,
     num_tokens, num_q_heads]``, views of ones with the token count rounded up to 16: a part's
     stride is then a multiple of 16 for every batch size, so Triton specialises the kernels on it
@@ -414,19 +464,36 @@ def _launch_split(
         num_q_tiles=num_q_tiles,
         # At least 256: the loop lengths below share one tuned choice, and the int never drops
         # under 16, where Triton would specialise (and compile) the kernel on its value.
-        keys_per_program=max(256, _next_power_of_2(
-            tokens_per_split if tokens_per_split > 0 else max(1, _cdiv(max_keys, num_splits)))),
+        keys_per_program=max(
+            256, _next_power_of_2(tokens_per_split if tokens_per_split > 0 else max(1, _cdiv(max_keys, num_splits)))
+        ),
         # Fixed splits (batch-invariant mode) keep one class: a request's config must not follow
         # the batch it is in.
         occupancy=0 if tokens_per_split > 0 else occupancy_class(grid[0] * grid[1] * grid[2], sm_count(q.device)),
-        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_bt_r=block_table.stride(0), stride_bt_b=block_table.stride(1),
-        **dict(zip(("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
-                   cast(torch.Tensor, part_out).stride() if not direct else (0, 0, 0, 0), strict=True)),
-        **dict(zip(("stride_pl_s", "stride_pl_t", "stride_pl_h"),
-                   cast(torch.Tensor, part_lse).stride() if not direct else (0, 0, 0), strict=True)),
-        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-        stride_lse_t=cast(torch.Tensor, out_lse_t).stride(0), stride_lse_h=cast(torch.Tensor, out_lse_t).stride(1),
+        stride_q_t=q.stride(0),
+        stride_q_h=q.stride(1),
+        stride_q_d=q.stride(2),
+        stride_bt_r=block_table.stride(0),
+        stride_bt_b=block_table.stride(1),
+        **dict(
+            zip(
+                ("stride_po_s", "stride_po_t", "stride_po_h", "stride_po_d"),
+                cast(torch.Tensor, part_out).stride() if not direct else (0, 0, 0, 0),
+                strict=True,
+            )
+        ),
+        **dict(
+            zip(
+                ("stride_pl_s", "stride_pl_t", "stride_pl_h"),
+                cast(torch.Tensor, part_lse).stride() if not direct else (0, 0, 0),
+                strict=True,
+            )
+        ),
+        stride_o_t=out.stride(0),
+        stride_o_h=out.stride(1),
+        stride_o_d=out.stride(2),
+        stride_lse_t=cast(torch.Tensor, out_lse_t).stride(0),
+        stride_lse_h=cast(torch.Tensor, out_lse_t).stride(1),
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -455,13 +522,18 @@ def _stacked(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.T
     if isinstance(parts, torch.Tensor):
         return parts
     if not isinstance(parts, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in parts):
-        _fail(name, f"a {type(parts).__name__}", "a tensor [S, ...] or a list of S tensors of one shape",
-              "pass the parts to merge")
+        _fail(
+            name,
+            f"a {type(parts).__name__}",
+            "a tensor [S, ...] or a list of S tensors of one shape",
+            "pass the parts to merge",
+        )
     if not parts:
         _fail(name, "an empty list (it has no parts)", "at least one part", "pass the parts to merge")
     shapes = [list(p.shape) for p in parts]
-    if any(sh != shapes[0] for sh in shapes) or any(p.dtype != parts[0].dtype or p.device != parts[0].device
-                                                   for p in parts):
+    if any(sh != shapes[0] for sh in shapes) or any(
+        p.dtype != parts[0].dtype or p.device != parts[0].device for p in parts
+    ):
         raise InputError(
             f"{name}: the parts differ in shape ({', '.join(map(str, shapes))}), dtype or device; triton-splitkv "
             "accepts parts of one shape, dtype and device; pass outputs [num_tokens, num_heads, head_dim] and "
@@ -497,30 +569,50 @@ def merge_states(
     outputs = _stacked("outputs", outputs)
     lses = _stacked("lses", lses)
     if outputs.dim() != 4 or outputs.dtype not in _FLOAT_DTYPES:
-        _fail("outputs", f"{outputs.dtype} {list(outputs.shape)}",
-              "float32/float16/bfloat16 [S, num_tokens, num_heads, head_dim], or a list of S [N, H, D]",
-              "stack the parts along a new first dimension")
+        _fail(
+            "outputs",
+            f"{outputs.dtype} {list(outputs.shape)}",
+            "float32/float16/bfloat16 [S, num_tokens, num_heads, head_dim], or a list of S [N, H, D]",
+            "stack the parts along a new first dimension",
+        )
     num_parts, num_tokens, num_heads, head_dim = outputs.shape
     dev = outputs.device
     if num_parts < 1:
         _fail("outputs.shape[0] (S)", num_parts, "at least 1 part", "pass the parts to merge")
     if tuple(lses.shape) != (num_parts, num_tokens, num_heads) or lses.dtype != torch.float32 or lses.device != dev:
-        _fail("lses", f"{lses.dtype} {list(lses.shape)} on {lses.device}",
-              f"float32 {[num_parts, num_tokens, num_heads]} on {dev}", "pass one natural-log LSE per part and row")
+        _fail(
+            "lses",
+            f"{lses.dtype} {list(lses.shape)} on {lses.device}",
+            f"float32 {[num_parts, num_tokens, num_heads]} on {dev}",
+            "pass one natural-log LSE per part and row",
+        )
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=outputs.dtype, device=dev)
     elif tuple(out.shape) != (num_tokens, num_heads, head_dim) or out.dtype not in _FLOAT_DTYPES or out.device != dev:
-        _fail("out", f"{out.dtype} {list(out.shape)} on {out.device}",
-              f"a float tensor {[num_tokens, num_heads, head_dim]} on {dev}", "or pass out=None")
+        _fail(
+            "out",
+            f"{out.dtype} {list(out.shape)} on {out.device}",
+            f"a float tensor {[num_tokens, num_heads, head_dim]} on {dev}",
+            "or pass out=None",
+        )
     if out_lse is None:
         out_lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
     elif tuple(out_lse.shape) != (num_tokens, num_heads) or out_lse.dtype != torch.float32 or out_lse.device != dev:
-        _fail("out_lse", f"{out_lse.dtype} {list(out_lse.shape)} on {out_lse.device}",
-              f"float32 {[num_tokens, num_heads]} on {dev}", "or pass out_lse=None")
-    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
-                              or sinks.device != dev):
-        _fail("sinks", f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}",
-              f"float32 [{num_heads}] on {dev}", "or pass sinks=None")
+        _fail(
+            "out_lse",
+            f"{out_lse.dtype} {list(out_lse.shape)} on {out_lse.device}",
+            f"float32 {[num_tokens, num_heads]} on {dev}",
+            "or pass out_lse=None",
+        )
+    if sinks is not None and (
+        sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,) or sinks.device != dev
+    ):
+        _fail(
+            "sinks",
+            f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}",
+            f"float32 [{num_heads}] on {dev}",
+            "or pass sinks=None",
+        )
     if num_tokens == 0 or num_heads == 0:
         return out, out_lse
     _merge[(num_tokens, num_heads)](
@@ -530,11 +622,18 @@ def merge_states(
         out_ptr=out,
         out_lse_ptr=out_lse,
         num_parts=num_parts,
-        stride_po_s=outputs.stride(0), stride_po_t=outputs.stride(1),
-        stride_po_h=outputs.stride(2), stride_po_d=outputs.stride(3),
-        stride_pl_s=lses.stride(0), stride_pl_t=lses.stride(1), stride_pl_h=lses.stride(2),
-        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-        stride_lse_t=out_lse.stride(0), stride_lse_h=out_lse.stride(1),
+        stride_po_s=outputs.stride(0),
+        stride_po_t=outputs.stride(1),
+        stride_po_h=outputs.stride(2),
+        stride_po_d=outputs.stride(3),
+        stride_pl_s=lses.stride(0),
+        stride_pl_t=lses.stride(1),
+        stride_pl_h=lses.stride(2),
+        stride_o_t=out.stride(0),
+        stride_o_h=out.stride(1),
+        stride_o_d=out.stride(2),
+        stride_lse_t=out_lse.stride(0),
+        stride_lse_h=out_lse.stride(1),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=_pow2_at_least(head_dim, 16),
         HAS_SINKS=sinks is not None,
@@ -619,29 +718,45 @@ def cascade_attention(
     query_start_loc int32 ``[num_reqs + 1]``. Sliding windows are refused (``paged_core.InputError``).
     """
     if window != 0:
-        _fail("window", window, "0: cascade attention has no sliding window",
-              "run windowed layers with split_decode_attention or triton-unified's unified_attention")
+        _fail(
+            "window",
+            window,
+            "0: cascade attention has no sliding window",
+            "run windowed layers with split_decode_attention or triton-unified's unified_attention",
+        )
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs, max_blocks = block_table.shape
     _check_count("prefix_blocks", prefix_blocks, minimum=0, none_ok=False)
     if prefix_blocks > max_blocks:
-        _fail("prefix_blocks", prefix_blocks, f"at most block_table.shape[1] = {max_blocks}",
-              "declare only blocks that the table holds (see shared_prefix_blocks)")
+        _fail(
+            "prefix_blocks",
+            prefix_blocks,
+            f"at most block_table.shape[1] = {max_blocks}",
+            "declare only blocks that the table holds (see shared_prefix_blocks)",
+        )
     _check_count("num_splits", num_splits, minimum=1, none_ok=False)
     _check_count("prefix_splits", prefix_splits, minimum=1, none_ok=True)
     _check_count("prefix_row", prefix_row, minimum=0, none_ok=False)
     if prefix_row >= max(num_reqs, 1):
-        _fail("prefix_row", prefix_row, f"a row of block_table (< {num_reqs})",
-              "pass the index of a request that holds the prefix")
+        _fail(
+            "prefix_row",
+            prefix_row,
+            f"a row of block_table (< {num_reqs})",
+            "pass the index of a request that holds the prefix",
+        )
     if num_tokens == 0:
         return out
 
     group = num_q_heads // num_kv_heads
     prefix_tokens = prefix_blocks * block_size
     keys_per_split, prefix_splits = _prefix_split(
-        prefix_tokens, prefix_splits, row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
-        num_kv_heads=num_kv_heads, device=q.device)
+        prefix_tokens,
+        prefix_splits,
+        row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
+        num_kv_heads=num_kv_heads,
+        device=q.device,
+    )
     num_parts = num_splits + prefix_splits
     part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, v_cache.shape[3], q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
@@ -653,10 +768,23 @@ def cascade_attention(
     with _side_branch(q.device) as side:
         # Suffix: each request's own keys after the prefix, causal; parts 0 .. num_splits-1.
         _launch_split(
-            q, k_cache, v_cache, k_scale, v_scale, part_out, part_lse,
-            seq_lens=seq_lens, block_table=block_table, query_start_loc=query_start_loc, scale=scale,
-            softcap=softcap, window=0, key_start=prefix_blocks * block_size, num_splits=num_splits,
-            tokens_per_split=0, max_query_len=max(max_query_len, 1),
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            part_out,
+            part_lse,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            query_start_loc=query_start_loc,
+            scale=scale,
+            softcap=softcap,
+            window=0,
+            key_start=prefix_blocks * block_size,
+            num_splits=num_splits,
+            tokens_per_split=0,
+            max_query_len=max(max_query_len, 1),
             max_keys=max(max_seq_len - prefix_blocks * block_size, 0),
         )
         # Prefix: all query rows of the batch against the shared blocks, split along the keys;
@@ -664,18 +792,54 @@ def cascade_attention(
         if prefix_splits > 0:
             po, pl = part_out[num_splits:], part_lse[num_splits:]
             grid = lambda meta: (  # noqa: E731
-                _cdiv(num_tokens * group, meta["BLOCK_M"]), num_kv_heads, prefix_splits)
+                _cdiv(num_tokens * group, meta["BLOCK_M"]),
+                num_kv_heads,
+                prefix_splits,
+            )
             with side():
                 _launch_prefix(
-                    grid, q, block_table[prefix_row], seq_lens, query_start_loc, po, pl, scale=scale, softcap=softcap,
-                    prefix_tokens=prefix_tokens, keys_per_split=keys_per_split, num_tokens=num_tokens,
-                    num_reqs=num_reqs, num_blocks=num_blocks, max_blocks=max_blocks, group=group, kv=kv)
+                    grid,
+                    q,
+                    block_table[prefix_row],
+                    seq_lens,
+                    query_start_loc,
+                    po,
+                    pl,
+                    scale=scale,
+                    softcap=softcap,
+                    prefix_tokens=prefix_tokens,
+                    keys_per_split=keys_per_split,
+                    num_tokens=num_tokens,
+                    num_reqs=num_reqs,
+                    num_blocks=num_blocks,
+                    max_blocks=max_blocks,
+                    group=group,
+                    kv=kv,
+                )
     merge_states(part_out, part_lse, out=out, out_lse=lse, sinks=sinks)
     return out
 
 
-def _launch_prefix(grid, q, prefix_table, seq_lens, query_start_loc, po, pl, *, scale, softcap, prefix_tokens,
-                   keys_per_split, num_tokens, num_reqs, num_blocks, max_blocks, group, kv) -> None:
+def _launch_prefix(
+    grid,
+    q,
+    prefix_table,
+    seq_lens,
+    query_start_loc,
+    po,
+    pl,
+    *,
+    scale,
+    softcap,
+    prefix_tokens,
+    keys_per_split,
+    num_tokens,
+    num_reqs,
+    num_blocks,
+    max_blocks,
+    group,
+    kv,
+) -> None:
     """cascade_attention's prefix pass: every query row of the batch against the shared blocks,
     read through ``prefix_table`` (the block-table row of a request that holds them)."""
     _prefix[grid](
@@ -694,10 +858,17 @@ def _launch_prefix(grid, q, prefix_table, seq_lens, query_start_loc, po, pl, *, 
         search_steps=(num_reqs - 1).bit_length(),
         num_blocks=num_blocks,
         max_blocks=max_blocks,
-        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_q_t=q.stride(0),
+        stride_q_h=q.stride(1),
+        stride_q_d=q.stride(2),
         stride_bt_b=prefix_table.stride(0),
-        stride_po_s=po.stride(0), stride_po_t=po.stride(1), stride_po_h=po.stride(2), stride_po_d=po.stride(3),
-        stride_pl_s=pl.stride(0), stride_pl_t=pl.stride(1), stride_pl_h=pl.stride(2),
+        stride_po_s=po.stride(0),
+        stride_po_t=po.stride(1),
+        stride_po_h=po.stride(2),
+        stride_po_d=po.stride(3),
+        stride_pl_s=pl.stride(0),
+        stride_pl_t=pl.stride(1),
+        stride_pl_h=pl.stride(2),
         GROUP=group,
         USE_SOFTCAP=softcap > 0.0,
         **kv,

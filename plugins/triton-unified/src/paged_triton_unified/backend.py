@@ -9,6 +9,7 @@ from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 __all__ = ["TritonUnifiedBackend"]
 
+
 class TritonUnifiedBackend(TritonBackend):
     """One launch per layer for the whole batch: prefill chunks, prompts, decodes, verification.
 
@@ -44,10 +45,33 @@ class TritonUnifiedBackend(TritonBackend):
     def _forward(self, q, cache, plan, *, out, lse, scale, window, softcap, sinks) -> None:
         plan = self._triton_plan(plan)
         meta = plan.meta
-        self._launch(plan, q, cache, out, lse, scale, window, softcap, sinks, lambda: unified_attention(
-            q, cache.k, cache.v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-            block_table=meta.block_table, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            scale=scale, window=window, softcap=softcap, sinks=sinks, k_scale=cache.k_scale,
-            v_scale=cache.v_scale, lse=lse,
-            check=False,  # Backend.forward checked the contract; the default config has >= 16 rows
-        ))
+        self._launch(
+            plan,
+            q,
+            cache,
+            out,
+            lse,
+            scale,
+            window,
+            softcap,
+            sinks,
+            lambda: unified_attention(
+                q,
+                cache.k,
+                cache.v,
+                out,
+                query_start_loc=meta.query_start_loc,
+                seq_lens=meta.seq_lens,
+                block_table=meta.block_table,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                scale=scale,
+                window=window,
+                softcap=softcap,
+                sinks=sinks,
+                k_scale=cache.k_scale,
+                v_scale=cache.v_scale,
+                lse=lse,
+                check=False,  # Backend.forward checked the contract; the default config has >= 16 rows
+            ),
+        )

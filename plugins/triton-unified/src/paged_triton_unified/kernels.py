@@ -425,19 +425,20 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 def _attention_configs():
     """The GPU search space; ``keep`` narrows it per shape class at launch time."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_N": INTERPRET_CONFIG["BLOCK_N"]}, num_warps=INTERPRET_CONFIG["num_warps"],
-                              num_stages=INTERPRET_CONFIG["num_stages"])]
+        return [
+            triton.Config(
+                {"BLOCK_N": INTERPRET_CONFIG["BLOCK_N"]},
+                num_warps=INTERPRET_CONFIG["num_warps"],
+                num_stages=INTERPRET_CONFIG["num_stages"],
+            )
+        ]
     configs = []
     for block_n in (16, 32, 64, 128):
         for num_warps in (2, 4, 8):
             for num_stages in (1, 2, 3, 4):
-                configs.append(
-                    triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
-                )
+                configs.append(triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages))
     for block_n, num_warps, num_stages, maxnreg in sorted(_PREFILL_CAPPED):
-        configs.append(
-            triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-        )
+        configs.append(triton.Config({"BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
     return configs
 
 
@@ -529,8 +530,9 @@ def _prune(configs, named_args, **kwargs):
 
 def _default_of(configs, block_m):
     default = _DEFAULT_DECODE if block_m <= 32 else _DEFAULT_PREFILL
-    return [c for c in configs
-            if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default and c.maxnreg is None] or configs[:1]
+    return [
+        c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) == default and c.maxnreg is None
+    ] or configs[:1]
 
 
 def capture_config(named_args):
@@ -545,7 +547,6 @@ def capture_config(named_args):
     return kept[0]
 
 
-
 @triton.autotune(
     configs=_attention_configs(),
     # The tile shape, the cache layout, the KV format, the code path and how many programs each
@@ -556,8 +557,19 @@ def capture_config(named_args):
     # already separates decode-shaped tiles from prefill tiles. (So a request's result may
     # differ in rounding between batches of different classes: triton-unified does not claim
     # batch invariance; triton-splitkv's batch_invariant mode does.)
-    key=["BLOCK_Q", "BLOCK_Q_LARGE", "FUSED", "GROUP_PAD", "HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_SIZE",
-         "KV_QUANT", "QDOT16", "FOLD_SCALE", "occupancy"],
+    key=[
+        "BLOCK_Q",
+        "BLOCK_Q_LARGE",
+        "FUSED",
+        "GROUP_PAD",
+        "HEAD_DIM_PAD",
+        "HEAD_DIM_V_PAD",
+        "BLOCK_SIZE",
+        "KV_QUANT",
+        "QDOT16",
+        "FOLD_SCALE",
+        "occupancy",
+    ],
     prune_configs_by={"early_config_prune": _prune},
     # Tuned choices persist next to the compiled kernels (TRITON_CACHE_DIR): a later process
     # does not time a shape class again, and a first call inside a CUDA-graph capture uses them.

@@ -74,8 +74,9 @@ FUSED_BLOCK_N_SMALL = 128
 MIN_LARGE_PROGRAMS_PER_SM = 1.5
 
 
-def large_tile_tokens(*, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int,
-                      num_sms: int | None) -> int:
+def large_tile_tokens(
+    *, num_tokens: int, num_kv_heads: int, block_q_large: int, group_pad: int, num_sms: int | None
+) -> int:
     """Query tokens per large tile: ``block_q_large``, halved (down to 64 rows) when the batch's
     large tiles could not give every SM ``MIN_LARGE_PROGRAMS_PER_SM`` programs.
 
@@ -146,15 +147,23 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> Lau
 
 
 @functools.lru_cache(maxsize=1024)
-def _batch_config(num_q_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int, max_query_len: int,
-                  num_sms: int | None) -> LaunchConfig:
+def _batch_config(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, num_tokens: int, max_query_len: int, num_sms: int | None
+) -> LaunchConfig:
     """The default config adapted to a batch (cached: every layer of a step asks the same)."""
     config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if num_sms is not None and max_query_len > config.block_q_small:
         # Only the default adapts to the batch: an explicit config is taken as given.
-        config = dataclasses.replace(config, block_q_large=large_tile_tokens(
-            num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q_large=config.block_q_large,
-            group_pad=_next_power_of_2(num_q_heads // num_kv_heads), num_sms=num_sms))
+        config = dataclasses.replace(
+            config,
+            block_q_large=large_tile_tokens(
+                num_tokens=num_tokens,
+                num_kv_heads=num_kv_heads,
+                block_q_large=config.block_q_large,
+                group_pad=_next_power_of_2(num_q_heads // num_kv_heads),
+                num_sms=num_sms,
+            ),
+        )
     return config
 
 
@@ -169,12 +178,20 @@ def _check(q, k_cache, v_cache, out, config: LaunchConfig, group_pad: int) -> No
         if t.stride(-1) != 1:
             # The kernel adds the head-dim offsets unscaled: a strided last dimension would be
             # read (or written) at the wrong addresses.
-            _fail(f"{name}'s last-dimension stride", t.stride(-1), "stride 1 (head_dim contiguous)",
-                  f"pass {name}.contiguous() or a view whose head_dim is contiguous")
+            _fail(
+                f"{name}'s last-dimension stride",
+                t.stride(-1),
+                "stride 1 (head_dim contiguous)",
+                f"pass {name}.contiguous() or a view whose head_dim is contiguous",
+            )
     rows = min(config.block_q_small, config.block_q_large) * group_pad
     if rows < 16:
-        _fail("config's smallest tile", f"{rows} rows ({config})", "at least 16 rows (tl.dot's smallest M)",
-              f"use block_q_small and block_q_large of at least {max(1, 16 // group_pad)}")
+        _fail(
+            "config's smallest tile",
+            f"{rows} rows ({config})",
+            "at least 16 rows (tl.dot's smallest M)",
+            f"use block_q_small and block_q_large of at least {max(1, 16 // group_pad)}",
+        )
 
 
 def unified_attention(
@@ -271,8 +288,7 @@ def unified_attention(
     num_sms = sm_count(q.device)
     if config is None:
         # The wider of the K and V tiles sizes the tiling (V's head dim may differ).
-        config = _batch_config(num_q_heads, num_kv_heads, max(head_dim, head_dim_v), num_tokens, max_query_len,
-                               num_sms)
+        config = _batch_config(num_q_heads, num_kv_heads, max(head_dim, head_dim_v), num_tokens, max_query_len, num_sms)
     if check:
         _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
