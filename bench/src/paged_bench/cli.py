@@ -156,7 +156,7 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
             _case_progress(step, case, msg)
             record.add(
                 report.failed_case_record(case, msg),
-                [Row(case.id, case.shape, case.kind, case.group, case.batch, "-", "-", True, status=msg)],
+                [Row.of(case, "-", "-", True, status=msg)],
             )
             continue
         info = report.case_record(cfg, case, data)

@@ -16,6 +16,7 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from paged_conformance import Tolerance
@@ -88,6 +89,11 @@ class Row:
     timing: str | None = None
     note: str = ""
 
+    @classmethod
+    def of(cls, case: Case, backend: str, label: str, paged: bool, **fields: Any) -> Row:
+        """A row of ``case`` (its id, shape, kind, group and batch)."""
+        return cls(case.id, case.shape, case.kind, case.group, case.batch, backend, label, paged, **fields)
+
 
 def short(exc: BaseException) -> str:
     """An exception as a status: its type and the first line of its message."""
@@ -119,7 +125,7 @@ def _graph_fn(fn, device):
 
 def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tolerance) -> Row:
     """Skip (its reasons), check against the reference, then time ``backend`` on ``case``."""
-    row = Row(case.id, case.shape, case.kind, case.group, case.batch, name, name, True, tolerance=tolerance_label(tol))
+    row = Row.of(case, name, name, True, tolerance=tolerance_label(tol))
     spec = AttentionSpec(
         num_heads=cfg.heads,
         num_kv_heads=cfg.kv_heads,
@@ -271,12 +277,8 @@ def _bridge_row(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         if row.status == "ok" and row.plan_ms is not None:
             row.plan_ms += host_time_ms(lambda: bridge_meta(meta16), cfg.device)
     except Exception as exc:
-        row = Row(
-            case.id,
-            case.shape,
-            case.kind,
-            case.group,
-            case.batch,
+        row = Row.of(
+            case,
             name,
             label,
             True,
@@ -301,12 +303,8 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception as exc:  # a torch without the context manager
         return [
-            Row(
-                case.id,
-                case.shape,
-                case.kind,
-                case.group,
-                case.batch,
+            Row.of(
+                case,
                 b,
                 f"{b} (non-paged)",
                 False,
@@ -321,12 +319,8 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     rows = []
     if cfg.dim_v != cfg.head_dim:
         return [
-            Row(
-                case.id,
-                case.shape,
-                case.kind,
-                case.group,
-                case.batch,
+            Row.of(
+                case,
                 b,
                 f"{b} (non-paged)",
                 False,
@@ -338,12 +332,8 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     need = 2 * B * cfg.kv_heads * n * cfg.head_dim * elem * (1 + cfg.heads // cfg.kv_heads)
     if cfg.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(cfg.device)[0]:
         return [
-            Row(
-                case.id,
-                case.shape,
-                case.kind,
-                case.group,
-                case.batch,
+            Row.of(
+                case,
                 b,
                 f"{b} (non-paged)",
                 False,
@@ -357,12 +347,8 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     group = cfg.heads // cfg.kv_heads
     rep_kv: tuple | None = None
     for b in wanted:
-        row = Row(
-            case.id,
-            case.shape,
-            case.kind,
-            case.group,
-            case.batch,
+        row = Row.of(
+            case,
             b,
             f"{b} (non-paged)",
             False,
@@ -447,12 +433,8 @@ def cascade_rows(lineup: Lineup, case: Case, data: CaseData, tol: Tolerance) -> 
         try:
             variant = lineup.registry.get(name, cascade=True)
         except Exception as exc:
-            row = Row(
-                case.id,
-                case.shape,
-                case.kind,
-                case.group,
-                case.batch,
+            row = Row.of(
+                case,
                 name,
                 f"{name} (cascade)",
                 True,
