@@ -82,6 +82,9 @@ class KVCache:
     _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
     # ``kv_scales`` of the last accepted fields (computed by check(), read on every write).
     _kv_scales: str = dataclasses.field(default="per_slot", init=False, repr=False, compare=False)
+    # The bytes [first, end) each tensor of the last accepted fields can touch, by name (computed by
+    # check(), read on every forward with ``out=``: an output must not alias the cache).
+    _spans: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -240,6 +243,11 @@ class KVCache:
             self.k.device,
             self._spill_ok,
             *(_tensor_layout(t) for t in (self.k, self.v, self.k_scale, self.v_scale)),
+        )
+        self._spans = tuple(
+            (name, *byte_span(t))
+            for name, t in (("k", self.k), ("v", self.v), ("k_scale", self.k_scale), ("v_scale", self.v_scale))
+            if t is not None and t.numel()
         )
         self._checked = fields
         self._generation = next(_GENERATIONS)
@@ -503,6 +511,13 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
             f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
         )
     return codes.float() * scales.float().unsqueeze(-1)
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, end)`` that tensor ``t`` (non-negative strides, not empty) can touch."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
 
 
 def _tensor_layout(t: torch.Tensor | None) -> tuple | None:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol, cast
 import torch
 
 from ._batch import BatchMeta
-from ._cache import KVCache
+from ._cache import KVCache, byte_span
 from ._errors import InputError, UnsupportedSpecError
 from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
 
@@ -280,13 +280,6 @@ def _check_scalars(window, softcap, scale) -> None:
         )
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[first, end)`` that tensor ``t`` (non-negative strides, not empty) can touch."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr()
-    return start, start + (last + 1) * t.element_size()
-
-
 def _overlaps_itself(shape: tuple, strides: tuple) -> bool:
     """Whether two elements of a tensor of ``shape`` and ``strides`` may share memory: its
     dimensions of more than one element, by increasing stride, must each step past everything
@@ -303,18 +296,17 @@ def _overlaps_itself(shape: tuple, strides: tuple) -> bool:
 
 def check_out_memory(out: torch.Tensor, cache: KVCache) -> None:
     """Refuse an ``out`` that shares memory with the cache (the batch may read what it writes).
-    Pointers differ per layer, so this runs outside the memo: a few host ints per call."""
+    Pointers differ per layer, so this runs outside the memo; the cache's spans are computed
+    once per checked cache (``KVCache.check``)."""
     if not out.numel():
         return
-    lo, hi = _span(out)
-    for name, t in (("k", cache.k), ("v", cache.v), ("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
-        if t is not None:
-            t_lo, t_hi = _span(t)
-            if lo < t_hi and t_lo < hi:
-                raise InputError(
-                    f"out overlaps the cache's memory (cache.{name}); the kernels would read keys they "
-                    "are overwriting; accepted: an output outside the cache, such as torch.empty_like(q)"
-                )
+    lo, hi = byte_span(out)
+    for name, t_lo, t_hi in cache._spans:
+        if lo < t_hi and t_lo < hi:
+            raise InputError(
+                f"out overlaps the cache's memory (cache.{name}); the kernels would read keys they "
+                "are overwriting; accepted: an output outside the cache, such as torch.empty_like(q)"
+            )
 
 
 # ------------------------------------------------------------------------------------- forward
