@@ -413,10 +413,10 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
         raise InputError(
             f"out is {found}; accepted: {shape} dtype and device of q ({_described(q)}), last-dimension stride 1"
         )
-    if out is not None and _overlaps_itself(tensor_facts(out)[0], tensor_facts(out)[3]):
+    out_shape, _, _, out_strides = tensor_facts(out) if out is not None else ((), None, None, ())
+    if _overlaps_itself(out_shape, out_strides):
         raise InputError(
-            f"out's elements overlap each other (shape {list(tensor_facts(out)[0])}, strides "
-            f"{tuple(tensor_facts(out)[3])}: an "
+            f"out's elements overlap each other (shape {list(out_shape)}, strides {tuple(out_strides)}: an "
             "expanded or overlapping view, so rows would overwrite each other); accepted: an output whose "
             "elements each have their own memory, such as torch.empty_like(q)"
         )
