@@ -77,11 +77,11 @@ def run_case(name: str, fn, *args, **kwargs) -> None:
 
 
 # ------------------------------------------------------------------------------ inputs
-def exact_cache(kv_dtype: str, gen: torch.Generator) -> KVCache:
-    """A random cache of NUM_BLOCKS blocks, each tensor its own allocation (no spill block)."""
-    shape = (NUM_BLOCKS, BS, HKV, D)
-    k = torch.randn(shape, generator=gen).to(DTYPE)
-    v = torch.randn(shape, generator=gen).to(DTYPE)
+def exact_cache(kv_dtype: str, gen: torch.Generator, dv: int = D) -> KVCache:
+    """A random cache of NUM_BLOCKS blocks, each tensor its own allocation (no spill block);
+    ``dv`` is V's head dim (MLA-shaped when it is not D)."""
+    k = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=gen).to(DTYPE)
+    v = torch.randn(NUM_BLOCKS, BS, HKV, dv, generator=gen).to(DTYPE)
     if kv_dtype == "auto":
         return KVCache(k=k.to(DEV), v=v.to(DEV), dtype=DTYPE)
     kc, ks = quantize_kv(k, kv_dtype)
@@ -165,16 +165,16 @@ def bad_block_meta(qlens, slens, gen, bad: int, prefix_blocks=0) -> BatchMeta:
     return meta
 
 
-def attention_cases(kv_dtype: str, full: bool) -> None:
+def attention_cases(kv_dtype: str, full: bool, dv: int = D) -> None:
     gen = torch.Generator().manual_seed(ARGS.seed)
-    cache = exact_cache(kv_dtype, gen)
+    cache = exact_cache(kv_dtype, gen, dv)
     mixed = ([5, 1, 3, 1, 2], [40, 33, 20, 70, 0])  # chunk, decode, prompt part, decode, padding
     decode = ([1, 1, 1, 1], [40, 33, 20, 70])
     for path, (_, _, is_decode) in PATHS.items():
         qs, ss = decode if is_decode else mixed
         prefix = 2 if path == "cascade" else 0
         p = {"prefix": prefix} if path == "cascade" else {}
-        tag = f"{path:14} kv={kv_dtype:4}"
+        tag = f"{path:14} kv={kv_dtype:4}" + (f" dv={dv}" if dv != D else "")
         for i in range(ARGS.random if full else 1):
             rq, rs = random_requests(gen, decode=is_decode)
             if path == "cascade":
@@ -292,14 +292,14 @@ def write_case(kv_dtype: str, spill: bool, slots: list[int], write=write_kv):
             v_scale=None if cache.v_scale is None else cache.v_scale[:nb].clone(),
         )
     parts = [t for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None]
-    before = [(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone() for t in parts]
+    before = [(t.view(torch.uint8) if t.element_size() == 1 else t).clone() for t in parts]
     n = len(slots)
     k = torch.randn(n, HKV, D).to(DTYPE).to(DEV)
     write(cache, k, k, torch.tensor(slots, dtype=torch.int64, device=DEV))
     keep = torch.ones(num_slots, dtype=torch.bool)
     keep[[s for s in slots if 0 <= s < num_slots]] = False
     for t0, t in zip(before, parts, strict=True):
-        t1 = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        t1 = t.view(torch.uint8) if t.element_size() == 1 else t
         a = t0.reshape(num_slots, -1)[keep.to(DEV)]
         b = t1.reshape(num_slots, -1)[keep.to(DEV)]
         if not torch.equal(a, b):
@@ -311,7 +311,7 @@ def write_cases() -> None:
     num_slots = 6 * BS
     adversarial = [3, num_slots, num_slots + 5, 2**31 - 1, 2**40, -7, -1, num_slots - 1]
     for name, write in (("write_kv", write_kv), ("triton write", triton_write_kv)):
-        for kv_dtype in ("auto", "int8", "fp8"):
+        for kv_dtype in ("auto", "int8", "fp8", "fp8_e5m2"):
             for spill in (True, False):
                 tag = f"{name:14} kv={kv_dtype:4} {'allocated' if spill else 'exact'}"
                 run_case(f"{tag} adversarial-slots", write_case, kv_dtype, spill, adversarial, write=write)
@@ -335,6 +335,9 @@ def main() -> int:
     attention_cases("auto", full=True)
     attention_cases("int8", full=False)
     attention_cases("fp8", full=False)
+    attention_cases("fp8_e5m2", full=False)
+    attention_cases("auto", full=False, dv=D // 2)  # MLA-shaped: V narrower than K
+    attention_cases("int8", full=False, dv=D // 2)
     cascade_split_cases("auto")
     cascade_split_cases("int8")
     failed = [r for r in RESULTS if r[1] != "ok"]
