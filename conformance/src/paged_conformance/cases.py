@@ -630,6 +630,14 @@ TABLE: tuple[Row, ...] = (
         dtype=torch.bfloat16,
         options=(("cascade", True), ("min_prefix_tokens", 16)),
     ),
+    Row(
+        "mla-int8-cascade",
+        "shared_prefix",
+        "MLA-shaped heads over an int8 cache, shared prefix, cascade on",
+        mla={"small": (64, 32), "full": (192, 128)},
+        kv_dtype="int8",
+        options=(("cascade", True), ("min_prefix_tokens", 16)),
+    ),
 )
 
 

@@ -402,9 +402,17 @@ def _draw(case: Case, device: torch.device) -> Workload:
         num_blocks, case.block_size, hkv, d, dtype=dt, kv_dtype=case.kv_dtype, device=device, head_dim_v=dv, **fixed
     )
     _garbage_(cache_before, g)
-    slots = torch.tensor(_context_slots(meta, case), dtype=torch.int64, device=device)
+    # A shared prefix's slots are in every request's context: written once, by the first request
+    # that holds them (a write with repeated slots may keep any of the values, and a quantized
+    # cache's codes and scales are separate writes).
+    flat = _context_slots(meta, case)
+    first = sorted({slot: i for i, slot in reversed(list(enumerate(flat)))}.values())
+    rows = torch.tensor(first, dtype=torch.int64)
     write_kv(
-        cache_before, torch.cat(k_ctx).to(device=device, dtype=dt), torch.cat(v_ctx).to(device=device, dtype=dt), slots
+        cache_before,
+        torch.cat(k_ctx)[rows].to(device=device, dtype=dt),
+        torch.cat(v_ctx)[rows].to(device=device, dtype=dt),
+        torch.tensor([flat[i] for i in first], dtype=torch.int64, device=device),
     )
 
     cache_after = allocate_kv_cache(

@@ -102,3 +102,30 @@ def test_a_declared_prefix_is_the_callers_promise_with_validation_off():
     q, cache, meta = _shared_batch()
     b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4, validate=False)
     assert b.plan(meta, shared_prefix_blocks=2).prefix_blocks == 2  # read as declared, unchecked
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_cascade_pass_reads_no_quantized_mla_shaped_cache(monkeypatch, kv_dtype):
+    # On the H200 the prefix pass gave wrong rows on int8 codes with head dims 64/32: such a
+    # batch runs as a normal batch, and still matches the reference.
+    import paged_triton_splitkv.backend as backend_module
+    from paged_core import write_kv
+
+    calls = []
+    real = backend_module.cascade_attention
+    monkeypatch.setattr(backend_module, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    cache = allocate_kv_cache(12, 4, 2, 64, head_dim_v=32, dtype=torch.float32, kv_dtype=kv_dtype, device=DEVICE)
+    slots = torch.arange(12 * 4, device=DEVICE)
+    write_kv(
+        cache, torch.randn(48, 2, 64, generator=g).to(DEVICE), torch.randn(48, 2, 32, generator=g).to(DEVICE), slots
+    )
+    tables = [[1, 2, 3], [1, 2, 5], [1, 2, 7]]
+    meta = BatchMeta.from_lists([1, 2, 1], [10, 11, 9], tables, block_size=4, device=DEVICE)
+    q = torch.randn(4, 4, 64, generator=g).to(DEVICE)
+    b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4)
+    plan = b.plan(meta, shared_prefix_blocks=2)
+    torch.testing.assert_close(
+        b.forward(q, cache, plan), ReferenceBackend().forward(q, cache, meta), atol=2e-4, rtol=2e-4
+    )
+    assert calls == ([1] if kv_dtype == "auto" else [])

@@ -142,7 +142,7 @@ class TritonSplitKVBackend(TritonBackend):
             plan = self._triton_plan(plan)
         meta = plan.meta
         kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
-        if plan.prefix_blocks and not window:
+        if plan.prefix_blocks and not window and not _cascade_refused(cache):
             # Recorded like every other path: the recording keeps the partials the first layer
             # allocated, and the other layers replay the suffix pass, the prefix pass and the merge
             # in order on the current stream (the first layer, and a CUDA-graph capture, run the
@@ -242,3 +242,11 @@ def _first_with_keys(seq_lens_cpu) -> int:
 
 def _shared_prefix(meta: BatchMeta) -> int:
     return shared_prefix_blocks(meta.block_table, meta.seq_lens, meta.block_size)
+
+
+def _cascade_refused(cache) -> bool:
+    """Whether the cascade pass must not read ``cache``: a quantized cache whose V head dim is not
+    K's. NVIDIA H200, Triton 3.6, 2026-12-05: the prefix pass gave wrong rows on int8 codes with
+    head dims 64/32 (scripts/sanitize.py; no memory fault), while the split and unified paths
+    were right on the same batches: such batches run as normal batches."""
+    return cache.quantized and cache.head_dim_v != cache.head_dim
