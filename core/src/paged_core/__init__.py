@@ -36,7 +36,7 @@ from ._errors import (
 from ._merge import merge_states
 from ._reference import ReferenceBackend, reference_attention
 from ._registry import Problem, Registration, Registry, registry
-from ._spec import KV_DTYPES, KV_SCALES, QUANT_FORMATS, AttentionSpec, Capabilities, KVDtype
+from ._spec import KV_DTYPES, KV_SCALES, PACKED_CODES, QUANT_FORMATS, AttentionSpec, Capabilities, KVDtype
 from .hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
@@ -62,6 +62,7 @@ __all__ = [
     "PluginError",
     "Problem",
     "QUANT_FORMATS",
+    "PACKED_CODES",
     "Q_MAX",
     "ReferenceBackend",
     "Registration",

@@ -2,12 +2,13 @@
 
 ``k: [num_blocks, block_size, num_kv_heads, head_dim]``, ``v`` the same with its own last
 dimension ``head_dim_v`` (``head_dim`` except in MLA-shaped layers). A quantized cache holds codes
-(``int8``, ``float8_e4m3fn`` or ``float8_e5m2``: ``paged_core.QUANT_FORMATS``) and float32 scales
+(``int8``, ``float8_e4m3fn``, ``float8_e5m2``, or int4 codes two to a ``uint8``, whose last
+dimension is then half the head dim: ``paged_core.QUANT_FORMATS``) and float32 scales
 ``k_scale, v_scale: [num_blocks, block_size, num_kv_heads]``, value = code * scale. The scales are
 either
 
 * **per slot** (the default): one per (slot, KV head), set by every write to ``max|x| / q_max``
-  of the vector written (127 for int8, 448 for fp8 E4M3, 57344 for fp8 E5M2): symmetric per
+  of the vector written (127 for int8, 448 for fp8 E4M3, 57344 for fp8 E5M2, 7 for int4): symmetric per
   (token, head); or
 * **static**: one per tensor or per KV head, fixed when the cache is made (:func:`static_scale`:
   a view whose block and slot strides are 0), which writes quantize with and never change: the
@@ -25,7 +26,7 @@ from typing import cast
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, QUANT_FORMATS, check_device, dtype_name
+from ._spec import KV_DTYPES, PACKED_CODES, QUANT_FORMATS, check_device, dtype_name
 
 __all__ = [
     "KVCache",
@@ -59,7 +60,7 @@ class KVCache:
     k: torch.Tensor
     #: [num_blocks, block_size, num_kv_heads, head_dim_v], like ``k`` but for its last dimension.
     v: torch.Tensor
-    #: "auto" (the model dtype), or a quantized format: "int8", "fp8" (E4M3) or "fp8_e5m2".
+    #: "auto" (the model dtype), or a quantized format: "int8", "fp8" (E4M3), "fp8_e5m2" or "int4".
     kv_dtype: str = "auto"
     #: float32 [num_blocks, block_size, num_kv_heads] for quantized caches, else None.
     k_scale: torch.Tensor | None = None
@@ -100,12 +101,12 @@ class KVCache:
 
     @property
     def head_dim(self) -> int:
-        return int(self.k.shape[3])
+        return int(self.k.shape[3]) * PACKED_CODES.get(self.kv_dtype, 1)
 
     @property
     def head_dim_v(self) -> int:
         """V's head dim, the output's: ``head_dim`` except in MLA-shaped layers."""
-        return int(self.v.shape[3])
+        return int(self.v.shape[3]) * PACKED_CODES.get(self.kv_dtype, 1)
 
     @property
     def device(self) -> torch.device:
@@ -341,9 +342,16 @@ def allocate_kv_cache(
             f"for a quantized cache only (kv_dtype {_QUANTIZED})"
         )
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
-    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    pack = PACKED_CODES.get(kv_dtype, 1)
+    for name, val in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if val % pack:
+            raise InputError(
+                f"{name} is {val}, but a {kv_dtype} cache stores {pack} codes per byte; accepted: a "
+                f"multiple of {pack} (or another kv_dtype)"
+            )
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim // pack)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
-    v = torch.zeros((*shape[:3], head_dim_v), dtype=store_dtype, device=device)
+    v = torch.zeros((*shape[:3], head_dim_v // pack), dtype=store_dtype, device=device)
     spill: tuple[torch.Tensor, ...] = (k, v)
     ks = vs = None
     if k_scale is not None:
@@ -485,8 +493,34 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
     if not code_dtype.is_floating_point:
         y = y.round()
     # Saturating: fp8 casts turn values beyond the format's range into NaN (E4M3) or inf (E5M2).
-    codes = y.clamp(-q_max, q_max).to(code_dtype)
-    return codes, scale
+    y = y.clamp(-q_max, q_max)
+    if kv_dtype in PACKED_CODES:
+        return pack_int4(y.to(torch.int8)), scale
+    return y.to(code_dtype), scale
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in ``[-8, 7]``, ``[..., 2n]``, as ``uint8 [..., n]``: element ``2i`` in the low
+    nibble of byte ``i``, ``2i + 1`` in its high nibble (two's complement).
+
+    >>> pack_int4(torch.tensor([[1, -1, 7, -7]], dtype=torch.int8)).tolist()
+    [[241, 151]]
+    """
+    if codes.shape[-1] % 2:
+        raise InputError(f"codes has a last dimension of {codes.shape[-1]}; accepted: an even number (two per byte)")
+    c = codes.to(torch.int16) & 0xF
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 codes of ``uint8 [..., n]`` packed int4 codes, ``[..., 2n]`` (:func:`pack_int4`).
+
+    >>> unpack_int4(torch.tensor([[241, 151]], dtype=torch.uint8)).tolist()
+    [[1, -1, 7, -7]]
+    """
+    b = packed.to(torch.int16)
+    both = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+    return torch.where(both > 7, both - 16, both).to(torch.int8)
 
 
 def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -510,6 +544,8 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
             f"scales is {found} but codes is {_desc(codes)} on {codes.device}; accepted: one scale "
             f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
         )
+    if codes.dtype == torch.uint8:  # int4 codes, two per byte
+        codes = unpack_int4(codes)
     return codes.float() * scales.float().unsqueeze(-1)
 
 
@@ -672,5 +708,6 @@ def kv_bytes_per_token(
     ):
         _check_size(name, val)
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
+    pack = PACKED_CODES.get(kv_dtype, 1)
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4
-    return num_layers * (num_kv_heads * (head_dim + head_dim_v) * elem + scales)
+    return num_layers * (num_kv_heads * (head_dim + head_dim_v) * elem // pack + scales)
