@@ -28,7 +28,9 @@ from paged_core import (
     allocate_kv_cache,
     dequantize_kv,
     kv_bytes_per_token,
+    pack_int4,
     quantize_kv,
+    unpack_int4,
     write_kv,
 )
 
@@ -169,8 +171,8 @@ def test_quantize_known_values():
     codes, scale = quantize_kv(torch.tensor([[57344.0, -0.375, 1.0]]), "fp8_e5m2")
     assert codes.dtype == torch.float8_e5m2
     assert scale.item() == 1.0 and codes.float().tolist() == [[57344.0, -0.375, 1.0]]
-    assert Q_MAX == {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0}
-    with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8, fp8_e5m2"):
+    assert Q_MAX == {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0, "int4": 7.0}
+    with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8, fp8_e5m2, int4"):
         quantize_kv(torch.ones(2, 4), "auto")
 
 
@@ -507,3 +509,37 @@ class _Counting:
     def allocate(self, n):
         out, self.free = self.free[:n], self.free[n:]
         return out
+
+
+def test_int4_codes_pack_two_to_a_byte_low_nibble_first():
+    codes, scale = quantize_kv(torch.tensor([[7.0, -7.0, 1.0, -0.5, 0.0, 3.0]]), "int4")
+    # Codes 7, -7, 1, -0.5 -> -0 (round half to even), 0, 3; element 2i in the low nibble.
+    assert scale.item() == 1.0 and codes.dtype == torch.uint8 and codes.shape == (1, 3)
+    assert codes.tolist() == [[0x97, 0x01, 0x30]]
+    assert unpack_int4(codes).tolist() == [[7, -7, 1, 0, 0, 3]]
+    assert dequantize_kv(codes, scale).tolist() == [[7.0, -7.0, 1.0, 0.0, 0.0, 3.0]]
+    every = torch.arange(-8, 8, dtype=torch.int8).repeat(2)
+    assert torch.equal(unpack_int4(pack_int4(every)), every)
+
+
+def test_int4_round_trip_within_half_a_step():
+    x = torch.randn(64, 4, 128, generator=torch.Generator().manual_seed(0))
+    codes, scale = quantize_kv(x, "int4")
+    assert torch.allclose(scale, x.abs().amax(-1) / 7)
+    err = (dequantize_kv(codes, scale) - x).abs()
+    assert (err <= scale[..., None] / 2 * (1 + 1e-6)).all()
+
+
+def test_an_int4_cache_stores_half_the_bytes_of_its_head_dim():
+    cache = allocate_kv_cache(3, 16, 2, 64, kv_dtype="int4", head_dim_v=32, dtype=torch.float32)
+    assert cache.k.shape == (3, 16, 2, 32) and cache.v.shape == (3, 16, 2, 16) and cache.k.dtype == torch.uint8
+    assert (cache.head_dim, cache.head_dim_v) == (64, 32)
+    assert kv_bytes_per_token(8, 128, kv_dtype="int4") == 8 * 128 + 2 * 8 * 4
+    with pytest.raises(
+        InputError, match="head_dim is 63, but a int4 cache stores 2 codes per byte; accepted: a multiple of 2"
+    ):
+        allocate_kv_cache(3, 16, 2, 63, kv_dtype="int4")
+    x = torch.randn(5, 2, 64)
+    write_kv(cache, x, x[..., :32], torch.tensor([0, 3, 17, -1, 47]))
+    k, v = cache.dequantized()
+    assert (k.reshape(-1, 2, 64)[[0, 3, 17, 47]] - x[[0, 1, 2, 4]]).abs().max() <= x.abs().max() / 14 + 1e-6

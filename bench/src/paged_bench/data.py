@@ -55,7 +55,7 @@ class CaseData:
 
 
 def _fill_cache(cache: KVCache, gen_seed: int) -> None:
-    """Random K/V (never zeros): randn directly, or quantize_kv codes + scales for int8/fp8."""
+    """Random K/V (never zeros): randn directly, or quantize_kv codes + scales for quantized caches."""
     torch.manual_seed(gen_seed)
     if not cache.quantized:
         cache.k.normal_()
@@ -67,10 +67,12 @@ def _fill_cache(cache: KVCache, gen_seed: int) -> None:
         for a in range(0, nb, step):
             b = min(nb, a + step)
             assert sdst is not None  # a quantized cache has scales
-            x = torch.randn((b - a, *dst.shape[1:]), dtype=cache.dtype, device=dst.device)
+            # The values' head dim: the codes' last dimension, twice it for int4 (two a byte).
+            width = dst.shape[-1] * (2 if dst.dtype == torch.uint8 else 1)
+            x = torch.randn((b - a, *dst.shape[1:-1], width), dtype=cache.dtype, device=dst.device)
             # Static scales: codes of x / scale (one per KV head), the scales left as they are.
             codes, scales = quantize_kv(x, cache.kv_dtype, sdst[0, 0] if cache.static_scales else None)
-            if dst.dtype == torch.float8_e4m3fn:  # CPU index/copy kernels lack float8: move bytes
+            if dst.element_size() == 1 and dst.dtype.is_floating_point:  # CPU copies lack float8: bytes
                 dst.view(torch.uint8)[a:b].copy_(codes.view(torch.uint8))
             else:
                 dst[a:b].copy_(codes)

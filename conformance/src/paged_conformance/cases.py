@@ -501,6 +501,15 @@ TABLE: tuple[Row, ...] = (
         kv_scales="per_tensor",
         cache_layout="kv_interleaved",
     ),
+    Row("kv_int4", "mixed", "int4 cache (two codes a byte) with per-token, per-head scales", kv_dtype="int4"),
+    Row("kv_int4-decode_only", "decode", "int4 cache, decode only", kv_dtype="int4"),
+    Row(
+        "kv_int4-mla",
+        "mixed",
+        "int4 cache, MLA-shaped heads",
+        kv_dtype="int4",
+        mla={"small": (64, 32), "full": (192, 128)},
+    ),
     Row("kv_fp8_e5m2", "mixed", "fp8 E5M2 cache with per-token, per-head scales", kv_dtype="fp8_e5m2"),
     Row("kv_fp8_e5m2-decode_only", "decode", "fp8 E5M2 cache, decode only", kv_dtype="fp8_e5m2"),
     Row(

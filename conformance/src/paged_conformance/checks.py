@@ -357,9 +357,9 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
             )
         got = dequantize_kv(rows(codes), rows(scale)).double()
         want = dequantize_kv(rows(ref_codes), rows(ref_scale)).double()
-        # One code step: the scale for int8; for fp8 one ulp (2**-m relative for m mantissa
+        # One code step: the scale for int8 and int4; for fp8 one ulp (2**-m relative for m mantissa
         # bits, plus the subnormal spacing in units of the scale).
-        if case.kv_dtype == "int8":
+        if case.kv_dtype in ("int8", "int4"):
             step = want_scale[..., None] * (1 + 1e-5)
         else:
             ulp, subnormal = _FP8_STEP[case.kv_dtype]

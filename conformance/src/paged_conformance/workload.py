@@ -306,6 +306,8 @@ def _garbage_(cache: KVCache, g: torch.Generator) -> None:
             val = torch.rand(shape, generator=g) * 0.04 + 0.01
         elif cache.kv_dtype == "int8":
             val = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        elif cache.kv_dtype == "int4":
+            val = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)  # two codes a byte
         elif cache.kv_dtype in ("fp8", "fp8_e5m2"):
             code_dtype, q_max = QUANT_FORMATS[cache.kv_dtype]
             val = (torch.randn(shape, generator=g) * (q_max / 7)).clamp(-q_max, q_max).to(code_dtype)

@@ -19,8 +19,10 @@ from ._cache import (
     check_write_inputs,
     dequantize_kv,
     kv_bytes_per_token,
+    pack_int4,
     quantize_kv,
     static_scale,
+    unpack_int4,
     write_kv,
 )
 from ._convert import FlashAttnArgs, FlashInferPages, to_flash_attn_args, to_flashinfer_pages
@@ -71,6 +73,8 @@ __all__ = [
     "allocate_kv_cache",
     "check_write_inputs",
     "dequantize_kv",
+    "pack_int4",
+    "unpack_int4",
     "hookimpl",
     "kv_bytes_per_token",
     "merge_states",

@@ -35,6 +35,8 @@ __all__ = [
     "check_write_inputs",
     "quantize_kv",
     "dequantize_kv",
+    "pack_int4",
+    "unpack_int4",
     "kv_bytes_per_token",
     "static_scale",
     "Q_MAX",

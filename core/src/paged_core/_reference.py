@@ -15,7 +15,7 @@ import torch
 
 from ._backend import Backend
 from ._batch import BatchMeta
-from ._cache import KVCache
+from ._cache import KVCache, unpack_int4
 from ._errors import InputError
 from ._spec import KV_DTYPES, KV_SCALES, Capabilities
 
@@ -100,8 +100,9 @@ def reference_attention(
         # Dequantize in compute_dtype: code * scale needs ~31 bits, so a float32 product would
         # round the values a float64 oracle is meant to use exactly.
         k_scale, v_scale = cache._scales()
-        kf = cache.k.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
-        vf = cache.v.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
+        kc, vc = (unpack_int4(t) if t.dtype == torch.uint8 else t for t in (cache.k, cache.v))
+        kf = kc.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
+        vf = vc.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
     else:
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)
     out = torch.zeros(n, hq, dv, dtype=compute_dtype, device=q.device)

@@ -14,7 +14,7 @@ seen no visible key has ``m == -inf`` and ``l == 0``; its output is zeros and it
 * 8-bit caches (:func:`codes_to`): int8 codes, or fp8 codes (e4m3 or e5m2) that travel as
   ``uint8`` (the CPU interpreter has no float8 pointers) and are bitcast here. Codes convert exactly to
   fp16/bf16, so a dot on raw codes loses nothing; scales are applied by the caller to scores or
-  probabilities.
+  probabilities. int4 codes (:func:`int4_codes`) come two to a byte and unpack to int8 codes.
 * The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile.
 * The interpreter switch (:func:`upcast`): the interpreter of Triton 3.9 stores bfloat16 as raw
   16-bit integers and silently computes garbage on any bf16 value not first converted with
@@ -32,6 +32,7 @@ __all__ = [
     "block_ok",
     "codes_to",
     "fold_sink",
+    "int4_codes",
     "natural_lse",
     "sink_weight",
     "soft_cap",
@@ -82,6 +83,16 @@ def codes_to(x, dtype, FP8: tl.constexpr):
     elif FP8:
         x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def int4_codes(x):
+    """Packed int4 codes ``[R, C]`` (uint8: element ``2c`` in the low nibble of byte ``c``, ``2c +
+    1`` in its high nibble, two's complement; ``paged_core.pack_int4``) as int8 codes ``[R, 2C]``."""
+    b = x.to(tl.int8, bitcast=True)
+    lo = (b << 4) >> 4  # arithmetic shifts sign-extend each nibble
+    hi = b >> 4
+    return tl.reshape(tl.join(lo, hi), (x.shape[0], 2 * x.shape[1]))
 
 
 @triton.jit

@@ -238,7 +238,9 @@ class _Plan:
         # Without the interpreter Triton runs on GPUs only: elsewhere the PyTorch write does the
         # same work (DirectKernel launches on CUDA devices).
         self.torch_path = cache.device.type != "cuda" and not (INTERPRET and cache.device.type == "cpu")
-        kv_quant, q_max = _QUANT[cache.kv_dtype]
+        # int4 codes pack two elements per byte: written by the PyTorch path.
+        self.torch_path = self.torch_path or cache.kv_dtype not in _QUANT
+        kv_quant, q_max = _QUANT.get(cache.kv_dtype, (0, 1.0))
         self.kv_quant = kv_quant
         ks_strides: tuple[int, ...] = (0, 0, 0)
         vs_strides: tuple[int, ...] = (0, 0, 0)

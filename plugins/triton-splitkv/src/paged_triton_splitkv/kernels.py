@@ -29,6 +29,7 @@ from paged_triton_common.tiles import (
     block_ok,
     codes_to,
     fold_sink,
+    int4_codes,
     natural_lse,
     sink_weight,
     soft_cap,
@@ -86,15 +87,29 @@ def _attend_tile(
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    INT4: tl.constexpr = False,  # int4 codes two per byte: the cache's last dimension is half of
+    HEAD_DIM: tl.constexpr = 0,  # these head dims (read only for INT4)
+    HEAD_DIM_PAD: tl.constexpr = 0,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
     # K is loaded already transposed so the score tile is a plain q @ kt.
-    kt = tl.load(
-        k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
-        mask=key_ok[None, :] & d_mask[:, None],
-        other=0,
-    )  # [HEAD_DIM_PAD, BLOCK_N]
+    if INT4:
+        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
+        kp = tl.load(
+            k_cache_ptr + k_off[:, None] + offs_h[None, :] * stride_k_d,
+            mask=key_ok[:, None] & (offs_h < HEAD_DIM // 2)[None, :],
+            other=0,
+        )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
+        kt = tl.trans(int4_codes(kp))
+    else:
+        kt = tl.load(
+            k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
+            mask=key_ok[None, :] & d_mask[:, None],
+            other=0,
+        )  # [HEAD_DIM_PAD, BLOCK_N]
     # int8 and fp8 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
@@ -112,11 +127,21 @@ def _attend_tile(
     p, alpha, l_i, m_new = softmax_step(s, m_i, l_i, 1.0, MAY_BE_EMPTY=True, RAW=False)
 
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
-    v = tl.load(
-        v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_v_d,
-        mask=key_ok[:, None] & dv_mask[None, :],
-        other=0,
-    )  # [BLOCK_N, HEAD_DIM_V_PAD]
+    if INT4:
+        offs_hv = tl.arange(0, HEAD_DIM_V_PAD // 2)
+        v = int4_codes(
+            tl.load(
+                v_cache_ptr + v_off[:, None] + offs_hv[None, :] * stride_v_d,
+                mask=key_ok[:, None] & (offs_hv < HEAD_DIM_V // 2)[None, :],
+                other=0,
+            )
+        )
+    else:
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_v_d,
+            mask=key_ok[:, None] & dv_mask[None, :],
+            other=0,
+        )  # [BLOCK_N, HEAD_DIM_V_PAD]
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
@@ -349,6 +374,7 @@ def split_kv_attention_kernel(
     FIXED_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
+    INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -505,6 +531,11 @@ def split_kv_attention_kernel(
             V_SCALE_ON_P,
             USE_SOFTCAP,
             DOT_PRECISION,
+            INT4=INT4,
+            HEAD_DIM=HEAD_DIM,
+            HEAD_DIM_PAD=HEAD_DIM_PAD,
+            HEAD_DIM_V=HEAD_DIM_V,
+            HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
         )
 
     if DIRECT_OUT:
@@ -675,6 +706,7 @@ def cascade_prefix_kernel(
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
+    INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -787,6 +819,11 @@ def cascade_prefix_kernel(
             V_SCALE_ON_P,
             USE_SOFTCAP,
             DOT_PRECISION,
+            INT4=INT4,
+            HEAD_DIM=HEAD_DIM,
+            HEAD_DIM_PAD=HEAD_DIM_PAD,
+            HEAD_DIM_V=HEAD_DIM_V,
+            HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
         )
 
     _store_partial(

@@ -53,7 +53,8 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # fp8 code dtypes -> the kernels' FP8 (the format codes_to bitcasts the bytes to).
 _FP8_FORMATS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
-_QUANT_DTYPES = (torch.int8, *_FP8_FORMATS)
+# uint8: int4 codes, two per byte (the cache's last dimension is half the head dim).
+_QUANT_DTYPES = (torch.int8, *_FP8_FORMATS, torch.uint8)
 
 # choose_num_splits: two programs per SM, three (as many as fit on one at the split kernel's
 # ~70 KB of shared memory) for many (request, KV head) pairs with long splits, and only for
@@ -121,6 +122,11 @@ def _pow2_at_least(x: int, floor: int) -> int:
     return max(floor, _next_power_of_2(x))
 
 
+def _head_dim_v(v_cache: torch.Tensor) -> int:
+    """V's head dim: the cache's last dimension, twice that for int4 codes (two per byte)."""
+    return v_cache.shape[3] * (2 if v_cache.dtype == torch.uint8 else 1)
+
+
 def _kv_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -131,6 +137,7 @@ def _kv_args(
     """Cache pointers, strides and dtype switches common to the attention kernels."""
     quant = k_cache.dtype in _QUANT_DTYPES
     fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
+    pack = 2 if k_cache.dtype == torch.uint8 else 1
     if fp8:
         # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
@@ -161,11 +168,12 @@ def _kv_args(
         HEAD_DIM=q.shape[2],
         HEAD_DIM_PAD=_pow2_at_least(q.shape[2], 16),
         # V's head dim (MLA-shaped layers) sizes the PV tile, the accumulator and the outputs.
-        HEAD_DIM_V=v_cache.shape[3],
-        HEAD_DIM_V_PAD=_pow2_at_least(v_cache.shape[3], 16),
+        HEAD_DIM_V=_head_dim_v(v_cache),
+        HEAD_DIM_V_PAD=_pow2_at_least(_head_dim_v(v_cache), 16),
         BLOCK_SIZE=k_cache.shape[1],
         QUANT=quant,
         FP8=fp8,
+        INT4=pack == 2,
         # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
         # subnormals for small scales, so fp16 dequantizes V itself.
         V_SCALE_ON_P=quant and q.dtype != torch.float16,
@@ -346,7 +354,7 @@ def split_decode_attention(
     # Several splits: one launch, whose last program per (request, KV head) merges the partials
     # (split_kv_attention_kernel's FUSED_MERGE). The counters reset themselves, so zeroing them
     # once per workspace is enough: a recorded or captured call keeps its workspace.
-    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, v_cache.shape[3], q.device)
+    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, _head_dim_v(v_cache), q.device)
     counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
         q,
@@ -758,7 +766,7 @@ def cascade_attention(
         device=q.device,
     )
     num_parts = num_splits + prefix_splits
-    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, v_cache.shape[3], q.device)
+    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, _head_dim_v(v_cache), q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
     # The suffix and prefix passes share nothing until the merge: on a GPU the prefix pass runs on

@@ -26,7 +26,7 @@ class TritonUnifiedBackend(TritonBackend):
         head_dim_pairs=None,
         block_sizes=frozenset(SUPPORTED_BLOCK_SIZES),
         # Named, not paged_core.KV_DTYPES: a format core adds is claimed once the kernels read it.
-        kv_dtypes=frozenset({"auto", "int8", "fp8", "fp8_e5m2"}),
+        kv_dtypes=frozenset({"auto", "int8", "fp8", "fp8_e5m2", "int4"}),
         kv_scales=frozenset(KV_SCALES),
         dtypes=frozenset(SUPPORTED_DTYPES),
         devices=frozenset({"cpu", "cuda"}),

@@ -31,6 +31,7 @@ from paged_triton_common.tiles import (
     block_ok,
     codes_to,
     fold_sink,
+    int4_codes,
     natural_lse,
     soft_cap,
     softmax_step,
@@ -147,6 +148,10 @@ def _attend_step(
     D_PADDED: tl.constexpr,  # HEAD_DIM_PAD > HEAD_DIM: d_mask has false lanes
     DV_PADDED: tl.constexpr,  # HEAD_DIM_V_PAD > HEAD_DIM_V: dv_mask has false lanes
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr = 0,  # read only for int4 codes (KV_QUANT 4): the packed lanes
+    HEAD_DIM_PAD: tl.constexpr = 0,
+    HEAD_DIM_V: tl.constexpr = 0,
+    HEAD_DIM_V_PAD: tl.constexpr = 0,
 ):
     """Fold BLOCK_N keys starting at ``start_n`` into the online softmax state of one tile."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
@@ -173,11 +178,18 @@ def _attend_step(
     block = block.to(tl.int64)
     in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
     MASK_V: tl.constexpr = MASKED or DV_PADDED
-    FP8: tl.constexpr = KV_QUANT - 1 if KV_QUANT >= 2 else 0  # codes_to's format (tiles.FP8_E4M3/E5M2)
+    INT4: tl.constexpr = KV_QUANT == 4  # int4 codes, two per byte
+    FP8: tl.constexpr = KV_QUANT - 1 if KV_QUANT == 2 else (2 if KV_QUANT == 3 else 0)  # codes_to's format
 
     # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
     k_offs = block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h  # [BLOCK_N]
-    if D_PADDED:
+    if INT4:
+        offs_h = tl.arange(0, HEAD_DIM_PAD // 2)
+        kp = tl.load(
+            k_cache_ptr + k_offs[:, None] + offs_h[None, :], mask=(offs_h < HEAD_DIM // 2)[None, :], other=0
+        )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
+        k = tl.trans(int4_codes(kp))
+    elif D_PADDED:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
     else:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
@@ -213,7 +225,13 @@ def _attend_step(
 
     # V: [BLOCK_N, HEAD_DIM_V_PAD]
     v_offs = block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h
-    if MASK_V:
+    if INT4:
+        offs_hv = tl.arange(0, HEAD_DIM_V_PAD // 2)
+        hv_mask = (offs_hv < HEAD_DIM_V // 2)[None, :]
+        if MASKED:
+            hv_mask = hv_mask & key_ok[:, None]
+        v = int4_codes(tl.load(v_cache_ptr + v_offs[:, None] + offs_hv[None, :], mask=hv_mask, other=0))
+    elif MASK_V:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
     else:
         v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
@@ -396,7 +414,8 @@ def _tile_program(
                 MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
                 QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
                 D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DV_PADDED=HEAD_DIM_V_PAD != HEAD_DIM_V,
-                DOT_PRECISION=DOT_PRECISION,
+                DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+                HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
             )  # fmt: skip
 
     # l == 0 exactly when the row saw no visible key (otherwise its max key adds exp2(~0) ~ 1):
@@ -637,7 +656,7 @@ def unified_attention_kernel(
     BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (FUSED only)
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
-    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8)
+    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8), 4: int4
     QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native fp8 -> fp16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,

@@ -34,9 +34,10 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The cache holds either q's dtype or quantized codes with float32 scales per (slot, KV head).
-SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-# The kernels' KV_QUANT per code dtype: 1 int8; 2 fp8 e4m3 and 3 fp8 e5m2, codes as uint8.
-_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+# The kernels' KV_QUANT per code dtype: 1 int8; 2 fp8 e4m3 and 3 fp8 e5m2, codes as uint8; 4 int4
+# codes two per uint8 (the cache's last dimension is half the head dim).
+_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.uint8: 4}
 
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
@@ -283,7 +284,7 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_power_of_2(group)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
-    head_dim_v = v_cache.shape[3]
+    head_dim_v = v_cache.shape[3] * (2 if v_cache.dtype == torch.uint8 else 1)  # int4: two codes a byte
     head_dim_v_pad = head_dim_pad if head_dim_v == head_dim else max(16, _next_power_of_2(head_dim_v))
     num_sms = sm_count(q.device)
     if config is None:
