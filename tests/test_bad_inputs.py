@@ -198,12 +198,12 @@ def test_allocate_kv_cache_refuses_non_ints(bad):
     ("kwargs", "needle"),
     [
         (dict(dtype=torch.float64), "dtype torch.float64 is not supported; accepted: float32, float16, bfloat16"),
-        (dict(kv_dtype="int4"), "kv_dtype 'int4' is not one of auto, int8, fp8, fp8_e5m2"),
+        (dict(kv_dtype="int2"), "kv_dtype 'int2' is not one of auto, int8, fp8, fp8_e5m2, int4, kivi4"),
         (dict(num_layers=0), "num_layers is 0; accepted: a positive int"),
     ],
 )
 def test_kv_bytes_per_token_refuses(kwargs, needle):
-    # float64 used to be a KeyError, "int4" returned a number.
+    # float64 used to be a KeyError, an unknown format returned a number.
     with pytest.raises(InputError) as exc:
         kv_bytes_per_token(8, 128, **kwargs)
     assert needle in str(exc.value)
@@ -372,7 +372,7 @@ def test_plan_refuses_a_spec_before_the_backend_plans():
         ),
         (dict(num_heads=0), "num_heads is 0; accepted: a positive int"),
         (dict(dtype="bf16"), "dtype is 'bf16'; accepted: a torch.dtype"),
-        (dict(kv_dtype="int4"), "kv_dtype is 'int4'; accepted: auto, int8, fp8, fp8_e5m2"),
+        (dict(kv_dtype="int2"), "kv_dtype is 'int2'; accepted: auto, int8, fp8, fp8_e5m2, int4, kivi4"),
         (dict(window=-2), "window is -2; accepted: 0 (no window) or a positive int"),
         (dict(softcap=math.inf), "softcap is inf; accepted: 0 (off) or a positive finite float"),
         (dict(scale="x"), "scale is 'x'; accepted: None (head_dim ** -0.5) or a finite float"),

@@ -13,7 +13,7 @@ from paged_core import Registry, _cli, hookimpl
 
 REFERENCE_CAPS = (
     "head_dim any; head_dim_v any; block any; group any; dtype bfloat16,float16,float32; "
-    "kv auto,fp8,fp8_e5m2,int4,int8 (scales per_head,per_slot,per_tensor); mixed; cpu,cuda; "
+    "kv auto,fp8,fp8_e5m2,int4,int8,kivi4 (scales per_head,per_slot,per_tensor); mixed; cpu,cuda; "
     "window, softcap, sinks, lse, device-plan, batch-invariant"
 )
 GOOD_CAPS = "head_dim 16; block 8,16; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"

@@ -680,7 +680,7 @@ def hand_built(kind, cache):
             return None
         return dataclasses.replace(cache, k_scale=cache.k_scale[..., None], _spill=None)
     if kind == "kv_dtype-unknown":
-        return dataclasses.replace(cache, kv_dtype="int4", _spill=None)
+        return dataclasses.replace(cache, kv_dtype="int2", _spill=None)
     if kind == "dtype-not-a-dtype":
         return dataclasses.replace(cache, dtype="bf16", _spill=None)
     if kind == "k-list":

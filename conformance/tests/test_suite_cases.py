@@ -33,7 +33,7 @@ def test_the_table_covers_the_promised_features(size):
     assert {c.group_size for c in table if c.id.startswith("mixed")} == {4, 3, 1}
     assert {16, 32, 64, 256} <= {c.block_size for c in table}
     assert {64, 96, 128, 256} <= {c.head_dim for c in table}
-    assert {c.kv_dtype for c in table} == {"auto", "int8", "fp8", "fp8_e5m2"}
+    assert {c.kv_dtype for c in table} == {"auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi4"}
     assert {c.dtype for c in table} == {torch.float32, torch.float16, torch.bfloat16}
     assert {dict(c.options).get("num_splits") for c in table} == {None, 1, 3, 8}
     window = get_case("sliding_window", size)

@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of text scored (default 2048)")
     p.add_argument("--chunk", type=int, default=128, help="chunked-prefill size: transformers' max_batch_tokens")
     p.add_argument("--backends", default="", help="paged backends (default: reference, and triton-unified on a GPU)")
-    p.add_argument("--kv-dtypes", default="auto,int8,fp8,fp8_e5m2")
+    p.add_argument("--kv-dtypes", default="auto,int8,fp8,fp8_e5m2,int4")
     p.add_argument("--json", default="", help="also write the rows to this file")
     return p.parse_args(argv)
 

@@ -510,6 +510,13 @@ TABLE: tuple[Row, ...] = (
         kv_dtype="int4",
         mla={"small": (64, 32), "full": (192, 128)},
     ),
+    Row(
+        "kv_kivi4",
+        "mixed",
+        "kivi4 cache: int4 keys scaled per (block, channel), int4 values per (token, head)",
+        kv_dtype="kivi4",
+    ),
+    Row("kv_kivi4-decode_only", "decode", "kivi4 cache, decode only (each write rescales a block)", kv_dtype="kivi4"),
     Row("kv_fp8_e5m2", "mixed", "fp8 E5M2 cache with per-token, per-head scales", kv_dtype="fp8_e5m2"),
     Row("kv_fp8_e5m2-decode_only", "decode", "fp8 E5M2 cache, decode only", kv_dtype="fp8_e5m2"),
     Row(

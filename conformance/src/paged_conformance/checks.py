@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from paged_core import (
+    PER_CHANNEL_KEYS,
     Q_MAX,
     Backend,
     Capabilities,
@@ -276,6 +277,24 @@ def _quantization_bound(case: Case, wl: Workload, full: Workload) -> Tolerance:
     return bound.scaled(max(1.0, static_step / float(per_slot_steps.float().median())))
 
 
+def _per_channel_write_is_write_kv(backend: Backend, wl: Workload, cache: KVCache, tag: str) -> CheckResult:
+    """A write to a cache whose key scales are per block and channel (``kivi4``) rescales the
+    written blocks' earlier keys, so it is defined by what ``paged_core.write_kv`` stores: the
+    backend's write must leave every byte as write_kv leaves it (the other blocks untouched)."""
+    want = wl.fresh_cache(backend)
+    write_kv(want, wl.k_new, wl.v_new, wl.meta.slot_mapping)
+    for name, t in storage(cache).items():
+        ref = storage(want)[name]
+        if not torch.equal(t, ref):
+            where = (t != ref).nonzero()[0].tolist()
+            raise ConformanceFailure(
+                f"{tag} write() of a {wl.case.kv_dtype} cache left cache.{name} different from "
+                f"paged_core.write_kv's at index {where}; its writes rescale each written block's keys, "
+                "and a backend's write must store exactly what write_kv stores"
+            )
+    return CheckResult(max_error=0.0)
+
+
 #: One code of each fp8 format: (relative spacing of its normals, 2**-mantissa bits; the
 #: spacing of its subnormals).
 _FP8_STEP = {"fp8": (2**-3, 2**-9), "fp8_e5m2": (2**-2, 2**-16)}
@@ -287,12 +306,14 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
     cache = wl.fresh_cache(backend)
     before = {n: t.clone() for n, t in storage(cache).items()}
     backend.write(cache, wl.k_new, wl.v_new, wl.meta)
+    tag = f"[{backend.name}/{case.id}]"
+    if case.kv_dtype in PER_CHANNEL_KEYS:
+        return _per_channel_write_is_write_kv(backend, wl, cache, tag)
     after = storage(cache)
     slot_mapping = wl.meta.slot_mapping.cpu()
     src_rows = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[src_rows]
     num_slots = wl.num_blocks * case.block_size
-    tag = f"[{backend.name}/{case.id}]"
 
     # 1. Nothing outside this step's slots changed: padding rows (slot -1) write nothing.
     for name, t in after.items():

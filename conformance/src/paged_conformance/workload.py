@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 from paged_core import (
+    PACKED_CODES,
+    PER_CHANNEL_KEYS,
     Q_MAX,
     QUANT_FORMATS,
     Backend,
@@ -242,8 +244,9 @@ def laid_out_cache(
     ``head_dim_v`` (V's own head dim) is for ``"hnd_view"`` only: one pool holds one head dim.
     """
     store = dtype if kv_dtype == "auto" else QUANT_FORMATS[kv_dtype][0]
-    nb, bs, h, d = num_blocks, block_size, num_kv_heads, head_dim
-    dv = d if head_dim_v is None else head_dim_v
+    pack = PACKED_CODES.get(kv_dtype, 1)  # int4 codes: two a byte
+    nb, bs, h = num_blocks, block_size, num_kv_heads
+    d, dv = head_dim // pack, (head_dim if head_dim_v is None else head_dim_v) // pack
     if layout == "kv_interleaved" and dv != d:
         raise ValueError(f"cache layout kv_interleaved holds one head dim; head_dim {d}, head_dim_v {dv}")
     if layout == "kv_interleaved":
@@ -257,6 +260,8 @@ def laid_out_cache(
     else:
         raise ValueError(f"cache layout {layout!r}; accepted: kv_interleaved, hnd_view")
     quantized = kv_dtype != "auto"
+    if kv_dtype in PER_CHANNEL_KEYS:  # one key scale per (block, KV head, channel)
+        ks = torch.zeros(nb, h, head_dim, dtype=torch.float32, device=device)
     if quantized and k_scale is not None and v_scale is not None:
         ks, vs = static_scale(k_scale, k, name="k_scale"), static_scale(v_scale, v, name="v_scale")
     return KVCache(
@@ -306,7 +311,7 @@ def _garbage_(cache: KVCache, g: torch.Generator) -> None:
             val = torch.rand(shape, generator=g) * 0.04 + 0.01
         elif cache.kv_dtype == "int8":
             val = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
-        elif cache.kv_dtype == "int4":
+        elif cache.kv_dtype in PACKED_CODES:
             val = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)  # two codes a byte
         elif cache.kv_dtype in ("fp8", "fp8_e5m2"):
             code_dtype, q_max = QUANT_FORMATS[cache.kv_dtype]

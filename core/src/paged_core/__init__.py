@@ -38,7 +38,16 @@ from ._errors import (
 from ._merge import merge_states
 from ._reference import ReferenceBackend, reference_attention
 from ._registry import Problem, Registration, Registry, registry
-from ._spec import KV_DTYPES, KV_SCALES, PACKED_CODES, QUANT_FORMATS, AttentionSpec, Capabilities, KVDtype
+from ._spec import (
+    KV_DTYPES,
+    KV_SCALES,
+    PACKED_CODES,
+    PER_CHANNEL_KEYS,
+    QUANT_FORMATS,
+    AttentionSpec,
+    Capabilities,
+    KVDtype,
+)
 from .hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
@@ -65,6 +74,7 @@ __all__ = [
     "Problem",
     "QUANT_FORMATS",
     "PACKED_CODES",
+    "PER_CHANNEL_KEYS",
     "Q_MAX",
     "ReferenceBackend",
     "Registration",

@@ -10,6 +10,10 @@ either
 * **per slot** (the default): one per (slot, KV head), set by every write to ``max|x| / q_max``
   of the vector written (127 for int8, 448 for fp8 E4M3, 57344 for fp8 E5M2, 7 for int4): symmetric per
   (token, head); or
+* **per channel for keys** (``kivi4``): ``k_scale: [num_blocks, num_kv_heads, head_dim]``, one per
+  (block, KV head, channel), the largest ``|k| / 7`` of each channel over the block's keys so far
+  (a write that raises it requantizes the block's earlier keys; a write at slot 0 of a block
+  starts it afresh); ``v_scale`` per slot as above; or
 * **static**: one per tensor or per KV head, fixed when the cache is made (:func:`static_scale`:
   a view whose block and slot strides are 0), which writes quantize with and never change: the
   format of vLLM's and SGLang's fp8 KV caches (``x / k_scale`` with one calibrated scale).
@@ -26,7 +30,7 @@ from typing import cast
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, PACKED_CODES, QUANT_FORMATS, check_device, dtype_name
+from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_device, dtype_name
 
 __all__ = [
     "KVCache",
@@ -122,7 +126,12 @@ class KVCache:
     def static_scales(self) -> bool:
         """Whether a quantized cache's scales are static (:func:`static_scale`): fixed, one per
         tensor or KV head, which writes quantize with and leave unchanged."""
-        return self.quantized and isinstance(self.k_scale, torch.Tensor) and _is_static(self.k_scale)
+        return (
+            self.quantized
+            and self.kv_dtype not in PER_CHANNEL_KEYS
+            and isinstance(self.k_scale, torch.Tensor)
+            and _is_static(self.k_scale)
+        )
 
     @property
     def kv_scales(self) -> str:
@@ -192,9 +201,12 @@ class KVCache:
                 f"{self.k.device}; accepted: v of k's [num_blocks, block_size, num_kv_heads], dtype and "
                 "device (its head dim may differ from k's)"
             )
-        want = tuple(self.k.shape[:3])
+        slot_scales = tuple(self.k.shape[:3])
         for name in ("k_scale", "v_scale"):
             t = getattr(self, name)
+            per_channel = name == "k_scale" and self.kv_dtype in PER_CHANNEL_KEYS
+            want = (self.k.shape[0], self.k.shape[2], self.head_dim) if per_channel else slot_scales
+            layout = "[num_blocks, num_kv_heads, head_dim]" if per_channel else "[num_blocks, block_size, num_kv_heads]"
             if not self.quantized:
                 if t is not None:
                     raise InputError(
@@ -217,9 +229,16 @@ class KVCache:
                 )
                 raise InputError(
                     f"cache.{name} is {found}; an {self.kv_dtype} cache needs float32 "
-                    f"[num_blocks, block_size, num_kv_heads] = {list(want)} on {self.k.device} "
+                    f"{layout} = {list(want)} on {self.k.device} "
                     "(allocate it with allocate_kv_cache(..., kv_dtype=...))"
                 )
+            if per_channel:
+                if 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1] or t.stride(-1) != 1:
+                    raise InputError(
+                        f"cache.{name} has strides {tuple(t.stride())} for shape {list(t.shape)}; accepted: "
+                        "an element of its own for each (block, KV head, channel), channels contiguous"
+                    )
+                continue
             # Per-slot scales are written by every write: they need one element each (an
             # expanded view would make the writes of different slots land on one float).
             if not _is_static(t) and 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1]:
@@ -228,8 +247,10 @@ class KVCache:
                     "per-slot scales with an element of their own for each (slot, KV head), or static "
                     "scales whose block and slot strides are 0 (paged_core.static_scale)"
                 )
-        if self.quantized and _is_static(cast(torch.Tensor, self.k_scale)) != _is_static(
-            cast(torch.Tensor, self.v_scale)
+        if (
+            self.quantized
+            and self.kv_dtype not in PER_CHANNEL_KEYS
+            and _is_static(cast(torch.Tensor, self.k_scale)) != _is_static(cast(torch.Tensor, self.v_scale))
         ):
             kinds = [
                 "static" if _is_static(cast(torch.Tensor, t)) else "per slot" for t in (self.k_scale, self.v_scale)
@@ -287,6 +308,8 @@ class KVCache:
         if not self.quantized:
             return self.k.float(), self.v.float()
         k_scale, v_scale = self._scales()
+        if self.kv_dtype in PER_CHANNEL_KEYS:
+            return unpack_int4(self.k).float() * k_scale[:, None].float(), dequantize_kv(self.v, v_scale)
         return dequantize_kv(self.k, k_scale), dequantize_kv(self.v, v_scale)
 
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,6 +361,11 @@ def allocate_kv_cache(
             "k_scale is given but v_scale is not (or the other way); accepted: both static "
             "scales, or neither (per-slot scales set by each write)"
         )
+    if k_scale is not None and kv_dtype in PER_CHANNEL_KEYS:
+        raise InputError(
+            f"k_scale/v_scale are given for a {kv_dtype} cache; accepted: none ({kv_dtype} scales keys per "
+            "block and channel and values per slot, set by each write)"
+        )
     if k_scale is not None and kv_dtype == "auto":
         raise InputError(
             "k_scale/v_scale are given for a kv_dtype 'auto' cache; accepted: static scales "
@@ -359,6 +387,10 @@ def allocate_kv_cache(
     if k_scale is not None:
         ks = static_scale(k_scale, k, name="k_scale")
         vs = static_scale(cast(float | torch.Tensor, v_scale), v, name="v_scale")
+        spill = (k, v, ks, vs)
+    elif kv_dtype in PER_CHANNEL_KEYS:
+        ks = torch.zeros((shape[0], num_kv_heads, head_dim), dtype=torch.float32, device=device)
+        vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)
         spill = (k, v, ks, vs)
     elif kv_dtype != "auto":
         ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
@@ -466,8 +498,11 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
     >>> quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8", torch.tensor(0.01))[0].tolist()
     [[100, -127, 50]]
     """
-    if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX:
-        raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to; accepted: {_QUANTIZED}")
+    if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX or kv_dtype in PER_CHANNEL_KEYS:
+        per_block = isinstance(kv_dtype, str) and kv_dtype in PER_CHANNEL_KEYS
+        extra = f" ({kv_dtype} scales keys per block: write_kv quantizes them)" if per_block else ""
+        accepted = ", ".join(f for f in QUANT_FORMATS if f not in PER_CHANNEL_KEYS)
+        raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to{extra}; accepted: {accepted}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
         found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
@@ -653,6 +688,10 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     num_slots = cache.num_blocks * bs
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_slots)
+    if cache.kv_dtype in PER_CHANNEL_KEYS:
+        keep = valid.nonzero().squeeze(1)  # a sync: this path has no spill block
+        _write_per_channel_keys(cache, k[keep], v[keep], slots[keep])
+        return
     if cache.static_scales:
         # Quantized with the cache's fixed scales (one per KV head), which stay as they are.
         k_scale, v_scale = cache._scales()
@@ -684,6 +723,45 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
             _as_bytes(views[i]).index_put_((blk, off), _as_bytes(src)[keep])
 
 
+def _write_per_channel_keys(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """``kivi4`` writes of valid ``slots``: values per (slot, KV head) as int4; keys per (block, KV
+    head, channel) with scale ``max |k| / 7`` over the block's keys so far. A write that holds slot 0
+    of a block starts the block afresh; any other write whose keys raise a channel's scale
+    requantizes the block's earlier codes of that channel to the new scale (one more rounding of
+    those keys, at most half the new step). Blocks are written whole, so a block's codes and its
+    scales always agree."""
+    if slots.numel() == 0:
+        return
+    q_max = Q_MAX[cache.kv_dtype]
+    k_scale, v_scale = cache._scales()
+    bs = cache.block_size
+    blk, off = slots // bs, slots % bs
+    vc, vs = _quantize_int4(v.float(), q_max)
+    cache.v.index_put_((blk, off), vc)
+    v_scale.index_put_((blk, off), vs)
+    blocks, row = torch.unique(blk, return_inverse=True)  # [U], and each token's block among them
+    u = blocks.shape[0]
+    fresh = torch.zeros(u, dtype=torch.bool, device=slots.device).index_fill_(0, row[off == 0], True)
+    new_max = torch.zeros(u, *k.shape[1:], dtype=torch.float32, device=k.device)
+    k_abs = k.float().abs()
+    new_max.scatter_reduce_(0, row[:, None, None].expand_as(k_abs), k_abs, "amax")
+    old = torch.where(fresh[:, None, None], 0.0, k_scale[blocks])  # [U, heads, channels]
+    scale = torch.maximum(old, new_max / q_max)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    earlier = unpack_int4(cache.k[blocks]).float() * old[:, None]  # [U, block_size, heads, channels]
+    codes = (earlier / scale[:, None]).round().clamp(-q_max, q_max)
+    codes[row, off] = (k.float() / scale[row]).round().clamp(-q_max, q_max)
+    cache.k[blocks] = pack_int4(codes.to(torch.int8))
+    k_scale[blocks] = scale
+
+
+def _quantize_int4(x: torch.Tensor, q_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, q_max), torch.ones_like(amax))
+    codes = (x / scale.unsqueeze(-1)).round().clamp(-q_max, q_max).to(torch.int8)
+    return pack_int4(codes), scale
+
+
 def kv_bytes_per_token(
     num_kv_heads: int,
     head_dim: int,
@@ -692,9 +770,11 @@ def kv_bytes_per_token(
     kv_dtype: str = "auto",
     num_layers: int = 1,
     head_dim_v: int | None = None,
+    block_size: int | None = None,
 ) -> int:
     """Bytes of K and V cache one token takes, over ``num_layers`` layers (scales included);
-    ``head_dim_v`` (default ``head_dim``) is V's head dim.
+    ``head_dim_v`` (default ``head_dim``) is V's head dim; ``block_size`` is needed for
+    ``kivi4``, whose key scales are per block (rounded up to a whole byte per token).
 
     >>> kv_bytes_per_token(8, 128, num_layers=36)   # Qwen3-8B in bf16
     147456
@@ -712,4 +792,10 @@ def kv_bytes_per_token(
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
     pack = PACKED_CODES.get(kv_dtype, 1)
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4
-    return num_layers * (num_kv_heads * (head_dim + head_dim_v) * elem // pack + scales)
+    codes = num_kv_heads * (head_dim + head_dim_v) * elem // pack
+    if kv_dtype in PER_CHANNEL_KEYS:  # per slot: V's scale; per block: one float per K channel
+        if block_size is None:
+            raise InputError(f"a {kv_dtype} cache's key scales are per block; accepted: block_size=<tokens per block>")
+        _check_size("block_size", block_size)
+        return num_layers * (codes + num_kv_heads * 4 + -(-num_kv_heads * head_dim * 4 // block_size))
+    return num_layers * (codes + scales)

@@ -17,7 +17,7 @@ from ._backend import Backend
 from ._batch import BatchMeta
 from ._cache import KVCache, unpack_int4
 from ._errors import InputError
-from ._spec import KV_DTYPES, KV_SCALES, Capabilities
+from ._spec import KV_DTYPES, KV_SCALES, PER_CHANNEL_KEYS, Capabilities
 
 __all__ = ["ReferenceBackend", "reference_attention"]
 
@@ -101,7 +101,10 @@ def reference_attention(
         # round the values a float64 oracle is meant to use exactly.
         k_scale, v_scale = cache._scales()
         kc, vc = (unpack_int4(t) if t.dtype == torch.uint8 else t for t in (cache.k, cache.v))
-        kf = kc.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
+        if cache.kv_dtype in PER_CHANNEL_KEYS:  # one scale per (block, KV head, channel)
+            kf = kc.to(compute_dtype) * k_scale.to(compute_dtype)[:, None]
+        else:
+            kf = kc.to(compute_dtype) * k_scale.to(compute_dtype)[..., None]
         vf = vc.to(compute_dtype) * v_scale.to(compute_dtype)[..., None]
     else:
         kf, vf = cache.k.to(compute_dtype), cache.v.to(compute_dtype)

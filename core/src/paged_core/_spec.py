@@ -17,26 +17,41 @@ import torch
 
 from ._errors import InputError
 
-__all__ = ["AttentionSpec", "Capabilities", "KV_DTYPES", "KV_SCALES", "KVDtype", "ANY", "QUANT_FORMATS", "PACKED_CODES"]
+__all__ = [
+    "AttentionSpec",
+    "Capabilities",
+    "KV_DTYPES",
+    "KV_SCALES",
+    "KVDtype",
+    "ANY",
+    "QUANT_FORMATS",
+    "PACKED_CODES",
+    "PER_CHANNEL_KEYS",
+]
 
 #: Host ints the metadata stores as int32 (lengths, offsets, block ids) must stay below this.
 INT32_LIMIT = 2**31
 
-KVDtype = Literal["auto", "int8", "fp8", "fp8_e5m2", "int4"]
+KVDtype = Literal["auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi4"]
 #: The quantized storage formats: kv_dtype -> (the dtype of its codes, the largest code
 #: magnitude). Symmetric codes with float32 scales; "fp8" is E4M3 (3 mantissa bits, vLLM's
 #: "fp8"/"fp8_e4m3"), "fp8_e5m2" E5M2 (2 mantissa bits, wider range), "int4" integer codes
-#: -7..7 stored two to a byte (:data:`PACKED_CODES`).
+#: -7..7 stored two to a byte (:data:`PACKED_CODES`), "kivi4" the same codes with KIVI's split:
+#: keys scaled per (block, KV head, channel), values per (slot, KV head) (:data:`PER_CHANNEL_KEYS`).
 QUANT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "int8": (torch.int8, 127.0),
     "fp8": (torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": (torch.float8_e5m2, 57344.0),
     "int4": (torch.uint8, 7.0),
+    "kivi4": (torch.uint8, 7.0),
 }
 #: Formats that store several codes per element of their code dtype: kv_dtype -> codes per
 #: element. An int4 cache's last dimension is ``head_dim // 2`` bytes; byte ``i`` holds element
 #: ``2i`` in its low nibble and ``2i + 1`` in its high nibble, each a two's-complement 4-bit code.
-PACKED_CODES: dict[str, int] = {"int4": 2}
+PACKED_CODES: dict[str, int] = {"int4": 2, "kivi4": 2}
+#: Formats whose key scales are one per (block, KV head, channel), ``k_scale: float32
+#: [num_blocks, num_kv_heads, head_dim]`` (KIVI, Liu et al. 2024: keys have outlier channels).
+PER_CHANNEL_KEYS: frozenset[str] = frozenset({"kivi4"})
 #: The cache storage formats: the model dtype itself ("auto"), or one of ``QUANT_FORMATS``.
 KV_DTYPES: tuple[str, ...] = ("auto", *QUANT_FORMATS)
 #: How a quantized cache's scales vary (``KVCache.kv_scales``): one per (slot, KV head), set by

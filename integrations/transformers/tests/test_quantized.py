@@ -59,8 +59,8 @@ def test_quantized_pools(kv_dtype, monkeypatch):
 
 
 def test_unknown_kv_dtype():
-    with pytest.raises(ValueError, match="kv_dtype 'int4' is not one of auto, int8, fp8, fp8_e5m2"):
-        paged_transformers.enable("reference", kv_dtype="int4")
+    with pytest.raises(ValueError, match="kv_dtype 'int2' is not one of auto, int8, fp8, fp8_e5m2, int4, kivi4"):
+        paged_transformers.enable("reference", kv_dtype="int2")
 
 
 @pytest.mark.skipif(HOOK != "gathered", reason="transformers 5.17 serves quantized pools: see test_quantized_pools")

@@ -359,7 +359,7 @@ def test_the_backends_claim_the_cache_formats_the_kernels_read():
     from paged_triton_unified.launch import SUPPORTED_KV_DTYPES
 
     read = {name for name, (code, _) in QUANT_FORMATS.items() if code in SUPPORTED_KV_DTYPES}
-    assert read == {"int8", "fp8", "fp8_e5m2", "int4"}
+    assert read == {"int8", "fp8", "fp8_e5m2", "int4", "kivi4"}
     for name in ("triton-unified", "triton-splitkv"):
         assert registry.get(name).capabilities.kv_dtypes == {"auto", *read}, name
 

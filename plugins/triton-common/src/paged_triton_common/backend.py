@@ -9,14 +9,25 @@ import os
 from typing import Any
 
 import torch
-from paged_core import AttentionSpec, Backend, BatchMeta
+from paged_core import PER_CHANNEL_KEYS, AttentionSpec, Backend, BatchMeta, KVCache
 from paged_core.hookspecs import pip_install
 
 from .direct import LayerTensors, Recording
 from .runtime import INTERPRET
 from .write import write_checked
 
-__all__ = ["TritonBackend", "TritonPlan", "interpreter_reasons"]
+__all__ = ["TritonBackend", "TritonPlan", "interpreter_reasons", "kernel_k_scale"]
+
+
+def kernel_k_scale(cache: KVCache) -> torch.Tensor | None:
+    """``cache.k_scale`` as the kernels read it: per-channel key scales (``kivi4``: ``[num_blocks,
+    num_kv_heads, head_dim]``) as a ``[num_blocks, block_size, num_kv_heads, head_dim]`` view whose
+    slot stride is 0; a 4-D key scale tells the launchers the keys are scaled per channel."""
+    ks = cache.k_scale
+    if ks is not None and cache.kv_dtype in PER_CHANNEL_KEYS:
+        ks = ks[:, None].expand(ks.shape[0], cache.block_size, *ks.shape[1:])
+    return ks
+
 
 #: What installs triton with the Triton backends (shown when triton is missing).
 _INSTALL = pip_install("'paged-core[triton]'")

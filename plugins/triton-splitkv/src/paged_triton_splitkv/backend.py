@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 from paged_core import BatchMeta, InputError
-from paged_triton_common.backend import TritonBackend, TritonPlan
+from paged_triton_common.backend import TritonBackend, TritonPlan, kernel_k_scale
 from paged_triton_unified.backend import TritonUnifiedBackend
 from paged_triton_unified.launch import unified_attention
 
@@ -141,7 +141,7 @@ class TritonSplitKVBackend(TritonBackend):
         if type(plan) is not TritonPlan:  # a BatchMeta, or another backend's plan of one
             plan = self._triton_plan(plan)
         meta = plan.meta
-        kv = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
+        kv = dict(k_scale=kernel_k_scale(cache), v_scale=cache.v_scale, lse=lse, softcap=softcap, sinks=sinks)
         if plan.prefix_blocks and not window and not _cascade_refused(cache):
             # Recorded like every other path: the recording keeps the partials the first layer
             # allocated, and the other layers replay the suffix pass, the prefix pass and the merge

@@ -92,6 +92,7 @@ def _attend_tile(
     HEAD_DIM_PAD: tl.constexpr = 0,
     HEAD_DIM_V: tl.constexpr = 0,
     HEAD_DIM_V_PAD: tl.constexpr = 0,
+    K_PER_CHANNEL: tl.constexpr = False,  # kivi4: key scales per (block, KV head, channel)
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
@@ -113,9 +114,17 @@ def _attend_tile(
     # int8 and fp8 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
-    kt = codes_to(kt, q.dtype, FP8)
+    if K_PER_CHANNEL:
+        # One scale per (block, channel): K is dequantized element by element before the dot.
+        ks_off = blk * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
+        k_sc = tl.load(
+            k_scale_ptr + ks_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_mask[:, None], other=0.0
+        )
+        kt = (kt.to(tl.float32) * k_sc).to(q.dtype)
+    else:
+        kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
-    if QUANT:
+    if QUANT and not K_PER_CHANNEL:
         ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
         s = s * k_sc[None, :]
@@ -375,6 +384,7 @@ def split_kv_attention_kernel(
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
+    K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -536,6 +546,7 @@ def split_kv_attention_kernel(
             HEAD_DIM_PAD=HEAD_DIM_PAD,
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
+            K_PER_CHANNEL=K_PER_CHANNEL,
         )
 
     if DIRECT_OUT:
@@ -707,6 +718,7 @@ def cascade_prefix_kernel(
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
+    K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -824,6 +836,7 @@ def cascade_prefix_kernel(
             HEAD_DIM_PAD=HEAD_DIM_PAD,
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
+            K_PER_CHANNEL=K_PER_CHANNEL,
         )
 
     _store_partial(

@@ -144,7 +144,9 @@ def _kv_args(
     # Unused scale pointers still need a tensor; the QUANT=False kernel never touches them.
     ks = k_scale if quant else k_cache
     vs = v_scale if quant else v_cache
-    ks_strides = cast(torch.Tensor, k_scale).stride() if quant else (0, 0, 0)
+    # A 4-D key scale: kivi4's per-channel scales as a [num_blocks, block_size, heads, head_dim]
+    # view with slot stride 0 (paged_triton_common.backend.kernel_k_scale).
+    ks_strides = cast(torch.Tensor, k_scale).stride()[:3] if quant else (0, 0, 0)
     vs_strides = cast(torch.Tensor, v_scale).stride() if quant else (0, 0, 0)
     return dict(
         k_cache_ptr=k_cache,
@@ -174,6 +176,7 @@ def _kv_args(
         QUANT=quant,
         FP8=fp8,
         INT4=pack == 2,
+        K_PER_CHANNEL=quant and cast(torch.Tensor, k_scale).dim() == 4,
         # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
         # subnormals for small scales, so fp16 dequantizes V itself.
         V_SCALE_ON_P=quant and q.dtype != torch.float16,

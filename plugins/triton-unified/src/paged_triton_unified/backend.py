@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paged_core import KV_SCALES, Capabilities
-from paged_triton_common.backend import TritonBackend
+from paged_triton_common.backend import TritonBackend, kernel_k_scale
 
 from .launch import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, unified_attention
 
@@ -26,7 +26,7 @@ class TritonUnifiedBackend(TritonBackend):
         head_dim_pairs=None,
         block_sizes=frozenset(SUPPORTED_BLOCK_SIZES),
         # Named, not paged_core.KV_DTYPES: a format core adds is claimed once the kernels read it.
-        kv_dtypes=frozenset({"auto", "int8", "fp8", "fp8_e5m2", "int4"}),
+        kv_dtypes=frozenset({"auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi4"}),
         kv_scales=frozenset(KV_SCALES),
         dtypes=frozenset(SUPPORTED_DTYPES),
         devices=frozenset({"cpu", "cuda"}),
@@ -69,7 +69,7 @@ class TritonUnifiedBackend(TritonBackend):
                 window=window,
                 softcap=softcap,
                 sinks=sinks,
-                k_scale=cache.k_scale,
+                k_scale=kernel_k_scale(cache),
                 v_scale=cache.v_scale,
                 lse=lse,
                 check=False,  # Backend.forward checked the contract; the default config has >= 16 rows

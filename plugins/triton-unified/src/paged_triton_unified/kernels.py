@@ -178,7 +178,8 @@ def _attend_step(
     block = block.to(tl.int64)
     in_block = (offs_a % BLOCK_SIZE).to(tl.int64)
     MASK_V: tl.constexpr = MASKED or DV_PADDED
-    INT4: tl.constexpr = KV_QUANT == 4  # int4 codes, two per byte
+    INT4: tl.constexpr = KV_QUANT >= 4  # int4 codes, two per byte
+    K_PER_CHANNEL: tl.constexpr = KV_QUANT == 5  # kivi4: key scales per (block, KV head, channel)
     FP8: tl.constexpr = KV_QUANT - 1 if KV_QUANT == 2 else (2 if KV_QUANT == 3 else 0)  # codes_to's format
 
     # K^T: [HEAD_DIM_PAD, BLOCK_N]; padded lanes of d masked to 0 (uninitialised memory may hold NaN).
@@ -193,15 +194,21 @@ def _attend_step(
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
     else:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
-    # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
-    # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
-    k = codes_to(k, q.dtype, FP8)
+    if K_PER_CHANNEL:
+        # One scale per (block, channel): K is dequantized element by element before the dot.
+        ks_offs = block * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
+        k_sc = tl.load(k_scale_ptr + ks_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        k = (k.to(tl.float32) * k_sc).to(q.dtype)
+    else:
+        # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
+        # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
+        k = codes_to(k, q.dtype, FP8)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
     # s * qk_scale - m is one FFMA (instead of a multiply here plus a subtraction there).
     RAW: tl.constexpr = FOLD_SCALE and KV_QUANT == 0 and not USE_SOFTCAP
-    if KV_QUANT != 0:
+    if KV_QUANT != 0 and not K_PER_CHANNEL:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_offs)  # [BLOCK_N] float32; a masked key's score is selected out
         # One multiply per score: the key scale and qk_scale combine per column first.
@@ -656,7 +663,8 @@ def unified_attention_kernel(
     BLOCK_Q_LARGE: tl.constexpr,  # query tokens per large tile (FUSED only)
     BLOCK_N_SMALL: tl.constexpr,  # keys per step of the small tiles (FUSED only)
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
-    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8), 4: int4
+    KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8),
+    # 4: int4 codes, 5: kivi4 (int4 codes, key scales per block and channel: k_scale [.., head_dim])
     QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native fp8 -> fp16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,

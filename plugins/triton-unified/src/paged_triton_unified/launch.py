@@ -295,6 +295,8 @@ def unified_attention(
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
     kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
+    if kv_quant == 4 and k_scale is not None and k_scale.dim() == 4:
+        kv_quant = 5  # kivi4: key scales per channel, a [num_blocks, block_size (stride 0), heads, head_dim] view
     if kv_quant >= 2:
         # Codes travel as bytes and are bit-cast in the kernel: the CPU interpreter has no
         # float8 pointers, and on the GPU the reinterpretation is free.
