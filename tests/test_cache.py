@@ -543,3 +543,73 @@ def test_an_int4_cache_stores_half_the_bytes_of_its_head_dim():
     write_kv(cache, x, x[..., :32], torch.tensor([0, 3, 17, -1, 47]))
     k, v = cache.dequantized()
     assert (k.reshape(-1, 2, 64)[[0, 3, 17, 47]] - x[[0, 1, 2, 4]]).abs().max() <= x.abs().max() / 14 + 1e-6
+
+
+def _kivi_cache(num_blocks=4, block_size=8, heads=2, dim=16):
+    return allocate_kv_cache(num_blocks, block_size, heads, dim, kv_dtype="kivi4", dtype=torch.float32)
+
+
+def test_kivi4_scales_keys_per_block_and_channel_and_values_per_slot():
+    cache = _kivi_cache()
+    assert cache.k_scale.shape == (4, 2, 16) and cache.v_scale.shape == (4, 8, 2)
+    assert cache.kv_scales == "per_slot" and not cache.static_scales
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(8, 2, 16, generator=g), torch.randn(8, 2, 16, generator=g)
+    write_kv(cache, k, v, torch.arange(8, 16))  # block 1, whole
+    assert torch.equal(cache.k_scale[1], k.abs().amax(0) / 7)
+    kd, vd = cache.dequantized()
+    assert ((kd[1] - k).abs() <= cache.k_scale[1] / 2 + 1e-6).all()
+    assert ((vd[1] - v).abs() <= cache.v_scale[1][..., None] / 2 + 1e-6).all()
+
+
+def test_kivi4_token_by_token_writes_rescale_the_block_and_a_new_block_starts_afresh():
+    cache = _kivi_cache()
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(8, 2, 16, generator=g) * torch.linspace(0.1, 2.0, 8)[:, None, None]  # growing keys
+    for t in range(8):
+        write_kv(cache, k[t : t + 1], k[t : t + 1], torch.tensor([16 + t]))  # block 2, in order
+    assert torch.allclose(cache.k_scale[2], k.abs().amax(0) / 7)
+    kd, _ = cache.dequantized()
+    # Each key within one step of its block's final scale (half a step per rounding, two at most
+    # that matter: its own and the last rescale).
+    assert ((kd[2] - k).abs() <= cache.k_scale[2] * (1 + 1e-5)).all()
+    # A write at slot 0 of a block starts it afresh: the old, large scales are not kept.
+    small = torch.full((1, 2, 16), 0.07)
+    write_kv(cache, small, small, torch.tensor([16]))
+    assert torch.allclose(cache.k_scale[2], torch.full((2, 16), 0.01))
+
+
+def test_kivi4_keeps_an_outlier_channel_from_flattening_the_others():
+    # Keys with one channel 30x the others (KIVI's observation): int4 per token spends its 15 levels
+    # on the outlier; per channel, every channel keeps its own step.
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(8, 2, 16, generator=g)
+    k[..., 5] *= 30
+    per_token = allocate_kv_cache(4, 8, 2, 16, kv_dtype="int4", dtype=torch.float32)
+    per_channel = _kivi_cache()
+    for cache in (per_token, per_channel):
+        write_kv(cache, k, k, torch.arange(8, 16))
+    err = {
+        name: (c.dequantized()[0][1] - k)[..., :5].abs().mean()
+        for name, c in (("token", per_token), ("channel", per_channel))
+    }
+    assert err["channel"] < err["token"] / 5
+
+
+def test_kivi4_refusals_say_what_is_accepted():
+    with pytest.raises(InputError, match="k_scale/v_scale are given for a kivi4 cache; accepted: none"):
+        allocate_kv_cache(4, 8, 2, 16, kv_dtype="kivi4", k_scale=0.1, v_scale=0.1)
+    with pytest.raises(InputError, match=r"kivi4 cache's key scales are per block; accepted: block_size="):
+        kv_bytes_per_token(8, 128, kv_dtype="kivi4")
+    # int4 codes, one float per (block, channel) of K over 16 slots, one per slot of V.
+    assert kv_bytes_per_token(8, 128, kv_dtype="kivi4", block_size=16) == 8 * 128 + 8 * 4 + 8 * 128 * 4 // 16
+    with pytest.raises(InputError, match="kivi4 scales keys per block: write_kv quantizes them"):
+        quantize_kv(torch.ones(2, 4), "kivi4")
+    cache = _kivi_cache()
+    wrong = KVCache(
+        cache.k, cache.v, kv_dtype="kivi4", k_scale=cache.v_scale, v_scale=cache.v_scale, dtype=torch.float32
+    )
+    with pytest.raises(
+        InputError, match=r"kivi4 cache needs float32 \[num_blocks, num_kv_heads, head_dim\] = \[4, 2, 16\]"
+    ):
+        wrong.check()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from paged_conformance import Batch, allocate_tables, blocks_needed
 from paged_core import (
+    PER_CHANNEL_KEYS,
     BatchMeta,
     BlockAllocator,
     KVCache,
@@ -60,6 +61,14 @@ def _fill_cache(cache: KVCache, gen_seed: int) -> None:
     if not cache.quantized:
         cache.k.normal_()
         cache.v.normal_()
+        return
+    if cache.kv_dtype in PER_CHANNEL_KEYS:
+        # Key scales per (block, channel) come from writes; any codes with positive scales are a
+        # valid kivi4 cache: random bytes (two codes each) and scales around 2.5 / 7.
+        for t in (cache.k, cache.v):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
+        for t in cache._scales():
+            t.copy_(torch.rand(t.shape, device=t.device) * 0.2 + 0.25)
         return
     nb = cache.num_blocks
     step = max(1, (64 << 20) // max(1, cache.block_size * cache.num_kv_heads * cache.head_dim * 4))
@@ -187,7 +196,12 @@ def _bytes_per_token(cfg: Config, case: Case) -> int:
     """K/V bytes a token of ``case``'s cache takes (per-slot scales included; static ones are
     one value for the whole cache)."""
     per_tok = kv_bytes_per_token(
-        cfg.kv_heads, cfg.head_dim, dtype=cfg.dtype, kv_dtype=case.kv_dtype, head_dim_v=cfg.dim_v
+        cfg.kv_heads,
+        cfg.head_dim,
+        dtype=cfg.dtype,
+        kv_dtype=case.kv_dtype,
+        head_dim_v=cfg.dim_v,
+        block_size=cfg.block_size,
     )
     return per_tok - (2 * cfg.kv_heads * 4 if case.static_scales else 0)
 
