@@ -227,7 +227,7 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def perplexity(session: nox.Session) -> None:
-    """SmolLM2-135M perplexity through paged caches (full precision and every quantized format) and transformers' own."""
+    """SmolLM2-135M perplexity through paged caches (every format) and through transformers' own."""
     _install_workspace(session, PLUGINS)
     _install_integrations(session)
     session.install(*PERPLEXITY_DEPS, TORCH)
