@@ -613,3 +613,13 @@ def test_kivi4_refusals_say_what_is_accepted():
         InputError, match=r"kivi4 cache needs float32 \[num_blocks, num_kv_heads, head_dim\] = \[4, 2, 16\]"
     ):
         wrong.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA-graph capture needs a CUDA GPU (the GPU machine)")
+def test_kivi4_writes_refuse_a_cuda_graph_capture_with_the_reason():
+    cache = allocate_kv_cache(4, 8, 2, 16, kv_dtype="kivi4", dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, 2, 16, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1], device="cuda")
+    with pytest.raises(InputError, match="kivi4 cache is being written inside a CUDA-graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            write_kv(cache, k, k, slots)

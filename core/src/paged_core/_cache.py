@@ -689,7 +689,13 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_slots)
     if cache.kv_dtype in PER_CHANNEL_KEYS:
-        keep = valid.nonzero().squeeze(1)  # a sync: this path has no spill block
+        if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise InputError(
+                f"a {cache.kv_dtype} cache is being written inside a CUDA-graph capture; its writes find the "
+                "blocks they rescale on the host (a sync a capture forbids). Accepted: write outside the "
+                "graph, or a per-token format (int4, int8, fp8) inside it"
+            )
+        keep = valid.nonzero().squeeze(1)  # a sync: the written blocks are found on the host
         _write_per_channel_keys(cache, k[keep], v[keep], slots[keep])
         return
     if cache.static_scales:
