@@ -59,6 +59,7 @@ def test_capabilities_become_vllm_reasons(monkeypatch):
         "'fp8_e5m2' (codes with vLLM's per-tensor scales"
     )
     assert any(refusal in r for r in reasons), reasons
+    assert any("paged's int4 is symmetric and unrotated" in r for r in reasons), reasons
     assert "MLA (latent attention) is not supported" in reasons
     assert len(reasons) == 3
 

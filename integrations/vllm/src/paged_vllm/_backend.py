@@ -319,6 +319,12 @@ def _vllm_reasons(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported; accepted: 'auto', 'fp8' / "
             "'fp8_e4m3', 'fp8_e5m2' (codes with vLLM's per-tensor scales, paged's static scales), "
             "'int8_per_token_head', 'fp8_per_token_head' (paged's per-slot scales)"
+            + (
+                " (vLLM's int4 cache rotates each head vector by a Hadamard transform and stores "
+                "asymmetric codes with zero points; paged's int4 is symmetric and unrotated)"
+                if kv_cache_dtype == "int4_per_token_head"
+                else ""
+            )
         )
     if attn_type != AttentionType.DECODER:
         out.append(f"attention type {attn_type!r} is not supported; accepted: {AttentionType.DECODER.value!r}")
