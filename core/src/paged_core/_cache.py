@@ -742,7 +742,7 @@ def _write_per_channel_keys(cache: KVCache, k: torch.Tensor, v: torch.Tensor, sl
     k_scale, v_scale = cache._scales()
     bs = cache.block_size
     blk, off = slots // bs, slots % bs
-    vc, vs = _quantize_int4(v.float(), q_max)
+    vc, vs = quantize_kv(v, "int4")  # values: int4's per-(slot, KV head) rule
     cache.v.index_put_((blk, off), vc)
     v_scale.index_put_((blk, off), vs)
     blocks, row = torch.unique(blk, return_inverse=True)  # [U], and each token's block among them
@@ -759,13 +759,6 @@ def _write_per_channel_keys(cache: KVCache, k: torch.Tensor, v: torch.Tensor, sl
     codes[row, off] = (k.float() / scale[row]).round().clamp(-q_max, q_max)
     cache.k[blocks] = pack_int4(codes.to(torch.int8))
     k_scale[blocks] = scale
-
-
-def _quantize_int4(x: torch.Tensor, q_max: float) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, q_max), torch.ones_like(amax))
-    codes = (x / scale.unsqueeze(-1)).round().clamp(-q_max, q_max).to(torch.int8)
-    return pack_int4(codes), scale
 
 
 def kv_bytes_per_token(
