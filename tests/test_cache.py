@@ -171,7 +171,7 @@ def test_quantize_known_values():
     codes, scale = quantize_kv(torch.tensor([[57344.0, -0.375, 1.0]]), "fp8_e5m2")
     assert codes.dtype == torch.float8_e5m2
     assert scale.item() == 1.0 and codes.float().tolist() == [[57344.0, -0.375, 1.0]]
-    assert Q_MAX == {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0, "int4": 7.0}
+    assert Q_MAX == {"int8": 127.0, "fp8": 448.0, "fp8_e5m2": 57344.0, "int4": 7.0, "kivi4": 7.0}
     with pytest.raises(InputError, match="kv_dtype 'auto' cannot be quantized to; accepted: int8, fp8, fp8_e5m2, int4"):
         quantize_kv(torch.ones(2, 4), "auto")
 
