@@ -138,6 +138,7 @@ def _kv_args(
     quant = k_cache.dtype in _QUANT_DTYPES
     fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
     pack = 2 if k_cache.dtype == torch.uint8 else 1
+    head_dim_v = _head_dim_v(v_cache)  # before fp8 codes are viewed as bytes (uint8 is int4's dtype)
     if fp8:
         # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
@@ -170,8 +171,8 @@ def _kv_args(
         HEAD_DIM=q.shape[2],
         HEAD_DIM_PAD=_pow2_at_least(q.shape[2], 16),
         # V's head dim (MLA-shaped layers) sizes the PV tile, the accumulator and the outputs.
-        HEAD_DIM_V=_head_dim_v(v_cache),
-        HEAD_DIM_V_PAD=_pow2_at_least(_head_dim_v(v_cache), 16),
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=_pow2_at_least(head_dim_v, 16),
         BLOCK_SIZE=k_cache.shape[1],
         QUANT=quant,
         FP8=fp8,
