@@ -35,8 +35,8 @@ _parser.add_argument("--layers", type=int, default=2)
 _parser.add_argument(
     "--kv-dtype",
     default="auto",
-    choices=["auto", "int8", "fp8", "fp8_e5m2"],
-    help="cache storage: the model dtype (default), or int8/fp8 codes with scales",
+    choices=["auto", "int8", "fp8", "fp8_e5m2", "int4", "kivi4"],
+    help="cache storage: the model dtype (default), or quantized codes with scales (docs/quantization.md)",
 )
 _parser.add_argument(
     "--static-scale",
@@ -153,11 +153,14 @@ def main() -> int:
     for failure in failures:
         print(failure, file=sys.stderr)
     ok = not failures
-    cache_kind = (
-        ""
-        if ARGS.kv_dtype == "auto"
-        else (f", {ARGS.kv_dtype} cache ({'static scale' if ARGS.static_scale is not None else 'per-slot scales'})")
+    scales = (
+        "static scale"
+        if ARGS.static_scale is not None
+        else "keys per block and channel, values per slot"
+        if ARGS.kv_dtype == "kivi4"
+        else "per-slot scales"
     )
+    cache_kind = "" if ARGS.kv_dtype == "auto" else f", {ARGS.kv_dtype} cache ({scales})"
     print(
         f"{backend.name}: {ARGS.steps} steps x {ARGS.layers} layers{cache_kind}, worst abs err {worst:.1e} "
         f"({'within' if ok else 'BEYOND'} the {ARGS.dtype} tolerance {tolerance})"

@@ -46,3 +46,9 @@ def test_engine_loop_on_an_fp8_cache_with_a_static_scale():
     # A static scale for a full-precision cache is refused with the reason, not a traceback.
     bad = _run("--static-scale", "0.02", "--steps", "1")
     assert bad.returncode == 2 and "for a quantized cache only" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_engine_loop_on_a_kivi4_cache():
+    run = _run("--backend", "reference", "--steps", "3", "--kv-dtype", "kivi4")
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "kivi4 cache (keys per block and channel, values per slot)" in run.stdout.splitlines()[-1]
