@@ -11,7 +11,16 @@ import dataclasses
 import math
 
 import torch
-from paged_core import Backend, BatchMeta, KVCache, ReferenceBackend, quantize_kv, reference_attention, write_kv
+from paged_core import (
+    PER_CHANNEL_KEYS,
+    Backend,
+    BatchMeta,
+    KVCache,
+    ReferenceBackend,
+    quantize_kv,
+    reference_attention,
+    write_kv,
+)
 from paged_core.hookspecs import hookimpl
 
 
@@ -58,14 +67,15 @@ class WrongKVHead(Wrapping):
     name = "wrong-kv-head"
 
     def attend(self, q, cache, meta, **kw):
-        def roll(t):
-            return None if t is None else t.roll(-1, dims=2)
+        def roll(t, dim=2):
+            return None if t is None else t.roll(-1, dims=dim)
 
         rolled = dataclasses.replace(
             cache,
             k=roll(cache.k),
             v=roll(cache.v),
-            k_scale=roll(cache.k_scale),
+            # kivi4's key scales are [num_blocks, num_kv_heads, head_dim]: heads on dim 1.
+            k_scale=roll(cache.k_scale, 1 if cache.kv_dtype in PER_CHANNEL_KEYS else 2),
             v_scale=roll(cache.v_scale),
             _spill=None,
         )
