@@ -395,3 +395,31 @@ def test_a_backend_that_does_not_claim_static_scales_refuses_them_everywhere():
         AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, kv_scales="x")
     # The reference claims every kind.
     ReferenceBackend().forward(q, static, meta)
+
+
+class StaticOnly(ReferenceBackend):
+    """Claims fp8 caches with static scales only, as a kernel that takes one scale per tensor or
+    per KV head (FlashInfer's fp8 path)."""
+
+    name = "static-only"
+    capabilities = Capabilities(kv_dtypes=frozenset({"auto", "fp8"}), kv_scales=frozenset({"per_tensor", "per_head"}))
+
+
+def test_a_backend_that_claims_only_static_scales_refuses_per_slot_ones_everywhere():
+    meta = BatchMeta.build([2, 1], [5, 9], block_size=4, num_blocks=8, seed=0)
+    static = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="fp8", k_scale=0.1, v_scale=0.1)
+    per_slot = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32, kv_dtype="fp8")
+    full = allocate_kv_cache(8, 4, 2, 8, dtype=torch.float32)
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    backend = StaticOnly()
+    for cache in (static, full):  # claimed (a full-precision cache has no scales to refuse)
+        backend.write(cache, k, k, meta)
+        backend.forward(q, cache, meta)
+    for call in (lambda: backend.write(per_slot, k, k, meta), lambda: backend.forward(q, per_slot, meta)):
+        with pytest.raises(
+            UnsupportedSpecError,
+            match=r"fp8 caches with kv_scales 'per_slot' are not supported \(accepted: per_head, per_tensor\)",
+        ):
+            call()
+    with pytest.raises(UnsupportedSpecError, match="kv_scales 'per_slot' are not supported"):
+        backend.plan(meta, num_heads=4, num_kv_heads=2, head_dim=8, kv_dtype="fp8")

@@ -142,8 +142,8 @@ def check_write(backend: _Checked, cache: Any, meta: Any) -> BatchMeta:
     if not isinstance(cache, KVCache):
         raise InputError(f"cache is {_described(cache)}; accepted: a paged_core.KVCache")
     cache.check()
-    # _kv_scales: what check() just found ("per_slot" for a full-precision cache too).
-    if cache._kv_scales != "per_slot" and cache._kv_scales not in backend.capabilities.kv_scales:
+    # _kv_scales: what check() just found ("per_slot" for a full-precision cache too, which has none).
+    if cache.kv_dtype != "auto" and cache._kv_scales not in backend.capabilities.kv_scales:
         raise UnsupportedSpecError(
             backend.name,
             [

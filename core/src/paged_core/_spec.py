@@ -183,8 +183,9 @@ class Capabilities:
     group_sizes: frozenset[int] | None = ANY
     dtypes: frozenset[torch.dtype] = frozenset(_DTYPE_NAMES)
     kv_dtypes: frozenset[str] = frozenset({"auto"})
-    #: The scales of int8/fp8 caches it reads (``KV_SCALES``). Per slot only unless it says so: a
-    #: kernel that indexes scales as one per slot would read a static scale's view wrongly.
+    #: The scales of quantized caches it reads (``KV_SCALES``). Per slot only unless it says so: a
+    #: kernel that indexes scales as one per slot would read a static scale's view wrongly, and one
+    #: that takes a scale per tensor or per head (FlashInfer's fp8) cannot read per-slot scales.
     kv_scales: frozenset[str] = frozenset({"per_slot"})
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     sliding_window: bool = False
