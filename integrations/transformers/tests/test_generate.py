@@ -149,6 +149,36 @@ def test_triton_unified_matches_transformers(models):
     assert_same_generation(run, want)
 
 
+def test_triton_splitkv_runs_decode_steps_through_its_split_kernel(models, monkeypatch):
+    reasons = (
+        registry.unavailable("triton-splitkv")
+        if "triton-splitkv" in registry.names()
+        else ["triton-splitkv is not installed: pip install --find-links dist 'paged-core[triton]'"]
+    )
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    import paged_triton_splitkv.backend as splitkv
+
+    split_calls = []
+    real = splitkv.split_decode_attention
+
+    def counted(*args, **kwargs):
+        split_calls.append(kwargs["seq_lens"].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(splitkv, "split_decode_attention", counted)
+    prompts = random_prompts([3, 9])
+    cb = dict(max_batch_tokens=16, max_requests_per_batch=2)
+    want = generate(models["qwen3"], TRANSFORMERS_PAGED, prompts, max_new_tokens=3, **cb)
+    # split_kv=True: every decode-only batch of one row per request takes the split kernel.
+    name = paged_transformers.enable("triton-splitkv", split_kv=True)
+    run = generate(models["qwen3"], name, prompts, max_new_tokens=3, **cb)
+    assert_same_generation(run, want)
+    # Two decode steps of both requests (the third token), once per layer: transformers' decode
+    # steps reach the backend as decode-only batches, with no empty padding request.
+    assert split_calls and set(split_calls) == {2}, split_calls
+
+
 def _transformers_pools(cache):
     """The tensors transformers allocated for its KV cache (5.17: one per layer; 5.18: one in all)."""
     if hasattr(cache, "cache_tensor"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_core import InputError
-from paged_transformers import batch_meta_from_transformers
+from paged_transformers import batch_meta_from_gathered, batch_meta_from_transformers
 
 BS = 4
 
@@ -66,6 +66,40 @@ def test_padded_rows_become_a_padding_request():
     assert meta.slot_mapping.tolist()[4:] == [-1] * 4
     assert meta.block_table.shape == (3, 4)  # ceil(16 / 4): the padded max_seqlen_k sizes the table
     meta.validate(num_blocks=3)
+
+
+def test_a_decode_step_with_one_row_per_request_gets_no_padding_request():
+    # transformers without CUDA graphs: max_seqlen_q 1 and one row per request, nothing padded.
+    step = transformers_step([[1, 3], [2]], [5, 2], [1, 1])
+    meta = batch_meta_from_transformers(**step, block_size=BS, max_query_len=1, max_seq_len=6)
+    assert meta.num_reqs == 2 and meta.decode_only and meta.num_tokens == meta.num_reqs
+    assert meta.query_start_loc.tolist() == [0, 1, 2]
+    assert meta.seq_lens.tolist() == [6, 3]
+    assert meta.slot_mapping.tolist() == [3 * BS + 1, 2 * BS + 2]
+    meta.validate(num_blocks=4)
+
+
+def test_a_padded_decode_step_keeps_its_padding_request():
+    # With CUDA graphs transformers pads rows and sets max_seqlen_q to the padded count.
+    step = transformers_step([[1, 3], [2]], [5, 2], [1, 1], padded_tokens=2)
+    meta = batch_meta_from_transformers(**step, block_size=BS, max_query_len=4, max_seq_len=8)
+    assert meta.num_reqs == 3 and meta.query_start_loc.tolist() == [0, 1, 2, 4]
+    assert meta.slot_mapping.tolist()[2:] == [-1, -1]
+
+
+def test_a_gathered_decode_step_with_one_row_per_request_gets_no_padding_request():
+    meta = batch_meta_from_gathered(
+        cu_seq_lens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        cu_seq_lens_k=torch.tensor([0, 3, 5], dtype=torch.int32),
+        num_tokens=2,
+        num_kv_rows=5,
+        max_query_len=1,
+        max_seq_len=3,
+    )
+    assert meta.num_reqs == 2 and meta.decode_only and meta.num_tokens == meta.num_reqs
+    assert meta.block_table.tolist() == [[0, 1, 2], [3, 4, 0]]
+    assert meta.slot_mapping.tolist() == [2, 4]
+    meta.validate(num_blocks=5)
 
 
 def test_write_index_must_cover_every_row():

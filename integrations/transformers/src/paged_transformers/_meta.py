@@ -14,8 +14,11 @@ position ``j * block_size`` divided by ``block_size``. When no request reads its
 
 Rows of q past ``cu_q[R]`` (transformers pads the token count for CUDA graphs) become one extra
 request with ``seq_len`` 0 and slot -1: paged's padding request, which yields exact zeros and
-writes nothing. Nothing here reads a device value, so building the metadata never syncs and
-records into a CUDA graph.
+writes nothing. A step that cannot have such rows gets none: a decode step with one row per
+request (``max_query_len`` 1 and ``R`` rows, as transformers sends decodes without CUDA graphs)
+stays a decode-only batch of one row per request, the shape split-KV decode kernels take.
+Nothing here reads a device value, so building the metadata never syncs and records into a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -32,6 +35,34 @@ def _check_cu_lens(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> 
             f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
             "accepted: two int tensors [num_reqs + 1] (transformers' per-step cumulative lengths)"
         )
+
+
+def _fills_q(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+    """Whether the requests own every row of q, known on the host: at most one row each
+    (``max_query_len`` is an upper bound) and as many rows as requests, so one row each."""
+    return num_reqs > 0 and max_query_len <= 1 and num_tokens == num_reqs
+
+
+def _with_padding_request(
+    num_reqs: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    pad: bool,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The request arrays with one padding request (``seq_len`` 0) owning the rows past
+    ``cu_q[R]`` (empty when nothing is padded) appended, or as they are without ``pad``."""
+    q, s, t = query_start_loc.to(torch.int32), seq_lens.to(torch.int32), block_table.to(torch.int32)
+    if not pad:
+        return num_reqs, q, s, t
+    device = q.device
+    return (
+        num_reqs + 1,
+        torch.cat([q, torch.full((1,), num_tokens, dtype=torch.int32, device=device)]),
+        torch.cat([s, torch.zeros(1, dtype=torch.int32, device=device)]),
+        torch.cat([t, torch.zeros((1, t.shape[1]), dtype=torch.int32, device=device)]),
+    )
 
 
 def batch_meta_from_transformers(
@@ -90,18 +121,17 @@ def batch_meta_from_transformers(
         table = torch.where(used, torch.div(gathered, block_size, rounding_mode="floor"), 0)
     else:
         table = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
-    # One padding request (seq_len 0) owns the rows past cu_q[R]; it is empty when nothing is padded.
-    zero = torch.zeros(1, dtype=torch.int32, device=device)
-    query_start_loc = torch.cat([cu_q, torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
-    row = torch.arange(num_tokens, device=device)
+    pad = not _fills_q(num_reqs, num_tokens, max_query_len)
     slot_mapping = write_index.to(torch.int64)
-    if padding_slot is not None:
+    if padding_slot is not None and pad:
+        row = torch.arange(num_tokens, device=device)
         slot_mapping = torch.where(row < cu_q[-1], slot_mapping, padding_slot)
+    reqs, query_start_loc, seq_lens, table = _with_padding_request(num_reqs, cu_q, seq_lens, table, num_tokens, pad)
     return BatchMeta(
-        num_reqs=num_reqs + 1,
+        num_reqs=reqs,
         query_start_loc=query_start_loc,
-        seq_lens=torch.cat([seq_lens, zero]),
-        block_table=torch.cat([table.to(torch.int32), torch.zeros((1, width), dtype=torch.int32, device=device)]),
+        seq_lens=seq_lens,
+        block_table=table,
         slot_mapping=slot_mapping,
         block_size=block_size,
         max_query_len=max(max_query_len, 0),
@@ -153,17 +183,18 @@ def batch_meta_from_gathered(
     # Each query row's request (the padding rows past cu_q[R] get the last one, then -1).
     n = torch.arange(num_tokens, device=device, dtype=torch.int64)
     req = (torch.searchsorted(cu_q[1:], n, right=True)).clamp(max=max(num_reqs - 1, 0))
+    pad = not _fills_q(num_reqs, num_tokens, max_query_len)
     if num_reqs:
         slot = cu_k[req] + seq_lens[req] - query_lens[req] + (n - cu_q[req])
-        slot_mapping = torch.where(n < cu_q[-1], slot, -1)
+        slot_mapping = torch.where(n < cu_q[-1], slot, -1) if pad else slot
     else:
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-    query_start_loc = torch.cat([cu_q.to(torch.int32), torch.full((1,), num_tokens, dtype=torch.int32, device=device)])
+    reqs, query_start_loc, seq_lens_, table_ = _with_padding_request(num_reqs, cu_q, seq_lens, table, num_tokens, pad)
     return BatchMeta(
-        num_reqs=num_reqs + 1,
+        num_reqs=reqs,
         query_start_loc=query_start_loc,
-        seq_lens=torch.cat([seq_lens.to(torch.int32), torch.zeros(1, dtype=torch.int32, device=device)]),
-        block_table=torch.cat([table.to(torch.int32), torch.zeros((1, width), dtype=torch.int32, device=device)]),
+        seq_lens=seq_lens_,
+        block_table=table_,
         slot_mapping=slot_mapping,
         block_size=1,
         max_query_len=max(max_query_len, 0),
