@@ -28,6 +28,7 @@ CASE_IDS = (
     "decode-int8",
     "decode-fp8",
     "decode-fp8-static",
+    "decode-fp8_e5m2",
     "decode-int4",
     "decode-kivi4",
     "cascade",
@@ -122,7 +123,7 @@ def build_cases(cfg: Config) -> list[Case]:
         elif cid == "prefill":
             b, n = (2, 16) if t else (8, 2048)
             out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b), description="whole prompts, causal"))
-        elif cid in ("decode-int8", "decode-fp8", "decode-int4", "decode-kivi4"):
+        elif cid in ("decode-int8", "decode-fp8", "decode-fp8_e5m2", "decode-int4", "decode-kivi4"):
             b, n = (2, 64) if t else (64, 4096)
             kv = cid.rsplit("-", 1)[1]
             out.append(decode(cid, b, n, f"headline decode, {kv} cache", kv=kv))
