@@ -100,6 +100,8 @@ KV_FLAGS = {
     "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1, "V_SCALE_ON_P": True},
     "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2, "V_SCALE_ON_P": True},
 }
+for _flags in KV_FLAGS.values():  # the 4-bit formats' switches of the split kernel: off here
+    _flags.update(INT4=False, K_PER_CHANNEL=False)
 
 
 def loop_stats(sass: str, min_len: int = 64) -> dict:
