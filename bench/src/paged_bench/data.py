@@ -26,6 +26,7 @@ from .config import Config
 
 __all__ = [
     "CaseData",
+    "as_bytes",
     "build_pool",
     "count_flops",
     "free",
@@ -72,27 +73,25 @@ def _fill_cache(cache: KVCache, gen_seed: int) -> None:
         return
     nb = cache.num_blocks
     step = max(1, (64 << 20) // max(1, cache.block_size * cache.num_kv_heads * cache.head_dim * 4))
-    for dst, sdst in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+    for dst, sdst, width in ((cache.k, cache.k_scale, cache.head_dim), (cache.v, cache.v_scale, cache.head_dim_v)):
         for a in range(0, nb, step):
             b = min(nb, a + step)
             assert sdst is not None  # a quantized cache has scales
-            # The values' head dim: the codes' last dimension, twice it for int4 (two a byte).
-            width = dst.shape[-1] * (2 if dst.dtype == torch.uint8 else 1)
             x = torch.randn((b - a, *dst.shape[1:-1], width), dtype=cache.dtype, device=dst.device)
             # Static scales: codes of x / scale (one per KV head), the scales left as they are.
             codes, scales = quantize_kv(x, cache.kv_dtype, sdst[0, 0] if cache.static_scales else None)
-            if dst.element_size() == 1 and dst.dtype.is_floating_point:  # CPU copies lack float8: bytes
-                dst.view(torch.uint8)[a:b].copy_(codes.view(torch.uint8))
-            else:
-                dst[a:b].copy_(codes)
+            as_bytes(dst)[a:b].copy_(as_bytes(codes))
             if not cache.static_scales:
                 sdst[a:b].copy_(scales)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 codes viewed as uint8 (the CPU's copy and index kernels lack float8), else ``t``."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+
+
 def _index_blocks(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).index_select(0, idx).view(torch.float8_e4m3fn)
-    return t.index_select(0, idx)
+    return as_bytes(t).index_select(0, idx).view(t.dtype)
 
 
 def pick_checked(qlens: Sequence[int], limit_reqs: int = 8, limit_rows: int = 4096) -> list[int]:

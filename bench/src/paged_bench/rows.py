@@ -24,7 +24,7 @@ from paged_core import AttentionSpec, Backend, BatchMeta, Registry, allocate_kv_
 
 from .cases import Case
 from .config import Config
-from .data import CaseData, recover
+from .data import CaseData, as_bytes, recover
 from .timing import host_time_ms, host_us, sync, time_fn
 
 __all__ = ["PRODUCERS", "SDPA_BASELINES", "Lineup", "Row", "RowProducer", "run_backend", "short", "tolerance_label"]
@@ -175,9 +175,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
             ):
                 if a is not None and not (own.static_scales and a.dim() == 3):  # static: given above
                     assert b is not None  # the same kv_dtype: the same scales
-                    (a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a).copy_(
-                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b
-                    )
+                    as_bytes(a).copy_(as_bytes(b))
             cache = own
         except Exception as exc:
             row.status = f"error: allocate: {short(exc)}"

@@ -133,14 +133,18 @@ def test_one_plan_per_step_serves_every_layer(models):
     assert all(forwards[i] is forwards[i + 1] for i in range(0, len(forwards), layers))
 
 
-def test_triton_unified_matches_transformers(models):
+def _skip_unless_available(backend: str) -> None:
     reasons = (
-        registry.unavailable("triton-unified")
-        if "triton-unified" in registry.names()
-        else ["triton-unified is not installed: pip install --find-links dist 'paged-core[triton]'"]
+        registry.unavailable(backend)
+        if backend in registry.names()
+        else [f"{backend} is not installed: pip install --find-links dist 'paged-core[triton]'"]
     )
     if reasons:
         pytest.skip("; ".join(reasons))
+
+
+def test_triton_unified_matches_transformers(models):
+    _skip_unless_available("triton-unified")
     # Kept tiny: every kernel call runs in Triton's interpreter on the CPU.
     prompts = random_prompts([1, 6, 20])
     cb = dict(max_batch_tokens=16, max_requests_per_batch=2)
@@ -150,13 +154,7 @@ def test_triton_unified_matches_transformers(models):
 
 
 def test_triton_splitkv_runs_decode_steps_through_its_split_kernel(models, monkeypatch):
-    reasons = (
-        registry.unavailable("triton-splitkv")
-        if "triton-splitkv" in registry.names()
-        else ["triton-splitkv is not installed: pip install --find-links dist 'paged-core[triton]'"]
-    )
-    if reasons:
-        pytest.skip("; ".join(reasons))
+    _skip_unless_available("triton-splitkv")
     import paged_triton_splitkv.backend as splitkv
 
     split_calls = []

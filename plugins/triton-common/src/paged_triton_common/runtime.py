@@ -8,7 +8,7 @@ import os
 
 import torch
 
-__all__ = ["AUTOTUNE", "INTERPRET", "occupancy_class", "sm_count"]
+__all__ = ["AUTOTUNE", "INTERPRET", "head_dim_of", "occupancy_class", "sm_count"]
 
 # Triton picks interpreter or compiler when a kernel is defined (the kernel modules import this
 # one first), not when it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config:
@@ -23,6 +23,12 @@ AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """The head dim a K or V cache tensor holds: its last dimension, twice that for int4 codes
+    (``uint8``, two per byte; ``paged_core.pack_int4``)."""
+    return int(cache.shape[-1]) * (2 if cache.dtype == torch.uint8 else 1)
 
 
 def sm_count(device: torch.device | str) -> int | None:

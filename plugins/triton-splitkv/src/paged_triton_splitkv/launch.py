@@ -24,7 +24,7 @@ from typing import NoReturn, cast
 import torch
 from paged_core import InputError, shared_prefix_blocks
 from paged_triton_common.direct import DirectKernel
-from paged_triton_common.runtime import INTERPRET, occupancy_class, sm_count
+from paged_triton_common.runtime import INTERPRET, head_dim_of, occupancy_class, sm_count
 from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2
 
 from .kernels import (
@@ -122,11 +122,6 @@ def _pow2_at_least(x: int, floor: int) -> int:
     return max(floor, _next_power_of_2(x))
 
 
-def _head_dim_v(v_cache: torch.Tensor) -> int:
-    """V's head dim: the cache's last dimension, twice that for int4 codes (two per byte)."""
-    return v_cache.shape[3] * (2 if v_cache.dtype == torch.uint8 else 1)
-
-
 def _kv_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -137,8 +132,8 @@ def _kv_args(
     """Cache pointers, strides and dtype switches common to the attention kernels."""
     quant = k_cache.dtype in _QUANT_DTYPES
     fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
-    pack = 2 if k_cache.dtype == torch.uint8 else 1
-    head_dim_v = _head_dim_v(v_cache)  # before fp8 codes are viewed as bytes (uint8 is int4's dtype)
+    int4 = k_cache.dtype == torch.uint8  # int4 codes, two per byte
+    head_dim_v = head_dim_of(v_cache)  # before fp8 codes are viewed as bytes (uint8 is int4's dtype)
     if fp8:
         # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
@@ -176,7 +171,7 @@ def _kv_args(
         BLOCK_SIZE=k_cache.shape[1],
         QUANT=quant,
         FP8=fp8,
-        INT4=pack == 2,
+        INT4=int4,
         K_PER_CHANNEL=quant and cast(torch.Tensor, k_scale).dim() == 4,
         # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
         # subnormals for small scales, so fp16 dequantizes V itself.
@@ -358,7 +353,7 @@ def split_decode_attention(
     # Several splits: one launch, whose last program per (request, KV head) merges the partials
     # (split_kv_attention_kernel's FUSED_MERGE). The counters reset themselves, so zeroing them
     # once per workspace is enough: a recorded or captured call keeps its workspace.
-    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, _head_dim_v(v_cache), q.device)
+    part_out, part_lse = _partials(num_splits, num_tokens, num_q_heads, head_dim_of(v_cache), q.device)
     counters = torch.zeros((num_reqs, num_kv_heads), dtype=torch.int32, device=q.device)
     _launch_split(
         q,
@@ -770,7 +765,7 @@ def cascade_attention(
         device=q.device,
     )
     num_parts = num_splits + prefix_splits
-    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, _head_dim_v(v_cache), q.device)
+    part_out, part_lse = _partials(num_parts, num_tokens, num_q_heads, head_dim_of(v_cache), q.device)
     kv = _kv_args(q, k_cache, v_cache, k_scale, v_scale)
 
     # The suffix and prefix passes share nothing until the merge: on a GPU the prefix pass runs on

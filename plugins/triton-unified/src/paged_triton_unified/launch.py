@@ -13,7 +13,7 @@ from typing import NoReturn, cast
 import torch
 from paged_core import InputError
 from paged_triton_common.direct import DirectKernel
-from paged_triton_common.runtime import INTERPRET, occupancy_class, sm_count
+from paged_triton_common.runtime import INTERPRET, head_dim_of, occupancy_class, sm_count
 
 from .kernels import INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
 
@@ -284,7 +284,7 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_power_of_2(group)
     head_dim_pad = max(16, _next_power_of_2(head_dim))
-    head_dim_v = v_cache.shape[3] * (2 if v_cache.dtype == torch.uint8 else 1)  # int4: two codes a byte
+    head_dim_v = head_dim_of(v_cache)
     head_dim_v_pad = head_dim_pad if head_dim_v == head_dim else max(16, _next_power_of_2(head_dim_v))
     num_sms = sm_count(q.device)
     if config is None:
