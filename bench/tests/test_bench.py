@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -477,3 +478,49 @@ def test_mla_shaped_heads_run_with_v_of_its_own_head_dim(tmp_path, monkeypatch, 
     assert status["reference"] == "ok" and status["triton-unified"] == "ok", status
     assert status["sdpa-flash"] == "skip: sdpa-flash needs V of the QK head dim (64), not 32"
     assert "heads x 64 (V 32)" in capsys.readouterr().out
+
+
+def test_quantized_cases_run_at_the_shapes_of_the_bf16_decode_rows():
+    # On a GPU every cache format is timed at the shapes of decode, decode-short and decode-long,
+    # so each quantized row has a bf16 row of its shape to be compared with.
+    from paged_bench.cases import build_cases
+
+    cfg = dataclasses.replace(
+        _config.make_config(_args()), tiny=False, cases=["decode", "decode-short", "decode-long", "decode-kivi4"]
+    )
+    shapes = {c.id: (c.shape, c.kv_dtype) for c in build_cases(cfg)}
+    assert shapes["decode-kivi4"] == (shapes["decode"][0], "kivi4")
+    assert shapes["decode-kivi4-short"] == (shapes["decode-short"][0], "kivi4")
+    assert shapes["decode-kivi4-long"] == (shapes["decode-long"][0], "kivi4")
+
+
+def test_cache_formats_are_reported_against_bf16_of_the_same_shape_and_backend():
+    from paged_bench.report import format_ratios
+
+    cases = [
+        {"id": "decode", "kind": "decode", "kv_dtype": "auto"},
+        {"id": "decode-int8", "kind": "decode", "kv_dtype": "int8"},
+        {"id": "decode-fp8-static", "kind": "decode", "kv_dtype": "fp8", "kv_scales": "static"},
+        {"id": "decode-int8-long", "kind": "decode", "kv_dtype": "int8"},  # no bf16 row of its shape
+    ]
+
+    def row(case, shape, label, ms, status="ok"):
+        return _rows.Row(case, shape, "decode", "", 0, label, label, True, status=status, ms=ms)
+
+    lines = format_ratios(
+        cases,
+        [
+            row("decode", "64x4096", "a", 0.4),
+            row("decode", "64x4096", "b", 0.2),
+            row("decode-int8", "64x4096", "a", 0.2),
+            row("decode-int8", "64x4096", "b", 0.3),
+            row("decode-fp8-static", "64x4096", "a", 0.1),
+            row("decode-int8-long", "4x32768", "a", 0.1),
+            row("decode-int8", "64x4096", "c", None, status="skip: no"),
+        ],
+    )
+    assert [line.split() for line in lines] == [
+        ["int8", "64x4096", "a", "0.500x"],
+        ["int8", "64x4096", "b", "1.500x"],
+        ["fp8", "static", "64x4096", "a", "0.250x"],
+    ]

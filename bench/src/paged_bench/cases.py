@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from .config import Config
 
-__all__ = ["CASE_IDS", "CPU_CASES", "STATIC_SCALE", "Case", "build_cases"]
+__all__ = ["CASE_IDS", "CPU_CASES", "QUANT_SHAPES", "STATIC_SCALE", "Case", "build_cases"]
 
 #: Case ids in the order they run; ``--cases`` takes any of these ("sweep" = every sweep point).
 CASE_IDS = (
@@ -36,6 +36,9 @@ CASE_IDS = (
 )
 #: What runs on a machine without a GPU unless ``--cases`` says otherwise (minuscule sizes).
 CPU_CASES = ("decode", "mixed", "prefill", "decode-int8", "decode-fp8", "decode-fp8-static", "cascade", "sweep")
+#: The shapes every quantized-cache case runs at (batch, context, id suffix): the bf16 rows of
+#: ``decode``, ``decode-short`` and ``decode-long``, so each format has a bf16 row to compare with.
+QUANT_SHAPES = ((64, 4096, ""), (256, 1024, "-short"), (4, 32768, "-long"))
 #: The static scale of the ``decode-fp8-static`` case, for K and V: unit-normal K/V reach 448 codes
 #: at 4 sigma (|x| > 4: p ~ 6e-5 saturate), as a calibrated per-tensor scale would put them.
 STATIC_SCALE = 4.0 / 448
@@ -124,17 +127,13 @@ def build_cases(cfg: Config) -> list[Case]:
             b, n = (2, 16) if t else (8, 2048)
             out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b), description="whole prompts, causal"))
         elif cid in ("decode-int8", "decode-fp8", "decode-fp8_e5m2", "decode-int4", "decode-kivi4"):
-            b, n = (2, 64) if t else (64, 4096)
             kv = cid.rsplit("-", 1)[1]
-            out.append(decode(cid, b, n, f"headline decode, {kv} cache", kv=kv))
+            for b, n, suffix in ((2, 64, ""),) if t else QUANT_SHAPES:
+                out.append(decode(cid + suffix, b, n, f"decode, {kv} cache", kv=kv))
         elif cid == "decode-fp8-static":
-            b, n = (2, 64) if t else (64, 4096)
-            out.append(
-                dataclasses.replace(
-                    decode(cid, b, n, "headline decode, fp8 cache with one static scale per tensor (vLLM's)", kv="fp8"),
-                    static_scales=True,
-                )
-            )
+            for b, n, suffix in ((2, 64, ""),) if t else QUANT_SHAPES:
+                desc = "decode, fp8 cache with one static scale per tensor (vLLM's)"
+                out.append(dataclasses.replace(decode(cid + suffix, b, n, desc, kv="fp8"), static_scales=True))
         elif cid == "cascade":
             b, prefix, suffix = (4, 32, 8) if t else (64, 4000, 100)
             shared = prefix // cfg.block_size * cfg.block_size

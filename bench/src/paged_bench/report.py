@@ -17,7 +17,7 @@ from .data import CaseData, pool_bytes
 from .rows import Row, short
 from .timing import HOST_CALLS
 
-__all__ = ["case_record", "failed_case_record", "make_env", "metrics", "plot", "print_table"]
+__all__ = ["case_record", "failed_case_record", "format_ratios", "make_env", "metrics", "plot", "print_table"]
 
 
 def metrics(rows: list[Row], case_info: dict, bw: float, mm: float) -> None:
@@ -213,12 +213,33 @@ def print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_
         )
         + "\n"
     )
+    ratios = format_ratios(cases, rows)
+    if ratios:
+        w("\ncache formats vs bf16 (ms / the same backend's ms on the bf16 row of the same shape):\n")
+        for line in ratios:
+            w(f"  {line}\n")
     if not_run:
         w("not run on this machine:\n")
         for name, why in not_run.items():
             w(f"  {name}: {why}\n")
     if cfg.device.type != "cuda":
         w(f"*** {CPU_NOTE} ***\n")
+
+
+def format_ratios(cases: list[dict], rows: list[Row]) -> list[str]:
+    """One line per quantized-cache decode row timed beside a bf16 (``kv_dtype`` auto) decode row
+    of the same shape and backend: its time over that row's (what the cache format buys)."""
+    info = {c["id"]: c for c in cases}
+    timed = [r for r in rows if r.status == "ok" and r.ms and r.case in info and info[r.case]["kind"] == "decode"]
+    plain = {(r.shape, r.label): r.ms for r in timed if info[r.case].get("kv_dtype", "auto") == "auto"}
+    out = []
+    for r in timed:
+        c = info[r.case]
+        base = plain.get((r.shape, r.label))
+        if c.get("kv_dtype", "auto") != "auto" and base:
+            fmt = c["kv_dtype"] + (" static" if c.get("kv_scales") == "static" else "")
+            out.append(f"{fmt:<12} {r.shape:<12} {r.label:<24} {r.ms / base:.3f}x")
+    return out
 
 
 def plot(path: str, env: dict, cfg: Config, rows: list[Row]) -> str | None:
