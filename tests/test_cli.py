@@ -80,16 +80,29 @@ def test_list_json(cli_registry, capsys):
     }
 
 
-def test_list_with_nothing_registered(monkeypatch, capsys):
-    monkeypatch.setenv("PAGED_PLUGINS", "no-such-plugin")
-    monkeypatch.setattr(_cli, "registry", Registry())
+def test_list_with_nothing_registered(command_registry, capsys):
     assert _cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(
-        f"No backends registered. Install one: pip install --find-links dist 'paged-core[triton]'{WHEELS}\n"
-    )
-    # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
-    assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
+    assert out == f"No backends registered. Install one: pip install --find-links dist 'paged-core[triton]'{WHEELS}\n"
+
+
+@pytest.mark.parametrize("value", [" , ", "no-such-plugin"])
+def test_list_when_paged_plugins_leaves_every_plugin_out(monkeypatch, capsys, value):
+    # Installed but left out: "pip install" would be the wrong advice (registry.get says the same).
+    monkeypatch.setenv("PAGED_PLUGINS", value)
+    monkeypatch.setattr(_cli, "registry", Registry())
+    assert _cli.main(["list"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"No backends loaded: PAGED_PLUGINS={value!r} leaves out the installed plugins ")
+    assert "reference" in out.splitlines()[0]
+    assert "To fix: name the plugins to load, such as PAGED_PLUGINS=reference, or unset PAGED_PLUGINS.\n" in out
+    assert "No backends registered" not in out and "pip install" not in out
+    if value == "no-such-plugin":
+        # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
+        assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out
+    assert _cli.main(["list", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["backends"] == [] and "reference" in data["left_out"]
 
 
 def test_version_names_core_then_every_installed_paged_distribution(cli_registry, capsys):

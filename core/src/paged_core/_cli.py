@@ -51,11 +51,22 @@ def _cmd_list(args: argparse.Namespace) -> int:
             }
         )
     problems = [{"source": p.source, "stage": p.stage, "message": p.message} for p in registry.problems()]
+    left_out = registry.left_out()
+    # Installed but narrowed away is not "not installed": pip install would change nothing.
+    # Listing nothing for that reason is a misconfiguration, so the exit status says so too.
+    code = 1 if left_out and not rows else 0
     if args.json:
-        json.dump({"backends": rows, "problems": problems}, sys.stdout, indent=2)
+        json.dump({"backends": rows, "left_out": left_out, "problems": problems}, sys.stdout, indent=2)
         print()
-        return 0
-    if not rows:
+        return code
+    if not rows and left_out:
+        example = "reference" if "reference" in left_out else left_out[0]
+        print(
+            f"No backends loaded: {registry.narrowing()} leaves out the installed plugins "
+            f"{', '.join(left_out)}. To fix: name the plugins to load, such as "
+            f"{registry.env_var}={example}, or unset {registry.env_var}."
+        )
+    elif not rows:
         print(f"No backends registered. Install one: {FIRST_PARTY['triton-unified']}")
     width = max([len(r["name"]) for r in rows] + [7])
     for r in rows:
@@ -70,7 +81,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print("\nProblems (these plugins were skipped; the others work):")
         for p in problems:
             print(f"  {p['source']} ({p['stage']}): {p['message']}")
-    return 0
+    return code
 
 
 def versions() -> list[tuple[str, str]]:

@@ -383,6 +383,16 @@ class Registry:
         lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in explained.items())
         raise BackendNotFoundError(f"No installed backend can run {spec.describe()}:\n{lines}")
 
+    def left_out(self) -> list[str]:
+        """The installed plugins (entry-point names) that ``PAGED_PLUGINS`` kept from loading."""
+        with self._lock:
+            self._ensure_loaded()
+            return list(self._skipped)
+
+    def narrowing(self) -> str:
+        """How the narrowing variable is set, for messages: ``PAGED_PLUGINS=' , '``."""
+        return f"{self.env_var}={os.environ.get(self.env_var, '')!r}"
+
     def problems(self) -> list[Problem]:
         """Plugins and backends that failed to load, each with its error."""
         with self._lock:
@@ -394,7 +404,7 @@ class Registry:
         msg = f"Unknown backend {name!r}. Installed: {installed}."
         # Installed is not loaded: for a plugin that PAGED_PLUGINS left out, "pip install" is
         # the wrong advice.
-        narrowed = f"{self.env_var}={os.environ.get(self.env_var, '')!r}"
+        narrowed = self.narrowing()
         if name in self._skipped:
             msg += (
                 f" Its plugin {name!r} is installed but {narrowed} leaves it out: add it to "
