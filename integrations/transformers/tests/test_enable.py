@@ -24,6 +24,23 @@ def test_enable_returns_one_registered_name_per_backend_and_options():
     assert other != name and other in AttentionInterface._global_mapping
 
 
+def test_every_enabled_backend_keeps_its_name():
+    """Two backends enabled in one process both stay usable, in any order. On 5.24/5.25 the
+    second enable() made the first name unknown to transformers' flash-attention loader ("Could
+    not find the currently requested flash attention implementation at `paged-reference+flash`")."""
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 9])
+    want = generate(model, TRANSFORMERS_PAGED, prompts, max_new_tokens=2)
+    first = paged_transformers.enable("reference")
+    second = paged_transformers.enable("triton-unified")
+    for name in (first, second, first, "sdpa", second, first):
+        model.set_attn_implementation(name)
+        if name != "sdpa":
+            run = generate(model, name, prompts, max_new_tokens=2)
+            assert run.errors == {r: None for r in run.errors}, (name, run.errors)
+            assert run.tokens == want.tokens, name
+
+
 def test_pool_names_never_contain_flash():
     # transformers 5.17 imports any implementation whose name contains "flash" as a
     # flash-attention package (or downloads it from the Hub).

@@ -122,12 +122,16 @@ def test_the_flash_loader_takes_a_recorded_name():
         "modeling_flash_attention_utils has no _loaded_implementation"
     )
     before = loader._loaded_implementation
+    # Two names: the loader keeps one, and register() records one that stands for every name.
+    other = implementation_name("reference", {"probe": "shape-2"}, hook=HOOK)
     try:
-        paged_transformers.register(PagedAttention(registry.get("reference"), name))
-        try:
-            loader.lazy_import_flash_attention(name)
-        except Exception as exc:  # noqa: BLE001 -- any failure here is the change to report
-            pytest.fail(changed(f"its flash-attention loader looks a recorded name up anyway: {exc!r}"))
+        for each in (name, other):
+            paged_transformers.register(PagedAttention(registry.get("reference"), each))
+        for each in (name, other, name):
+            try:
+                loader.lazy_import_flash_attention(each)
+            except Exception as exc:  # noqa: BLE001 -- any failure here is the change to report
+                pytest.fail(changed(f"its flash-attention loader looks a recorded name ({each!r}) up anyway: {exc!r}"))
     finally:
         loader._loaded_implementation = before
 

@@ -57,6 +57,33 @@ _ENABLED: dict[str, PagedAttention] = {}
 # The options (name, type, value) each registered name was made with.
 _OPTIONS: dict[str, list] = {}
 _LOCK = threading.Lock()
+#: The gathered hook's names that :func:`register` recorded in transformers' flash-attention loader.
+_LOADED: set[str] = set()
+
+
+class _LoadedNames(str):
+    """What :func:`register` records as the flash-attention loader's loaded implementation.
+
+    The loader keeps one name (``_loaded_implementation``) and imports anything it is asked for
+    unless ``_loaded_implementation != implementation`` is False; a plain name would let only the
+    last registered backend through, and ``set_attn_implementation`` with any earlier one raised
+    "Could not find the currently requested flash attention implementation". This str is the last
+    registered name and compares equal to every name in :data:`_LOADED`, so each enabled backend
+    passes. Its hash is the str's own: the loader only compares it, never hashes it.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) and other in _LOADED:
+            return True
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
 
 
 def implementation_name(backend: str, options: dict[str, Any], *, hook: str = "pool") -> str:
@@ -144,7 +171,9 @@ def register(adapter: PagedAttention) -> str:
     through. ``set_attn_implementation`` calls it for every name containing ``flash``, and for a
     name that is neither ``flash_attention_2/3/4`` nor a Hub repository it raises "Could not find
     the currently requested flash attention implementation"; a name without ``flash`` is refused
-    by continuous batching instead. Nothing else of transformers is touched.
+    by continuous batching instead. The loader keeps one name; what is recorded there compares
+    equal to every name registered so far (:class:`_LoadedNames`), so any number of backends can be
+    enabled and set in turn. Nothing else of transformers is touched.
     """
     from transformers import AttentionInterface
 
@@ -163,8 +192,9 @@ def register(adapter: PagedAttention) -> str:
                     f"transformers {_supported_releases()}"
                 ],
             )
+        _LOADED.add(adapter.name)
         # transformers leaves the module global unannotated at None, so mypy infers it as None.
-        loader._loaded_implementation = adapter.name  # type: ignore[assignment]
+        loader._loaded_implementation = _LoadedNames(adapter.name)  # type: ignore[assignment]
     return adapter.name
 
 
