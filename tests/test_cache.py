@@ -30,6 +30,7 @@ from paged_core import (
     kv_bytes_per_token,
     pack_int4,
     quantize_kv,
+    static_scale,
     unpack_int4,
     write_kv,
 )
@@ -623,3 +624,181 @@ def test_kivi4_writes_refuse_a_cuda_graph_capture_with_the_reason():
     with pytest.raises(InputError, match="kivi4 cache is being written inside a CUDA-graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             write_kv(cache, k, k, slots)
+
+
+# ------------------------------------------------------------- non-finite input, scale floors
+#: float32's smallest normal: the least scale a write stores (SCALE_FLOOR).
+FLOOR = 2.0**-126
+PER_SLOT = ["int8", "fp8", "fp8_e5m2", "int4"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("kv_dtype", [*PER_SLOT, "kivi4"])
+def test_a_non_finite_element_stays_in_its_slot(kv_dtype, bad, where):
+    # Token 3 (slot 11, block 1) gets one non-finite element in KV head 1. Every other slot's codes
+    # and scales are the bytes of the same write without it (that element 0 there, so kivi4's
+    # channel max is the same); the slot's own vector reads back NaN: per-slot formats through its
+    # NaN scale, kivi4 through the slot's V scale (its keys share the block's channel scales).
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    (k if where == "k" else v)[3, 1, 2] = 0.0
+    slots = torch.arange(8, 14)
+    clean = allocate_kv_cache(3, 8, 2, 8, kv_dtype=kv_dtype, dtype=torch.float32)
+    dirty = allocate_kv_cache(3, 8, 2, 8, kv_dtype=kv_dtype, dtype=torch.float32)
+    write_kv(clean, k, v, slots)
+    (k if where == "k" else v)[3, 1, 2] = bad
+    write_kv(dirty, k, v, slots)
+    kivi = kv_dtype == "kivi4"
+    marked = "v_scale" if kivi else f"{where}_scale"
+    # The marked vector's codes are 0 (kivi4 keys: only the non-finite element's).
+    zeroed = where if not kivi or where == "v" else None
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = _bytes(getattr(clean, name)).clone(), _bytes(getattr(dirty, name)).clone()
+        if name == marked:
+            assert torch.isnan(getattr(dirty, name)[1, 3, 1])
+            a[1, 3, 1] = b[1, 3, 1] = 0
+        if name == zeroed:
+            assert not bool(b[1, 3, 1].any())
+            a[1, 3, 1] = 0
+        assert torch.equal(a, b), f"cache.{name} changed outside slot 11, KV head 1"
+    kd, vd = dirty.dequantized()
+    kc, vc = clean.dequantized()
+    nan_k = torch.zeros(3, 8, 2, dtype=torch.bool)
+    nan_v = nan_k.clone()
+    (nan_v if kivi or where == "v" else nan_k)[1, 3, 1] = True
+    assert torch.equal(kd.isnan().all(-1), nan_k) and torch.equal(kd.isnan().any(-1), nan_k)
+    assert torch.equal(vd.isnan().all(-1), nan_v) and torch.equal(vd.isnan().any(-1), nan_v)
+    assert torch.equal(kd[~nan_k], kc[~nan_k]) and torch.equal(vd[~nan_v], vc[~nan_v])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8_e5m2", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_static_cache_keeps_a_non_finite_element_in_that_element(kv_dtype, bad):
+    # A static scale is shared: fp8 stores its NaN code in the element itself (one byte, 0x7f,
+    # whatever the sign); int8 and int4 have no NaN code and store 0 there (the documented
+    # exception). The other elements are quantized as without it.
+    cache = allocate_kv_cache(2, 4, 1, 4, kv_dtype=kv_dtype, dtype=torch.float32, k_scale=0.5, v_scale=0.5)
+    x = torch.tensor([[[1.0, bad, -2.0, 0.5]]])
+    write_kv(cache, x, x, torch.tensor([5]))
+    kd, _ = cache.dequantized()
+    got = kd[1, 1, 0]
+    assert got[[0, 2, 3]].tolist() == [1.0, -2.0, 0.5]
+    if kv_dtype.startswith("fp8"):
+        assert torch.isnan(got[1]) and int(cache.k.view(torch.uint8)[1, 1, 0, 1]) == 0x7F
+    else:
+        assert got[1].item() == 0.0
+    assert cache.k_scale[0, 0].item() == 0.5
+
+
+@pytest.mark.parametrize("kv_dtype", [*PER_SLOT, "kivi4"])
+def test_a_row_of_float32_subnormals_reads_back_finite(kv_dtype):
+    # max / q_max of [1e-42, 0, ...] underflows to 0 (57344 for fp8_e5m2): 0/0 codes read back
+    # NaN. The scale floor (float32's smallest normal) keeps every scale positive.
+    x = torch.zeros(1, 1, 32)
+    x[0, 0, 0] = 1e-42
+    cache = allocate_kv_cache(2, 4, 1, 32, kv_dtype=kv_dtype, dtype=torch.float32)
+    write_kv(cache, x, x, torch.tensor([0]))
+    k, v = cache.dequantized()
+    for got, scale in ((k[0, 0, 0], cache.k_scale[0, 0] if kv_dtype == "kivi4" else cache.k_scale[0, 0, 0]),
+                       (v[0, 0, 0], cache.v_scale[0, 0, 0])):
+        assert bool(torch.isfinite(got).all())
+        assert bool((scale == FLOOR).all())
+        # Within half a step of the floored scale (fp8: within a subnormal step).
+        assert float((got.double() - x[0, 0].double()).abs().max()) <= FLOOR
+
+
+def test_a_zero_channel_does_not_coarsen_a_kivi4_block():
+    # A channel that is 0 in a block's first key keeps the floor as its scale, so a later key of
+    # 0.5 there is stored within half its own step (a scale of 1.0 would have rounded it to 0).
+    cache = _kivi_cache(dim=2)
+    write_kv(cache, torch.tensor([[[0.0, 1.0]] * 2]), torch.ones(1, 2, 2), torch.tensor([8]))
+    write_kv(cache, torch.tensor([[[0.5, 1.0]] * 2]), torch.ones(1, 2, 2), torch.tensor([9]))
+    kd, _ = cache.dequantized()
+    assert abs(float(kd[1, 1, 0, 0]) - 0.5) <= 0.5 / 7 / 2 + 1e-6
+
+
+def test_kivi4_refuses_a_static_v_scale():
+    # One shared V scale would be overwritten by every write (kivi4 sets V's scale per slot).
+    cache = _kivi_cache()
+    shared = torch.tensor([0.05])
+    with pytest.raises(InputError, match=r"cache.v_scale is a static scale .* for a kivi4 cache; accepted: per-slot"):
+        KVCache(
+            cache.k, cache.v, kv_dtype="kivi4", k_scale=cache.k_scale, v_scale=static_scale(shared, cache.v),
+            dtype=torch.float32,
+        ).check()
+    assert shared.item() == pytest.approx(0.05)
+
+
+def _growth_bound(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 model of kivi4's keys grown one token a step in one block: each channel's scale
+    after write ``t`` is max |k[:t+1]| / 7 (floored); a key is within half of each scale its
+    channel held from its own write on (one rounding per rescale). Returns (bound, final scale)."""
+    k = keys.double()
+    scales = torch.stack([k[: t + 1].abs().amax(0) / 7 for t in range(block_size)]).clamp_min(FLOOR)
+    bound = torch.stack([scales[t:].unique_consecutive(dim=0).sum(0) / 2 for t in range(block_size)])
+    return bound, scales[-1]
+
+
+@pytest.mark.parametrize("growth", ["normal", "2% a token", "1/15 a token"])
+def test_kivi4_keys_grown_token_by_token_stay_within_the_stated_bound(growth):
+    # docs/quantization.md: within half of each scale the channel held from the key's write on;
+    # a block written at once: half a step. "1/15 a token" is the worst case for 16-token blocks:
+    # each rescale is too small to move a code, so a 7 stays 7 while the scale grows.
+    g = torch.Generator().manual_seed(11)
+    bs = 16
+    if growth == "normal":
+        keys = torch.randn(bs, 2, 32, generator=g)
+    else:
+        rate = 1.02 if growth == "2% a token" else 1 + 1 / 15
+        keys = rate ** torch.arange(bs, dtype=torch.float64)[:, None, None] * (1 + 0.01 * torch.rand(bs, 2, 32, generator=g, dtype=torch.float64))
+        keys = keys.float()
+    cache = allocate_kv_cache(2, bs, 2, 32, kv_dtype="kivi4", dtype=torch.float32)
+    for t in range(bs):
+        write_kv(cache, keys[t : t + 1], keys[t : t + 1], torch.tensor([bs + t]))
+    bound, scale = _growth_bound(keys, bs)
+    assert torch.allclose(cache.k_scale[1].double(), scale, rtol=1e-6, atol=0)
+    err = (cache.dequantized()[0][1].double() - keys.double()).abs()
+    assert bool((err <= bound * (1 + 1e-5)).all())
+    steps = float((err / scale).max())
+    # What docs/quantization.md states, in final steps: at most 1.61 / 1.85 / 4.37 measured.
+    assert steps <= {"normal": 2.0, "2% a token": 2.0, "1/15 a token": 4.5}[growth]
+    # Written at once, the same keys are within half a step.
+    once = allocate_kv_cache(2, bs, 2, 32, kv_dtype="kivi4", dtype=torch.float32)
+    write_kv(once, keys, keys, torch.arange(bs, 2 * bs))
+    assert float(((once.dequantized()[0][1].double() - keys.double()).abs() / scale).max()) <= 0.5 + 1e-5
+
+
+def test_a_cache_whose_storage_is_replaced_in_place_is_written_there():
+    # cache.k.set_(...) keeps the tensor object: the check sees the new address and writes go
+    # to the new storage (not to the allocation's spill storage, which still holds the old one).
+    cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
+    x = torch.ones(1, 1, 2)
+    write_kv(cache, x, x, torch.tensor([1]))
+    old = cache._spill[0]
+    new = torch.zeros(2, 4, 1, 2)
+    cache.k.set_(new)
+    write_kv(cache, 2 * x, 2 * x, torch.tensor([5]))
+    assert new[1, 1].tolist() == [[2.0, 2.0]] and cache.k.data_ptr() == new.data_ptr()
+    assert float(old[1, 1].abs().sum()) == 0.0
+
+
+def test_a_cache_resized_in_place_is_refused_naming_the_tensor():
+    cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
+    x = torch.ones(1, 1, 2)
+    write_kv(cache, x, x, torch.tensor([1]))
+    cache.k.resize_(0)
+    with pytest.raises(InputError, match=r"cache.k is float32 \[0\]; accepted: a 4-D tensor"):
+        write_kv(cache, x, x, torch.tensor([1]))
+
+
+def test_kv_bytes_per_token_refuses_an_odd_int4_head_dim():
+    for kv_dtype in ("int4", "kivi4"):
+        with pytest.raises(InputError, match=f"head_dim is 63, but a {kv_dtype} cache stores 2 codes per byte"):
+            kv_bytes_per_token(8, 63, kv_dtype=kv_dtype, block_size=16)
+    with pytest.raises(InputError, match="head_dim_v is 7, but a int4 cache stores 2 codes per byte"):
+        kv_bytes_per_token(8, 64, head_dim_v=7, kv_dtype="int4")

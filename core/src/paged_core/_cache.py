@@ -48,6 +48,9 @@ __all__ = [
 
 #: Largest code magnitude per quantized storage format.
 Q_MAX = {name: q_max for name, (_, q_max) in QUANT_FORMATS.items()}
+#: The smallest scale a write stores: float32's smallest normal, 2**-126 (a scale of
+#: ``max|x| / q_max`` below it would be a subnormal, or 0 for a row of float32 subnormals).
+SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
 _GENERATIONS = itertools.count(1)  # KVCache._generation
 _CODE_DTYPE = {name: code for name, (code, _) in QUANT_FORMATS.items()}
 _QUANTIZED = ", ".join(QUANT_FORMATS)
@@ -86,6 +89,10 @@ class KVCache:
     # equal layouts, so per-call caches keyed by it (Backend.forward's checks, a launcher's
     # prepared arguments) serve every layer. None: never checked.
     _layout: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # The data pointers and shapes of the last accepted tensors: ``cache.k.set_(other)`` or
+    # ``cache.k.resize_(0)`` keeps the object but not its memory or shape, so it is checked again
+    # (and ``_spill``, still over the old storage, no longer matches).
+    _storage: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
     _spill_ok: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
     # ``kv_scales`` of the last accepted fields (computed by check(), read on every write).
     _kv_scales: str = dataclasses.field(default="per_slot", init=False, repr=False, compare=False)
@@ -161,7 +168,11 @@ class KVCache:
         """
         fields = (self.k, self.v, self.kv_dtype, self.k_scale, self.v_scale, self.dtype, self._spill)
         last = self._checked
-        if last is not None and all(map(operator.is_, fields, last)):  # same objects: checked
+        if (
+            last is not None
+            and all(map(operator.is_, fields, last))
+            and _storage_facts(self.k, self.v, self.k_scale, self.v_scale) == self._storage
+        ):  # same objects, still over the same memory with the same shapes: checked
             return self
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(
@@ -239,6 +250,13 @@ class KVCache:
                         "an element of its own for each (block, KV head, channel), channels contiguous"
                     )
                 continue
+            if self.kv_dtype in PER_CHANNEL_KEYS and _is_static(t):
+                raise InputError(
+                    f"cache.{name} is a static scale (block and slot strides 0) for a {self.kv_dtype} cache; "
+                    f"accepted: per-slot V scales, an element of their own for each (slot, KV head) "
+                    f"({self.kv_dtype} sets them on every write; allocate it with allocate_kv_cache(..., "
+                    f"kv_dtype={self.kv_dtype!r}))"
+                )
             # Per-slot scales are written by every write: they need one element each (an
             # expanded view would make the writes of different slots land on one float).
             if not _is_static(t) and 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1]:
@@ -274,6 +292,7 @@ class KVCache:
             if t is not None and t.numel()
         )
         self._checked = fields
+        self._storage = _storage_facts(self.k, self.v, self.k_scale, self.v_scale)
         self._generation = next(_GENERATIONS)
         return self
 
@@ -373,12 +392,7 @@ def allocate_kv_cache(
         )
     store_dtype = dtype if kv_dtype == "auto" else _CODE_DTYPE[kv_dtype]
     pack = PACKED_CODES.get(kv_dtype, 1)
-    for name, val in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-        if val % pack:
-            raise InputError(
-                f"{name} is {val}, but a {kv_dtype} cache stores {pack} codes per byte; accepted: a "
-                f"multiple of {pack} (or another kv_dtype)"
-            )
+    _check_packed(kv_dtype, head_dim, head_dim_v)
     shape = (num_blocks + 1, block_size, num_kv_heads, head_dim // pack)
     k = torch.zeros(shape, dtype=store_dtype, device=device)
     v = torch.zeros((*shape[:3], head_dim_v // pack), dtype=store_dtype, device=device)
@@ -454,6 +468,19 @@ def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "s
     )
 
 
+def _storage_facts(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """What an in-place ``set_`` or ``resize_`` changes without a new object: the addresses of
+    the cache's tensors and the shapes of ``k`` and ``v`` (a flat tuple: this runs on every call)."""
+    return (
+        k.data_ptr(),
+        k.shape,
+        v.data_ptr(),
+        v.shape,
+        None if k_scale is None else k_scale.data_ptr(),
+        None if v_scale is None else v_scale.data_ptr(),
+    )
+
+
 def _is_static(t: torch.Tensor) -> bool:
     """A scale tensor that does not vary over blocks and slots: stride 0 on each of them that
     has more than one element (a stride of a size-1 dimension means nothing). A cache of one
@@ -469,6 +496,16 @@ def _check_size(name: str, val: object) -> None:
     # An Integral (int, numpy.int64, ...) compares like the int it stands for.
     if not isinstance(val, numbers.Integral) or isinstance(val, bool) or not 1 <= cast(int, val) < 2**31:
         raise InputError(f"{name} is {val!r}; accepted: a positive int (below 2**31)")
+
+
+def _check_packed(kv_dtype: str, head_dim: int, head_dim_v: int) -> None:
+    pack = PACKED_CODES.get(kv_dtype, 1)
+    for name, val in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if val % pack:
+            raise InputError(
+                f"{name} is {val}, but a {kv_dtype} cache stores {pack} codes per byte; accepted: a "
+                f"multiple of {pack} (or another kv_dtype)"
+            )
 
 
 def _check_dtypes(dtype: object, kv_dtype: object) -> None:
@@ -492,6 +529,12 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
     ``x.shape[:-1]``: a static scale) the codes are ``x / scale``, rounded and clamped to the
     format's range (values beyond ``q_max * scale`` saturate).
 
+    Scales are at least ``2**-126`` (float32's smallest normal), so finite input never reads
+    back NaN. Non-finite input (NaN, ±inf) stays NaN where it was written, never changing another
+    vector: without ``scale`` a vector holding one gets scale NaN and codes 0 (every element reads
+    back NaN); with a static ``scale`` the element itself becomes fp8's NaN code, or code 0 for
+    int8/int4, which have no NaN code (the one case where it reads back finite).
+
     >>> codes, scale = quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8")
     >>> codes.tolist(), round(scale.item() * 127, 4)
     ([[64, -127, 32]], 2.0)
@@ -507,13 +550,18 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
         found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
     xf = x.float()
+    finite = torch.isfinite(xf)
+    scale_given = scale is not None
     if scale is None:
-        amax = xf.abs().amax(dim=-1)
-        # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
+        amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
         # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its
         # reciprocal (a last-bit difference from the CPU), so the same K/V would get other
-        # scales per device.
-        scale = torch.where(amax > 0, amax / torch.full_like(amax, Q_MAX[kv_dtype]), torch.ones_like(amax))
+        # scales per device. The floor keeps a zero vector's codes 0/floor = 0 and a vector of
+        # float32 subnormals (whose max / q_max underflows to 0) from reading back 0 * inf.
+        scale = torch.clamp_min(amax / torch.full_like(amax, Q_MAX[kv_dtype]), SCALE_FLOOR)
+        # A non-finite element marks its whole vector: scale NaN, codes 0 (see the docstring).
+        bad = ~finite.all(dim=-1)
+        scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     else:
         if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.device != x.device:
             found = f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor) else repr(scale)
@@ -531,6 +579,12 @@ def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = Non
         y = y.round()
     # Saturating: fp8 casts turn values beyond the format's range into NaN (E4M3) or inf (E5M2).
     y = y.clamp(-q_max, q_max)
+    if scale_given:
+        # A static scale is shared: a non-finite element becomes NaN in its own element where the
+        # format has a NaN (fp8: +NaN, one byte whatever the sign), else 0 (int codes have none).
+        y = torch.where(finite, y, float("nan") if code_dtype.is_floating_point else 0.0)
+    else:
+        y = torch.where(bad.unsqueeze(-1), 0.0, y)
     if kv_dtype in PACKED_CODES:
         return pack_int4(y.to(torch.int8)), scale
     return y.to(code_dtype), scale
@@ -742,21 +796,30 @@ def _write_per_channel_keys(cache: KVCache, k: torch.Tensor, v: torch.Tensor, sl
     k_scale, v_scale = cache._scales()
     bs = cache.block_size
     blk, off = slots // bs, slots % bs
+    kf = k.float()
+    finite = torch.isfinite(kf)
     vc, vs = quantize_kv(v, "int4")  # values: int4's per-(slot, KV head) rule
+    # A key with a non-finite element cannot scale its block's channels (a NaN or inf max would
+    # rescale every other slot's keys): it is left out of the channel max, its non-finite
+    # elements get code 0, and the slot's own V scale becomes NaN, so every row that reads the
+    # slot is NaN and no other slot changes.
+    vs = torch.where(finite.all(dim=-1), vs, float("nan"))
     cache.v.index_put_((blk, off), vc)
     v_scale.index_put_((blk, off), vs)
+    kf = torch.where(finite, kf, 0.0)
     blocks, row = torch.unique(blk, return_inverse=True)  # [U], and each token's block among them
     u = blocks.shape[0]
     fresh = torch.zeros(u, dtype=torch.bool, device=slots.device).index_fill_(0, row[off == 0], True)
     new_max = torch.zeros(u, *k.shape[1:], dtype=torch.float32, device=k.device)
-    k_abs = k.float().abs()
+    k_abs = kf.abs()
     new_max.scatter_reduce_(0, row[:, None, None].expand_as(k_abs), k_abs, "amax")
     old = torch.where(fresh[:, None, None], 0.0, k_scale[blocks])  # [U, heads, channels]
-    scale = torch.maximum(old, new_max / q_max)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # Floored as quantize_kv's scales: a channel that is 0 so far keeps a tiny scale, not a
+    # coarse one that a later, larger key could not raise.
+    scale = torch.clamp_min(torch.maximum(old, new_max / q_max), SCALE_FLOOR)
     earlier = unpack_int4(cache.k[blocks]).float() * old[:, None]  # [U, block_size, heads, channels]
     codes = (earlier / scale[:, None]).round().clamp(-q_max, q_max)
-    codes[row, off] = (k.float() / scale[row]).round().clamp(-q_max, q_max)
+    codes[row, off] = (kf / scale[row]).round().clamp(-q_max, q_max)
     cache.k[blocks] = pack_int4(codes.to(torch.int8))
     k_scale[blocks] = scale
 
@@ -790,6 +853,7 @@ def kv_bytes_per_token(
         _check_size(name, val)
     elem = _ELEM_BYTES[dtype] if kv_dtype == "auto" else 1
     pack = PACKED_CODES.get(kv_dtype, 1)
+    _check_packed(kv_dtype, head_dim, head_dim_v)
     scales = 0 if kv_dtype == "auto" else 2 * num_kv_heads * 4
     codes = num_kv_heads * (head_dim + head_dim_v) * elem // pack
     if kv_dtype in PER_CHANNEL_KEYS:  # per slot: V's scale; per block: one float per K channel

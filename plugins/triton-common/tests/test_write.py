@@ -165,7 +165,7 @@ def rows(n: int, dtype: torch.dtype, device: str, *, seed: int, layout: str = "c
         k = big[:, :, ::2]
         v = (torch.randn(n, D, H, generator=g) * 4).to(dtype).to(device).transpose(1, 2)
     if n > 3:
-        # A zero vector (scale 1) and negative zeros (their sign survives in fp8 codes).
+        # A zero vector (the floor scale, 2**-126) and negative zeros (their sign survives in fp8 codes).
         k[1, 0] = 0
         v[2, 1] = -0.0
         # Rounding ties at scale 1 (amax 127 / 448): halves for int8; for fp8 normal midpoints,
@@ -311,6 +311,66 @@ def test_a_cache_that_is_not_a_kvcache():
     with pytest.raises(InputError) as got:
         write_kv(object(), k, k, torch.tensor([0]))
     assert str(got.value) == str(want.value)
+
+
+def odd_rows(dtype: torch.dtype, device: str):
+    """k, v [6, H, D] with NaN, +inf and -inf in some head vectors (one or several elements), and,
+    in float32, a vector of subnormals whose max / q_max underflows to 0."""
+    k, v = rows(6, dtype, device, seed=5)
+    k[0, 1, 3] = float("nan")
+    k[2, 0, 0] = float("-inf")
+    k[2, 2, 5] = float("inf")
+    v[1, 2, 7] = float("nan")
+    v[1, 2, 8] = float("-inf")
+    v[4, 0, 1] = float("inf")
+    if dtype == torch.float32:
+        k[5, 1] = 0.0
+        k[5, 1, 0] = 1e-42
+        v[5, 0] = 0.0
+        v[5, 0, 3] = -3e-45
+    return k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "static"])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [d for d in DTYPES if d[1] != "auto" and d[0] != torch.float16])
+def test_non_finite_and_subnormal_rows_write_what_paged_core_writes(dtype, kv_dtype, layout, device):
+    # One rule in every write path (docs/reliability.md §4): a vector with a non-finite element
+    # gets codes 0 and scale NaN; with static scales the element becomes fp8's NaN (int8: 0); a
+    # vector of subnormals gets the floor scale, never 0. Same bytes as paged_core.write_kv.
+    cache, storages = make_cache(layout, dtype, kv_dtype, device)
+    k, v = odd_rows(dtype, device)
+    assert_same_write(cache, storages, k, v, torch.tensor([0, 7, 13, 19, 5, 1], device=device))
+    if layout == "contiguous":
+        assert torch.isnan(cache.k_scale[0, 0, 1]) and torch.isnan(cache.v_scale[1, 3, 2])
+        assert not bool(raw(cache.k[0, 0, 1]).any())
+        if dtype == torch.float32:
+            assert cache.k_scale[0, 1, 1].item() == 2.0**-126
+    elif kv_dtype != "int8":
+        assert int(cache.k.view(torch.uint8)[0, 0, 1, 3]) == 0x7F
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_storage_replaced_in_place_is_written_not_the_old_one(device):
+    # cache.k.set_(other) keeps the object: the check sees the new address, so the kernel (and
+    # paged_core's write) write the new storage, never the old one the allocation still holds.
+    cache = allocate_kv_cache(NB, BS, H, D, dtype=torch.float32, device=device)
+    k, v = rows(3, torch.float32, device, seed=4)
+    write_kv(cache, k, v, torch.tensor([0, 1, 2], device=device))
+    old = cache._spill[0].clone()
+    new = torch.zeros(NB, BS, H, D, device=device)
+    cache.k.set_(new)
+    write_kv(cache, k, v, torch.tensor([4, 5, 6], device=device))
+    assert torch.equal(new[1, :3], k) and torch.equal(cache._spill[0], old)
+
+
+def test_a_cache_resized_in_place_is_refused_naming_the_tensor():
+    cache = allocate_kv_cache(NB, BS, H, D, dtype=torch.float32)
+    k, v = rows(1, torch.float32, "cpu", seed=4)
+    write_kv(cache, k, v, torch.tensor([0]))
+    cache.k.resize_(0)
+    with pytest.raises(InputError, match=r"cache.k is float32 \[0\]; accepted: a 4-D tensor"):
+        write_kv(cache, k, v, torch.tensor([0]))
 
 
 def test_a_new_token_count_is_checked_and_written():

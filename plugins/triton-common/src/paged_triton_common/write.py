@@ -1,7 +1,7 @@
 """One Triton launch that writes a step's new K/V rows into a paged cache (``Backend.write``).
 
 :func:`write_kv` writes exactly what :func:`paged_core.write_kv` writes, codes and scales bit for
-bit (for finite inputs): a row goes to slot ``slot_mapping[t]`` (block ``slot // block_size``,
+bit (non-finite inputs included): a row goes to slot ``slot_mapping[t]`` (block ``slot // block_size``,
 offset ``slot % block_size``) through the cache tensors' strides, so views of an engine's pool
 are written in place; slot -1 and slots outside ``[0, num_blocks * block_size)`` write nothing
 (masked in the kernel: no spill block, no host sync, whatever the cache). int8/fp8 caches are
@@ -9,8 +9,9 @@ quantized in the kernel per (token, KV head) vector, step for step as
 :func:`paged_core.quantize_kv` computes it (a cache with static scales skips the first step: its
 scale is read at the slot, and no scale is stored):
 
-* ``amax = max |x|`` in float32; ``scale = amax / q_max`` (``1`` for a zero vector) and
-  ``y = x / scale``, both with IEEE round-to-nearest division (``tl.math.div_rn``: Triton's ``/``
+* ``amax = max |x|`` in float32; ``scale = max(amax / q_max, 2**-126)`` (float32's smallest
+  normal: a zero vector or one of subnormals keeps a positive scale) and ``y = x / scale``, both
+  with IEEE round-to-nearest division (``tl.math.div_rn``: Triton's ``/``
   is not correctly rounded on NVIDIA GPUs; PyTorch's division by a tensor is, on every device).
 * int8: ``y`` rounded half to even (``torch.round``) by the float32 add/subtract of
   ``1.5 * 2**23``, exact for ``|y| < 2**22``, clamped to ±127. fp8 E4M3: ``y`` clamped to ±448,
@@ -18,6 +19,9 @@ scale is read at the slot, and no scale is stored):
   nearest even, subnormals included), in integer arithmetic, so the interpreter and every GPU
   give the same bytes; fp8 E5M2 likewise, clamped to ±57344 (``fp8e5m2_from_fp32_value``).
   Codes travel as ``uint8`` (the CPU interpreter has no float8 pointers).
+* Non-finite input (docs/reliability.md §4): a vector with a NaN or ±inf element gets codes 0
+  and scale NaN (it reads back NaN, and no other slot changes); with static scales the element
+  itself becomes fp8's NaN code ``0x7f`` (int8: code 0, having no NaN).
 
 Cost, per call: one kernel launch, ``(num_tokens, cdiv(num_kv_heads, BLOCK_H))`` programs of one
 token and ``BLOCK_H`` heads each (k and v both). Host work on a repeated call (same cache, same
@@ -100,14 +104,22 @@ def _write_rows(
         tl.store(dst_ptr + dst_offs, x, mask=mask)  # a bit copy: no arithmetic on the values
     else:
         xf = x.to(tl.float32)  # [BLOCK_H, HEAD_DIM_PAD]; masked elements 0, never the max
+        # False for NaN and ±inf. Tested explicitly: a GPU's max drops NaN, the interpreter's keeps it.
+        finite = tl.abs(xf) <= 3.4028234663852886e38  # [BLOCK_H, HEAD_DIM_PAD]
         if STATIC_SCALE:
             scale = tl.load(scale_ptr + scale_offs, mask=mask_h, other=1.0)  # [BLOCK_H]
+            y = tl.math.div_rn(tl.where(finite, xf, 0.0), scale[:, None])  # [BLOCK_H, HEAD_DIM_PAD]
         else:
-            amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
-            scale = tl.math.div_rn(amax, Q_MAX)
-            # A zero vector would give scale 0 and 0/0 codes: any positive scale encodes it exactly.
-            scale = tl.where(amax > 0, scale, 1.0)
-        y = tl.math.div_rn(xf, scale[:, None])  # [BLOCK_H, HEAD_DIM_PAD]
+            bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0  # [BLOCK_H] a non-finite element
+            amax = tl.max(tl.where(finite, tl.abs(xf), 0.0), axis=1)  # [BLOCK_H]
+            # Floored at float32's smallest normal (paged_core's SCALE_FLOOR): a zero vector's
+            # codes are 0, and a vector of subnormals, whose amax / Q_MAX is 0, reads back finite.
+            scale = tl.maximum(tl.math.div_rn(amax, Q_MAX), 1.1754943508222875e-38)
+            y = tl.where(bad[:, None], 0.0, tl.math.div_rn(xf, scale[:, None]))  # [BLOCK_H, HEAD_DIM_PAD]
+            # A vector with a non-finite element: codes 0 (y above) and scale NaN, the bits of
+            # torch's float("nan"), so every element reads back NaN.
+            nan = tl.full(amax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+            scale = tl.where(bad, nan, scale)
         if KV_QUANT == 1:
             # |y| <= ~127: adding 1.5 * 2**23 leaves no fraction bits, so the float add rounds to
             # the nearest integer, ties to even (torch.round); subtracting it back is exact.
@@ -117,6 +129,10 @@ def _write_rows(
             code = _e4m3fn_code(tl.minimum(tl.maximum(y, -448.0), 448.0)).to(tl.uint8)
         else:
             code = _e5m2_code(tl.minimum(tl.maximum(y, -57344.0), 57344.0)).to(tl.uint8)
+        if STATIC_SCALE and KV_QUANT >= 2:
+            # A static scale is shared: a non-finite element becomes fp8's NaN (0x7f) in its own
+            # element (int8 has no NaN code: 0, from y above).
+            code = tl.where(finite, code, 0x7F).to(tl.uint8)
         tl.store(dst_ptr + dst_offs, code, mask=mask)
         if not STATIC_SCALE:
             tl.store(scale_ptr + scale_offs, scale, mask=mask_h)
