@@ -223,3 +223,70 @@ def test_prefill_ceiling_compiles_its_modes_offline():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("paged-lean")]
     assert len(rows) == 7, proc.stdout
     assert all(0 < int(r[6]) <= 255 for r in rows), proc.stdout  # registers per thread
+
+
+def _vllm_gpu_pins() -> dict[str, str]:
+    """scripts/vllm_gpu_requirements.txt: each package -> its specifier ("==0.26.0", "" unpinned)."""
+    from packaging.requirements import Requirement
+
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "vllm_gpu_requirements.txt").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return {(req := Requirement(line)).name: str(req.specifier) for line in lines}
+
+
+def test_the_vllm_gpu_recipe_pins_each_package_in_one_place():
+    """The GPU recipe's pins live in scripts/vllm_gpu_requirements.txt: slim_vllm_wheel.sh reads it,
+    no other file pins vLLM or openai apart from it, and its vLLM is one the plugin and its
+    distribution accept and its README names. (The script pinned openai 2.8.1, whose
+    openai.types.responses lacks the NamespaceTool vLLM 0.26 imports: `from vllm import LLM`
+    failed on the GPU machine.)"""
+    import ast
+    import re
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    pins = _vllm_gpu_pins()
+    vllm, openai = pins["vllm"], pins["openai"]
+    assert vllm.startswith("==") and openai.startswith("=="), pins
+    vllm = vllm[2:]
+
+    slim = (root / "scripts" / "slim_vllm_wheel.sh").read_text()
+    assert "vllm_gpu_requirements.txt" in slim
+    # Every other pin of vLLM's or openai's release in the repository is the file's.
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    pin = re.compile(r"(?<![\w.-])(openai|vllm)\s*==\s*([0-9][\w.+]*)")
+    for name in files:
+        path = root / name
+        if path.suffix not in {".sh", ".py", ".md", ".toml", ".txt", ".cfg", ".yml", ".yaml"} or not path.is_file():
+            continue
+        if name == "scripts/vllm_gpu_requirements.txt":
+            continue
+        for package, version in pin.findall(path.read_text(errors="replace")):
+            assert f"=={version}" == pins[package], f"{name} pins {package}=={version}; the recipe: {pins[package]}"
+
+    # The plugin's release lines and the distribution's `cuda` extra accept the recipe's vLLM.
+    init = (root / "integrations" / "vllm" / "src" / "paged_vllm" / "__init__.py").read_text()
+    (supported,) = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(init).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SUPPORTED_VLLM"
+    ]
+    assert ".".join(vllm.split(".")[:2]) in supported, (vllm, supported)
+    import tomllib
+
+    pyproject = tomllib.loads((root / "integrations" / "vllm" / "pyproject.toml").read_text())
+    (cuda,) = [Requirement(d) for d in pyproject["project"]["optional-dependencies"]["cuda"]]
+    assert cuda.name == "vllm" and cuda.specifier.contains(vllm), (str(cuda), vllm)
+    readme = (root / "integrations" / "vllm" / "README.md").read_text()
+    assert f"**{vllm}**" in readme and "scripts/vllm_gpu_requirements.txt" in readme
+
+
+def test_the_gpu_install_checks_that_vllm_imports():
+    """gpu_vllm_install.sh ends by importing vLLM's LLM once both parts are in, and says what to
+    fix (the recipe's pins) when that fails, rather than leaving the failure to the first run."""
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_install.sh").read_text()
+    check = script[script.index("from vllm import LLM") :]
+    assert "vllm_gpu_requirements.txt" in check and "return 1" in check
+    proc = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_install.sh")])
+    assert proc.returncode == 0
