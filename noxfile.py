@@ -1,4 +1,4 @@
-"""Sessions of the paged workspace: tests, lint, conformance, bench, wheels, demo.
+"""Sessions of the paged workspace: tests, lint, conformance, bench, wheels, demo, vllm, perplexity.
 
 Every session installs what it needs itself, with torch pinned (an unpinned torch pulls a
 multi-GB CUDA build on a CPU machine). CI (``.ci/run``) runs ``nox -s lint`` and ``nox -s tests``.
@@ -255,8 +255,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (rules and formatting) over the workspace, mypy over every distribution's src ([tool.mypy]
-    and [tool.ruff] in pyproject.toml). Each runs even if one before it failed."""
+    """ruff (rules, formatting) over the workspace, mypy over each distribution's src; each runs even if one fails."""
+    # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
     # The libraries whose types the code is checked against: torch, pluggy, pytest and hypothesis
     # (the suite), transformers (its integration). The vendor libraries, matplotlib and vLLM are
     # configured as missing.

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
 import pytest
 
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+NOXFILE = ast.parse((ROOT / "noxfile.py").read_text())
 
 
 def _python_blocks_under(heading: str) -> list[str]:
@@ -81,3 +84,28 @@ def test_minimal_plugin_backend_works_and_refuses_what_it_does_not_claim():
     assert out.shape == (4, 4, 64) and bool(out.isfinite().all())
     with pytest.raises(UnsupportedSpecError, match="softcap|soft-capping"):
         backend.forward(torch.randn(4, 4, 64), cache, meta, softcap=5.0)
+
+
+def _nox_sessions() -> dict[str, str | None]:
+    """{session: docstring} of the noxfile's ``@nox.session`` functions (read, not imported: the
+    tests' environment has no nox)."""
+    return {
+        f.name: ast.get_docstring(f)
+        for f in NOXFILE.body
+        if isinstance(f, ast.FunctionDef) and any(ast.unparse(d).startswith("nox.session") for d in f.decorator_list)
+    }
+
+
+def test_every_nox_session_is_named_and_described_in_one_line():
+    sessions = _nox_sessions()
+    assert {"tests", "demo", "lint", "wheels"} <= set(sessions)
+    # `nox -l` prints the first line of each docstring: a summary running onto a second line is
+    # cut off mid-sentence.
+    for name, doc in sessions.items():
+        summary = (doc or "").split("\n\n")[0]
+        assert summary and "\n" not in summary, f"nox session {name!r}: start its docstring with a one-line summary"
+    listed = ast.get_docstring(NOXFILE).splitlines()[0]
+    layout = next(line for line in README.splitlines() if line.startswith("noxfile.py "))
+    for name in sessions:
+        assert re.search(rf"\b{name}\b", listed), f"noxfile.py's docstring does not name the {name!r} session"
+        assert re.search(rf"\b{name}\b", layout), f"README.md's layout does not name the {name!r} session"
