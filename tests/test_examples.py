@@ -13,9 +13,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOOP = ROOT / "examples" / "engine_loop.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, hide: str | None = None) -> subprocess.CompletedProcess:
+    """The example in a fresh process; ``hide``: a package the process cannot import, as where
+    it is not installed (this environment has every distribution of the workspace)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, str(LOOP), *args], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, str(LOOP), *args]
+    if hide is not None:
+        run = f"import runpy, sys; sys.modules[{hide!r}] = None; sys.argv = {[str(LOOP), *args]!r}; "
+        run += f"runpy.run_path({str(LOOP)!r}, run_name='__main__')"
+        command = [sys.executable, "-c", run]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton-unified"])
@@ -32,6 +39,19 @@ def test_engine_loop_runs_chunked_prefill_then_decodes(backend):
     assert lines[0].startswith("step 0:  37 tokens (16 new/16, 5 new/5, 16 new/16)"), lines[0]
     assert lines[2].startswith("step 2:   7 tokens (5 new/37, 1 new/7, 1 new/21)"), lines[2]
     assert "within the float32 tolerance" in lines[-1]
+
+
+def test_engine_loop_runs_after_the_readme_install_without_the_suite():
+    # The README's install is paged-core[triton]: no paged-conformance, so no tolerance table.
+    from paged_core import registry
+
+    if "triton-unified" not in registry.names():
+        pytest.skip("triton-unified is not installed here")
+    run = _run("--backend", "triton-unified", "--steps", "2", hide="paged_conformance")
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    last = run.stdout.splitlines()[-1]
+    assert last.startswith("triton-unified: 2 steps x 2 layers, worst abs err "), last
+    assert "not judged" in last and "pip install --find-links dist paged-conformance" in last
 
 
 def test_engine_loop_names_a_missing_backend():
