@@ -1,10 +1,15 @@
-"""The README's Python examples run as written (the usage and the registry blocks)."""
+"""The README's Python examples run as written (the usage and the registry blocks) and print what
+they say; its install commands pin what the nox sessions and CI install; the noxfile lists its
+sessions as the README does."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import pathlib
 import re
+import tomllib
 
 import pytest
 
@@ -26,6 +31,19 @@ def test_readme_examples_run(heading):
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, f"README.md#{heading}", "exec"), namespace)
+
+
+def test_usage_example_prints_what_its_comments_say():
+    block = _python_blocks_under("Using it")[0]
+    said = [line.split("  # ", 1)[1] for line in block.splitlines() if line.startswith("print(")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(block, {})
+    shapes, error = printed.getvalue().splitlines()
+    assert len(said) == 2 and shapes == said[0]
+    # "max error 5e-07" for "about 1e-06": float32 against the float64 oracle, within 10x.
+    about = float(re.fullmatch(r"about (\S+) .*", said[1])[1])
+    assert error.startswith("max error ") and float(error.removeprefix("max error ")) < 10 * about, error
 
 
 def test_usage_example_computes_attention():
@@ -109,3 +127,47 @@ def test_every_nox_session_is_named_and_described_in_one_line():
     for name in sessions:
         assert re.search(rf"\b{name}\b", listed), f"noxfile.py's docstring does not name the {name!r} session"
         assert re.search(rf"\b{name}\b", layout), f"README.md's layout does not name the {name!r} session"
+
+
+def _noxfile_constant(name: str) -> str:
+    return next(
+        ast.literal_eval(node.value)
+        for node in NOXFILE.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+    )
+
+
+@pytest.mark.parametrize("package, constant", [("torch", "TORCH"), ("triton", "TRITON")])
+def test_readme_pins_what_the_sessions_and_ci_install(package, constant):
+    # The noxfile holds the pair CI tests (.ci/run runs nox); the README's install copies it.
+    pinned = _noxfile_constant(constant)
+    install = README.split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    copies = set(re.findall(rf"\b{package}==\S+", install))
+    assert copies == {pinned}, f"README.md's install pins {sorted(copies)}; noxfile.py's {constant} is {pinned}"
+
+
+def test_the_distributions_admit_the_pinned_torch_and_triton():
+    # The README's install line asks for both pins next to paged-core[triton]; every requirement
+    # on torch and triton in the distributions it installs must admit them, or pip refuses.
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pins = {p: Version(_noxfile_constant(c).split("==")[1]) for p, c in [("torch", "TORCH"), ("triton", "TRITON")]}
+    folders = ["core", "plugins/triton-common", "plugins/triton-unified", "plugins/triton-splitkv"]
+    checked = 0
+    for folder in folders:
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        for req in map(Requirement, project["dependencies"]):
+            if req.name in pins:
+                checked += 1
+                assert req.specifier.contains(pins[req.name]), (
+                    f"{project['name']} requires {req}; CI tests {pins[req.name]}"
+                )
+    assert checked >= 4
+
+
+def test_ci_runs_the_readme_test_command():
+    command = re.search(r"`python3 -m pip install nox && (python3 -m nox -s tests)`", README)
+    assert command, "README.md's test command is not in its table"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^{re.escape(command[1])}$", ci, flags=re.M), ".ci/run does not run README.md's test command"
