@@ -98,7 +98,13 @@ def _install_integrations(session: nox.Session, transformers: str = TRANSFORMERS
 
 def _install_workspace(session: nox.Session, plugins: list[str]) -> None:
     plugins = _with_local_deps(plugins)
+    # pip's output is hidden (nox -v shows it): say what the quiet minutes are.
+    session.log(
+        f"installing {TORCH}, {TRITON} and the test tools: about 100 s on a fresh machine with 2 cores, "
+        "seconds in a reused virtualenv"
+    )
     session.install(TORCH, TRITON, *TEST_DEPS, SETUPTOOLS)
+    session.log(f"installing the workspace (editable): core, conformance, bench, {', '.join(plugins)}")
     plain = [p for p in plugins if p not in VENDOR_PLUGINS]
     args = ["-e", "core", "-e", "conformance", "-e", "bench"]
     for p in plain:
