@@ -317,7 +317,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def wheels(session: nox.Session) -> None:
-    """Build every distribution into dist/ (then: pip install --find-links dist 'paged-core[triton]')."""
+    """Build every distribution into dist/ (then install from it as README.md says, torch and Triton pinned)."""
     session.install("build", SETUPTOOLS)
     license_text = (ROOT / "LICENSE").read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
