@@ -323,6 +323,37 @@ def test_scale_and_softcap_must_be_finite_numbers(field, bad):
         ReferenceBackend().forward(q, cache, meta, **{field: bad})
 
 
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda q: {"q": q[:, 0]}, "q is float32 [3, 8] on cpu; accepted: a tensor [num_tokens, num_heads, head_dim]"),
+        (lambda q: {"q": q[..., :4]}, "q has head_dim 4 but the cache has head_dim 8"),
+        (lambda q: {"q": q[:, :3]}, "q has 3 heads, not a multiple of the cache's 2 KV heads"),
+        (
+            lambda q: {"compute_dtype": torch.int32},
+            "compute_dtype is torch.int32; accepted: torch.float32, torch.float64",
+        ),
+        (lambda q: {"q": q[:2]}, "q has 2 rows but the batch has 3 query tokens"),
+        (lambda q: {"window": -1}, "window is -1; accepted:"),
+    ],
+    ids=["2d_q", "wrong_head_dim", "heads_not_a_multiple", "int32_compute_dtype", "wrong_rows", "negative_window"],
+)
+def test_reference_attention_checks_q_as_forward_does(change, needle):
+    # A 2-D q, a wrong head dim, 3 heads over 2 KV heads and compute_dtype=torch.int32 gave an
+    # unnamed ValueError (unpacking) or a torch RuntimeError from inside the einsum.
+    from paged_core import reference_attention
+
+    q, cache, meta = small()
+    kw = change(q)
+    with pytest.raises(InputError) as exc:
+        reference_attention(kw.pop("q", q), cache, meta, **kw)
+    assert needle in str(exc.value)
+    if "q" in change(q):  # the very message Backend.forward gives
+        with pytest.raises(InputError) as fwd:
+            ReferenceBackend().forward(change(q)["q"], cache, meta)
+        assert str(fwd.value) == str(exc.value)
+
+
 def test_every_refusal_is_a_paged_error():
     assert issubclass(InputError, PagedError) and issubclass(BatchMetaError, PagedError)
 

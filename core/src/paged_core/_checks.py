@@ -30,9 +30,11 @@ from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilitie
 __all__ = [
     "PLAN_KEYWORDS",
     "batch_of",
+    "check_batch",
     "capturing",
     "check_call",
     "check_forward",
+    "check_inputs",
     "check_out_memory",
     "check_plan",
     "check_write",
@@ -116,6 +118,15 @@ def batch_of(backend: _Checked, meta: Any) -> BatchMeta:
     return batch
 
 
+def check_batch(meta: Any, *, mirrors: bool = True) -> BatchMeta:
+    """``meta`` as a structurally sound :class:`BatchMeta`, or an error that says what it is
+    (host only, cached per object: :meth:`BatchMeta.check_structure`)."""
+    if not isinstance(meta, BatchMeta):
+        raise InputError(f"meta is {_described(meta)}; accepted: a paged_core.BatchMeta")
+    # Shapes, dtypes, one device, host ints: a BatchMetaError naming the field.
+    return meta._structure(mirrors=mirrors)
+
+
 def tensor_facts(t: torch.Tensor) -> tuple:
     """``(shape, dtype, device, strides)``: all the checks read of a tensor argument (``q``,
     ``sinks``, ``out``), and all the memo keeps of it."""
@@ -184,9 +195,7 @@ def _plan_params(cls: Any) -> tuple[frozenset[str], bool]:
 
 def check_plan(backend: _Checked, meta: Any, layer: dict[str, Any]) -> dict[str, Any]:
     """The batch and layer keywords of ``plan``; returns the keywords ``_plan`` takes."""
-    if not isinstance(meta, BatchMeta):
-        raise InputError(f"meta is {_described(meta)}; accepted: a paged_core.BatchMeta")
-    meta.check_structure()
+    check_batch(meta)
     names, takes_any = _plan_params(type(backend))
     unknown = sorted(k for k in layer if k not in PLAN_KEYWORDS and k not in names)
     if unknown:
@@ -361,47 +370,9 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
     No device read and no sync: the structure of the cache and of the batch is checked once per
     object (cached), the rest is a few attribute compares (microseconds per call).
     """
-    if not isinstance(q, torch.Tensor) or len(tensor_facts(q)[0]) != 3:
-        raise InputError(f"q is {_described(q)}; accepted: a tensor [num_tokens, num_heads, head_dim]")
-    if not isinstance(cache, KVCache):
-        raise InputError(f"cache is {_described(cache)}; accepted: a paged_core.KVCache")
-    cache.check()
-    meta.check_structure()  # shapes, dtypes, one device, host ints: a BatchMetaError naming the field
-    q_shape, q_dtype, dev, q_strides = tensor_facts(q)
+    check_inputs(q, cache, meta, window, softcap, scale, sinks)
+    q_shape, q_dtype, dev, _ = tensor_facts(q)
     n, hq, d = q_shape
-    if hq == 0:
-        raise InputError(f"q is {_described(q)}, with no heads; accepted: num_heads >= 1")
-    if n != meta.num_tokens:
-        raise InputError(
-            f"q has {n} rows but the batch has {meta.num_tokens} query tokens; accepted: "
-            "q.shape[0] == meta.num_tokens (query_start_loc[-1])"
-        )
-    if d != cache.head_dim:
-        raise InputError(
-            f"q has head_dim {d} but the cache has head_dim {cache.head_dim}; accepted: the cache's head_dim"
-        )
-    if hq % cache.num_kv_heads:
-        raise InputError(
-            f"q has {hq} heads, not a multiple of the cache's {cache.num_kv_heads} KV heads; "
-            "accepted: num_heads = group_size * num_kv_heads"
-        )
-    if q_dtype != cache.dtype:
-        raise InputError(
-            f"q is {dtype_name(q_dtype)} but the cache holds {dtype_name(cache.dtype)} K/V; "
-            "accepted: the dtype the cache was allocated for"
-        )
-    if q_strides[-1] != 1:
-        raise InputError(f"q's last dimension has stride {q_strides[-1]}; accepted: stride 1 (call q.contiguous())")
-    if cache.k.device != dev:
-        raise InputError(f"cache.k is on {cache.device} but q is on {dev}; accepted: one device")
-    if meta.seq_lens.device != dev:
-        raise InputError(
-            f"the batch is on {meta.device} but q is on {dev}; accepted: one device (meta.to({str(dev)!r}))"
-        )
-    _check_batch_fits(meta, cache, device=False)  # both are on q's device
-    _check_scalars(window, softcap, scale)
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or _wrong_sinks(tensor_facts(sinks), hq, dev)):
-        raise InputError(f"sinks is {_described(sinks)}; accepted: float32 [num_heads={hq}] on {dev}")
     dv = cache.head_dim_v
     if out is not None and (not isinstance(out, torch.Tensor) or _wrong_out(tensor_facts(out), tensor_facts(q), dv)):
         found = (
@@ -441,6 +412,54 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
     reasons = backend.reasons(spec)
     if reasons:
         raise UnsupportedSpecError(backend.name, reasons)
+
+
+def check_inputs(q, cache, meta, window, softcap, scale, sinks, *, mirrors: bool = True) -> None:
+    """The inputs of an attention call, without an output or a backend: ``q`` against the cache
+    and the batch, the scalars and ``sinks``. ``forward`` (through :func:`check_call`) and
+    ``reference_attention`` both refuse bad input here. ``mirrors=False`` leaves the host
+    mirrors' agreement with ``max_*`` unchecked, for callers that read neither."""
+    if not isinstance(q, torch.Tensor) or len(tensor_facts(q)[0]) != 3:
+        raise InputError(f"q is {_described(q)}; accepted: a tensor [num_tokens, num_heads, head_dim]")
+    if not isinstance(cache, KVCache):
+        raise InputError(f"cache is {_described(cache)}; accepted: a paged_core.KVCache")
+    cache.check()
+    check_batch(meta, mirrors=mirrors)
+    q_shape, q_dtype, dev, q_strides = tensor_facts(q)
+    n, hq, d = q_shape
+    if hq == 0:
+        raise InputError(f"q is {_described(q)}, with no heads; accepted: num_heads >= 1")
+    if n != meta.num_tokens:
+        raise InputError(
+            f"q has {n} rows but the batch has {meta.num_tokens} query tokens; accepted: "
+            "q.shape[0] == meta.num_tokens (query_start_loc[-1])"
+        )
+    if d != cache.head_dim:
+        raise InputError(
+            f"q has head_dim {d} but the cache has head_dim {cache.head_dim}; accepted: the cache's head_dim"
+        )
+    if hq % cache.num_kv_heads:
+        raise InputError(
+            f"q has {hq} heads, not a multiple of the cache's {cache.num_kv_heads} KV heads; "
+            "accepted: num_heads = group_size * num_kv_heads"
+        )
+    if q_dtype != cache.dtype:
+        raise InputError(
+            f"q is {dtype_name(q_dtype)} but the cache holds {dtype_name(cache.dtype)} K/V; "
+            "accepted: the dtype the cache was allocated for"
+        )
+    if q_strides[-1] != 1:
+        raise InputError(f"q's last dimension has stride {q_strides[-1]}; accepted: stride 1 (call q.contiguous())")
+    if cache.k.device != dev:
+        raise InputError(f"cache.k is on {cache.device} but q is on {dev}; accepted: one device")
+    if meta.seq_lens.device != dev:
+        raise InputError(
+            f"the batch is on {meta.device} but q is on {dev}; accepted: one device (meta.to({str(dev)!r}))"
+        )
+    _check_batch_fits(meta, cache, device=False)  # both are on q's device
+    _check_scalars(window, softcap, scale)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or _wrong_sinks(tensor_facts(sinks), hq, dev)):
+        raise InputError(f"sinks is {_described(sinks)}; accepted: float32 [num_heads={hq}] on {dev}")
 
 
 def _wrong_sinks(facts: tuple, num_heads: int, device: torch.device) -> bool:

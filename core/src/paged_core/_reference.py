@@ -16,6 +16,7 @@ import torch
 from ._backend import Backend
 from ._batch import BatchMeta
 from ._cache import KVCache, unpack_int4
+from ._checks import check_inputs
 from ._errors import InputError
 from ._spec import KV_DTYPES, KV_SCALES, PER_CHANNEL_KEYS, Capabilities
 
@@ -85,12 +86,38 @@ def reference_attention(
     written; a request with ``seq_len <= 0`` sees no key (zeros, ``lse`` -inf); block ids outside
     the pool and keys past the table are absent.
     """
-    if not isinstance(cache, KVCache):
-        raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
-    cache.check()
-    if not isinstance(meta, BatchMeta):
-        raise InputError(f"meta is a {type(meta).__name__}; accepted: a paged_core.BatchMeta")
-    meta._structure(mirrors=False)  # the oracle reads no host int (max_*), so holds none to account
+    # The checks of Backend.forward; the oracle reads no host int (max_*), so holds none to account.
+    check_inputs(q, cache, meta, window, softcap, scale, sinks, mirrors=False)
+    _check_compute_dtype(compute_dtype)
+    if not isinstance(return_lse, bool):
+        raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
+    out, lse = _attention(
+        q, cache, meta, scale=scale, window=window, softcap=softcap, sinks=sinks, compute_dtype=compute_dtype
+    )
+    return (out, lse) if return_lse else out
+
+
+def _check_compute_dtype(compute_dtype: Any) -> None:
+    """The oracle computes in float32 or float64 (``reference_attention``, ``ReferenceBackend``)."""
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise InputError(
+            f"compute_dtype is {compute_dtype!r}; accepted: torch.float32, torch.float64 (the oracle "
+            "computes in floating point; q and out keep their own dtype)"
+        )
+
+
+def _attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: BatchMeta,
+    *,
+    scale: float | None,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference_attention` on checked inputs: ``(out, lse)``."""
     n, hq, d = q.shape
     dv = cache.head_dim_v
     hkv, bs = cache.num_kv_heads, cache.block_size
@@ -153,7 +180,7 @@ def reference_attention(
         probs = probs.masked_fill(torch.isneginf(total)[..., None], 0.0)
         out[lo:hi] = torch.einsum("htk,khd->thd", probs, vals)
         lse[lo:hi] = total.transpose(0, 1)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _rows_written(meta: BatchMeta, n: int) -> torch.Tensor | None:
@@ -190,8 +217,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, *, compute_dtype: torch.dtype = torch.float32, validate: bool | None = None):
         super().__init__(validate=validate)
-        if compute_dtype not in (torch.float32, torch.float64):
-            raise InputError(f"compute_dtype is {compute_dtype}; accepted: torch.float32, torch.float64")
+        _check_compute_dtype(compute_dtype)
         self.compute_dtype = compute_dtype
 
     def _forward(
@@ -207,16 +233,9 @@ class ReferenceBackend(Backend):
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
-        res, res_lse = reference_attention(
-            q,
-            cache,
-            plan,
-            scale=scale,
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-            compute_dtype=self.compute_dtype,
-            return_lse=True,
+        # forward checked the inputs (against this backend's claims too): not again per layer.
+        res, res_lse = _attention(
+            q, cache, plan, scale=scale, window=window, softcap=softcap, sinks=sinks, compute_dtype=self.compute_dtype
         )
         written = _rows_written(plan, q.shape[0])
         if written is None:
