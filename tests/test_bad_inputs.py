@@ -354,6 +354,71 @@ def test_reference_attention_checks_q_as_forward_does(change, needle):
         assert str(fwd.value) == str(exc.value)
 
 
+@pytest.mark.parametrize(
+    ("func", "bad", "needle"),
+    [
+        ("pack_int4", [1, -1, 7, -7], "codes is a list; accepted: int8 codes in [-8, 7], [..., 2n]"),
+        ("pack_int4", torch.tensor([1.5, -1.0]), "codes is float32 [2]; accepted: int8 codes"),
+        ("unpack_int4", [241, 151], "packed is a list; accepted: uint8 [..., n], two int4 codes a byte"),
+        ("unpack_int4", torch.tensor([-15, 105], dtype=torch.int8), "packed is int8 [2]; accepted: uint8"),
+    ],
+    ids=["pack_list", "pack_float", "unpack_list", "unpack_int8"],
+)
+def test_int4_packing_checks_its_input(func, bad, needle):
+    # Lists were an AttributeError ('list' object has no attribute 'shape'); float codes were
+    # truncated and signed bytes unpacked into wrong codes without a word.
+    import paged_core
+
+    with pytest.raises(InputError) as exc:
+        getattr(paged_core, func)(bad)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("convert", ["to_flashinfer_pages", "to_flash_attn_args"])
+@pytest.mark.parametrize("bad", [None, {"seq_lens": [5]}], ids=["none", "dict"])
+def test_converters_refuse_what_is_not_a_batch(convert, bad):
+    # Used to be an AttributeError ('NoneType' object has no attribute 'block_size').
+    import paged_core
+
+    with pytest.raises(InputError, match=f"meta is a {type(bad).__name__}; accepted: a paged_core.BatchMeta"):
+        getattr(paged_core, convert)(bad)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (([[3, 4]], [8], 4), "block_table is a list; accepted: an integer tensor"),
+        ((torch.tensor([[3, 4]]), [8], 4), "seq_lens is a list; accepted: an integer tensor"),
+        ((torch.tensor([[3.0, 4.0]]), torch.tensor([8]), 4), "block_table is float32; accepted: an integer tensor"),
+        ((torch.tensor([[3, 4]]), torch.tensor([8]), 0), "block_size is 0; accepted: a positive int below 2**31"),
+        ((torch.tensor([[3, 4]]), torch.tensor([8]), 2.5), "block_size is 2.5; accepted: a positive int"),
+    ],
+    ids=["list_table", "list_seq_lens", "float_table", "block_size_0", "float_block_size"],
+)
+def test_shared_prefix_blocks_checks_its_arguments(args, needle):
+    # Lists were an AttributeError ('list' object has no attribute 'dim'), block_size=0 a
+    # ZeroDivisionError.
+    from paged_core import shared_prefix_blocks
+
+    with pytest.raises(PagedError) as exc:
+        shared_prefix_blocks(*args)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [None, "32/8x128", {"num_heads": 32}], ids=["none", "str", "dict"])
+def test_reasons_of_something_that_is_not_a_spec(bad):
+    # Capabilities.reasons(None) was an AttributeError; Backend.reasons({...}) a TypeError.
+    from paged_core import Capabilities
+
+    needle = f"spec is {bad!r} (a {type(bad).__name__}); accepted: a paged_core.AttentionSpec"
+    with pytest.raises(InputError) as exc:
+        Capabilities().reasons(bad)
+    assert needle in str(exc.value)
+    with pytest.raises(InputError) as exc:
+        ReferenceBackend().reasons(bad)
+    assert needle in str(exc.value)
+
+
 def test_every_refusal_is_a_paged_error():
     assert issubclass(InputError, PagedError) and issubclass(BatchMetaError, PagedError)
 

@@ -32,7 +32,7 @@ from ._checks import (
     validation_enabled,
 )
 from ._errors import InputError, PagedError
-from ._spec import AttentionSpec, Capabilities
+from ._spec import AttentionSpec, Capabilities, check_spec
 
 __all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
 
@@ -99,6 +99,7 @@ class Backend:
 
         Cached per spec: a model has few specs, and ``forward`` asks on every call.
         """
+        check_spec(spec)  # before the lookup: an unhashable spec would be a TypeError there
         if spec not in self._reasons:
             self._reasons[spec] = [
                 *self.unavailable(),

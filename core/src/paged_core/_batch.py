@@ -23,6 +23,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -105,10 +106,15 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int) -> None:
-    """The per-request list checks shared by the builders."""
+def _check_block_size(block_size: Any) -> None:
+    """Tokens per block: what every builder, ``check_structure`` and ``shared_prefix_blocks`` accept."""
     if not _is_int(block_size) or not 1 <= block_size < INT32_LIMIT:
         raise BatchMetaError(f"block_size is {block_size!r}; accepted: a positive int below 2**31")
+
+
+def _check_lengths(query_lens: Sequence[int], seq_lens: Sequence[int], block_size: int) -> None:
+    """The per-request list checks shared by the builders."""
+    _check_block_size(block_size)
     for name, lst in (("query_lens", query_lens), ("seq_lens", seq_lens)):
         if not isinstance(lst, Sequence) or isinstance(lst, str):
             raise BatchMetaError(f"{name} is a {type(lst).__name__}; accepted: a list of ints, one per request")
@@ -517,8 +523,7 @@ class BatchMeta:
                     f"{name} is on {t.device} but seq_lens is on {self.device}; every BatchMeta "
                     "tensor must be on the device of q"
                 )
-        if not _is_int(self.block_size) or not 1 <= self.block_size < INT32_LIMIT:
-            raise BatchMetaError(f"block_size is {self.block_size!r}; accepted: a positive int below 2**31")
+        _check_block_size(self.block_size)
         for name in ("max_query_len", "max_seq_len"):
             v = getattr(self, name)
             if not _is_int(v) or not 0 <= v < INT32_LIMIT:
@@ -774,6 +779,14 @@ def shared_prefix_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, bloc
     >>> shared_prefix_blocks(bt, torch.tensor([40, 48], dtype=torch.int32), 16)
     2
     """
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            found = f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else str(t.dtype).removeprefix("torch.")
+            raise InputError(
+                f"{name} is {found}; accepted: an integer tensor (a batch's meta.block_table and "
+                "meta.seq_lens; torch.tensor(...) for lists)"
+            )
+    _check_block_size(block_size)
     if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
         raise InputError(
             f"the shapes of block_table / seq_lens are {list(block_table.shape)} / {list(seq_lens.shape)}; "

@@ -30,7 +30,7 @@ from typing import cast
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_device, dtype_name
+from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_codes, check_device, dtype_name
 
 __all__ = [
     "KVCache",
@@ -597,6 +597,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     >>> pack_int4(torch.tensor([[1, -1, 7, -7]], dtype=torch.int8)).tolist()
     [[241, 151]]
     """
+    check_codes("codes", codes, torch.int8, "int8 codes in [-8, 7], [..., 2n] (codes.to(torch.int8))")
     if codes.shape[-1] % 2:
         raise InputError(f"codes has a last dimension of {codes.shape[-1]}; accepted: an even number (two per byte)")
     c = codes.to(torch.int16) & 0xF
@@ -609,6 +610,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     >>> unpack_int4(torch.tensor([[241, 151]], dtype=torch.uint8)).tolist()
     [[1, -1, 7, -7]]
     """
+    check_codes("packed", packed, torch.uint8, "uint8 [..., n], two int4 codes a byte (an int4 cache's k or v)")
     b = packed.to(torch.int16)
     both = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
     return torch.where(both > 7, both - 16, both).to(torch.int8)

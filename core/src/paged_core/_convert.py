@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from ._batch import BatchMeta
+from ._checks import check_batch
 
 __all__ = ["FlashInferPages", "to_flashinfer_pages", "FlashAttnArgs", "to_flash_attn_args"]
 
@@ -47,6 +48,7 @@ def to_flashinfer_pages(meta: BatchMeta) -> FlashInferPages:
     >>> p.indptr.tolist(), p.indices[:3].tolist(), p.last_page_len.tolist()
     ([0, 2, 3], [4, 7, 2], [1, 3])
     """
+    check_batch(meta)
     bs = meta.block_size
     R, width = meta.block_table.shape
     num_pages, last = _pages(meta.seq_lens, bs)
@@ -90,6 +92,7 @@ def to_flash_attn_args(meta: BatchMeta) -> FlashAttnArgs:
     >>> a.cu_seqlens_q.tolist(), a.cu_seqlens_k.tolist(), a.max_seqlen_k
     ([0, 1, 3], [0, 17, 20], 17)
     """
+    check_batch(meta)
     cu_k = torch.zeros(meta.num_reqs + 1, dtype=torch.int32, device=meta.device)
     cu_k[1:] = torch.cumsum(meta.seq_lens, 0)
     return FlashAttnArgs(

@@ -94,6 +94,25 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+def check_codes(name: str, x: Any, dtype: torch.dtype, accepted: str) -> None:
+    """A tensor of ``dtype`` with at least one dimension (``pack_int4``'s codes, ``unpack_int4``'s
+    bytes), or an InputError naming what ``x`` is. Here, not in ``_checks``, because ``_cache``
+    (which ``_checks`` imports) calls it."""
+    if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() == 0:
+        found = f"{dtype_name(x.dtype)} {list(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise InputError(f"{name} is {found}; accepted: {accepted}")
+
+
+def check_spec(spec: Any) -> AttentionSpec:
+    """``spec`` itself if it is an :class:`AttentionSpec`, else an InputError naming what it is."""
+    if not isinstance(spec, AttentionSpec):
+        raise InputError(
+            f"spec is {spec!r} (a {type(spec).__name__}); accepted: a paged_core.AttentionSpec, such as "
+            "AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)"
+        )
+    return spec
+
+
 def _sorted(values: Iterable[Any]) -> list[Any]:
     """Numbers in numeric order, anything else by its text."""
     return sorted(values, key=lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)))
@@ -204,6 +223,7 @@ class Capabilities:
 
     def reasons(self, spec: AttentionSpec) -> list[str]:
         """Each way ``spec`` falls outside these capabilities, as a sentence; empty if none."""
+        check_spec(spec)
         out: list[str] = []
         if spec.num_heads % spec.num_kv_heads:
             out.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
