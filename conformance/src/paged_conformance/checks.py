@@ -30,6 +30,15 @@ cuda_graph_replay          (GPU, ``cuda_graphs``) a captured ``forward`` replaye
 plan_captured_with_forward (GPU, ``cuda_graphs`` and ``device_plan``) plan + forward captured in
                            one graph on another batch of the same shape, replayed after
                            ``BatchMeta.copy_`` of the case's batch: equal to the reference
+non_finite_stays_in_its_slot
+                           a NaN / -inf written into one slot: write_kv's bytes, NaN exactly in the
+                           rows that read it, every other row equal to the reference (one decode
+                           case per cache format)
+scale_floor                a row of the dtype's smallest subnormal and zeros reads back finite
+                           (scales floored), with write_kv's bytes
+kivi4_grown_token_by_token
+                           a kivi4 block written one token per write: write_kv's bytes after each
+                           write, keys within docs/quantization.md's bound for grown blocks
 random_batches             hypothesis draws batches, shapes and features within the backend's
                            capabilities and runs ``matches_reference`` on each
 =========================  =====================================================================
@@ -46,6 +55,7 @@ from typing import Any
 import torch
 from paged_core import (
     PER_CHANNEL_KEYS,
+    BatchMeta,
     Q_MAX,
     Backend,
     Capabilities,
@@ -394,6 +404,154 @@ def check_write_then_read(backend: Backend, case: Case, device: torch.device) ->
             )
         worst = max(worst, float((got - src.double()).abs().max()) if got.numel() else 0.0)
     return CheckResult(max_error=worst, note="max |dequantized - written|")
+
+
+#: One decode case per cache format with per-slot scales: where non-finite input and tiny rows
+#: are written. Static scales are left out: int8/int4 have neither a NaN code nor a scale of the
+#: slot's own (docs/reliability.md §4), and static fp8 keeps the NaN in the element's code, which
+#: the Triton tiles (fp8 codes converted by bit arithmetic) still read as a finite value.
+NON_FINITE_CASES = frozenset(
+    {
+        "decode_only",
+        "kv_int8-decode_only",
+        "kv_fp8-decode_only",
+        "kv_fp8_e5m2-decode_only",
+        "kv_int4-decode_only",
+        "kv_kivi4-decode_only",
+    }
+)
+
+
+def _same_bytes_as_write_kv(backend: Backend, wl: Workload, cache: KVCache, k, v, tag: str, what: str) -> None:
+    want = wl.fresh_cache(backend)
+    write_kv(want, k, v, wl.meta.slot_mapping)
+    for name, t in storage(cache).items():
+        ref = storage(want)[name]
+        # Bitwise, NaN included (fp8 codes are bytes already; a NaN scale is one bit pattern).
+        a, b = (x.view(torch.int32) if x.dtype == torch.float32 else x for x in (t, ref))
+        if not torch.equal(a, b):
+            where = (a != b).nonzero()[0].tolist()
+            raise ConformanceFailure(
+                f"{tag} write() of {what} left cache.{name} different from paged_core.write_kv's at "
+                f"index {where}; every write path must store the same bytes (docs/reliability.md §4)"
+            )
+
+
+def check_non_finite_stays_in_its_slot(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """A NaN or -inf written into one slot (one KV head) reaches exactly the rows that read it.
+
+    The first real request's newest key gets -inf in KV head 0 (NaN for a full-precision cache,
+    where -inf may legitimately be ignored by a positive query element), the second request's
+    newest value NaN in its last KV head. ``backend.write`` must store write_kv's bytes; the
+    output rows of those requests' query heads of that KV head must hold NaN (decode: every row
+    sees its newest key) and every other row must match the reference on the clean data."""
+    wl = build_workload(case, device)
+    tag = f"[{backend.name}/{case.id}]"
+    real = case.real_requests
+    group = case.num_heads // case.num_kv_heads
+    k, v = wl.k_new.clone(), wl.v_new.clone()
+    expect = torch.zeros(wl.q.shape[:2], dtype=torch.bool)
+    for i, (r, head, tensor, value) in enumerate(
+        ((real[0], 0, k, -math.inf if case.kv_dtype != "auto" else math.nan), (real[-1], case.num_kv_heads - 1, v, math.nan))
+    ):
+        if i == 1 and r == real[0]:
+            break
+        rows = wl.rows_of(r)
+        tensor[rows.stop - 1, head, i] = value
+        expect[rows, head * group : (head + 1) * group] = True
+    cache = wl.fresh_cache(backend)
+    backend.write(cache, k, v, wl.meta)
+    _same_bytes_as_write_kv(backend, wl, cache, k, v, tag, "non-finite K/V")
+    out = _forward(backend, wl, cache)
+    got = torch.isnan(out).any(-1).cpu()
+    if not torch.equal(got, expect):
+        diff = (got != expect).nonzero()[0].tolist()
+        want = "NaN" if bool(expect[diff[0], diff[1]]) else "finite"
+        raise ConformanceFailure(
+            f"{tag} a non-finite element written into one slot must make exactly the rows that read it NaN "
+            f"(as a full-precision cache does) and no other: {_where(wl, diff[0], diff[1])} should be {want}",
+            max_error=math.inf,
+        )
+    clean = out.clone()
+    clean[expect.to(out.device)] = wl.ref_out[expect.to(out.device)].to(out.dtype)
+    err = assert_close_to_reference(
+        clean,
+        wl.ref_out,
+        backend=backend.name,
+        case=case.id,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype),
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
+    )
+    return CheckResult(max_error=err, note="NaN exactly in the rows reading the slot")
+
+
+def check_scale_floor(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """A key and a value of the dtype's smallest subnormal and zeros (max / q_max underflows)
+    read back finite: every write path floors its scales; and the bytes are write_kv's."""
+    wl = build_workload(case, device)
+    tag = f"[{backend.name}/{case.id}]"
+    tiny = torch.finfo(case.dtype).smallest_normal * torch.finfo(case.dtype).eps
+    k, v = wl.k_new.clone(), wl.v_new.clone()
+    last = wl.rows_of(case.real_requests[0]).stop - 1
+    for t in (k, v):
+        t[last] = 0
+        t[last, :, 0] = tiny
+    cache = wl.fresh_cache(backend)
+    backend.write(cache, k, v, wl.meta)
+    _same_bytes_as_write_kv(backend, wl, cache, k, v, tag, f"a row of {tiny:.1e} and zeros")
+    kd, vd = cache.dequantized()
+    if not (bool(torch.isfinite(kd).all()) and bool(torch.isfinite(vd).all())):
+        raise ConformanceFailure(f"{tag} a row of {tiny:.1e} and zeros reads back non-finite: a scale was 0")
+    out = _forward(backend, wl, cache)
+    _assert_rows_written(out, wl, backend.name)
+    return CheckResult(max_error=0.0)
+
+
+#: Keys of one request grown one token a step through a whole block: unit-normal, then 2 % and
+#: 1/15 (the worst growth for 16-token blocks: no rescale moves a code of 7) a token.
+_GROWTH = (0.0, 0.02, 1 / 15)
+
+
+def check_kivi4_grown_token_by_token(backend: Backend, case: Case, device: torch.device) -> CheckResult:
+    """A kivi4 block written one token per ``write`` (decode) stores write_kv's bytes after each
+    step, and each key is within the bound docs/quantization.md states: half of each channel
+    scale it lived through, the scales being the running ``max |k| / 7`` (float64 model here)."""
+    tag = f"[{backend.name}/{case.id}]"
+    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_dim
+    g = torch.Generator().manual_seed(case.seed or 0)
+    worst = 0.0
+    for rate in _GROWTH:
+        keys = torch.randn(bs, hkv, d, generator=g, dtype=torch.float64)
+        if rate:
+            keys = (1 + rate) ** torch.arange(bs, dtype=torch.float64)[:, None, None] * (1 + 0.01 * keys.abs())
+        keys = keys.to(case.dtype)
+        cache = backend.allocate(2, bs, hkv, d, dtype=case.dtype, kv_dtype="kivi4", device=device)
+        want = backend.allocate(2, bs, hkv, d, dtype=case.dtype, kv_dtype="kivi4", device=device)
+        for t in range(bs):
+            meta = BatchMeta.from_lists([1], [t + 1], [[1]], block_size=bs, device=device)
+            row = keys[t : t + 1].to(device)
+            backend.write(cache, row, row, meta)
+            write_kv(want, row, row, meta.slot_mapping)
+            for name, got in storage(cache).items():
+                if not torch.equal(got, storage(want)[name]):
+                    raise ConformanceFailure(
+                        f"{tag} after {t + 1} single-token writes of a kivi4 block, cache.{name} differs from "
+                        "paged_core.write_kv's; each write rescales the block's earlier keys exactly as write_kv does"
+                    )
+        k = keys.double()
+        scales = torch.stack([k[: t + 1].abs().amax(0) / Q_MAX["kivi4"] for t in range(bs)]).clamp_min(2.0**-126)
+        bound = torch.stack([scales[t:].unique_consecutive(dim=0).sum(0) / 2 for t in range(bs)])
+        err = (cache.dequantized()[0][1].double().cpu() - k).abs()
+        if bool((err > bound * (1 + 1e-5) + 1e-30).any()):
+            raise ConformanceFailure(
+                f"{tag} a kivi4 key grown token by token ({rate:.0%} a token) is "
+                f"{float((err - bound).max()):.2e} beyond half the sum of its channel's scales",
+                max_error=float(err.max()),
+            )
+        worst = max(worst, float((err / scales[-1]).max()))
+    return CheckResult(max_error=worst, note="max |key error| in final channel steps")
 
 
 #: Cases the layers check runs on: every launch path of the backends (decode, mixed, split,
@@ -899,6 +1057,21 @@ CHECKS: dict[str, Check] = {
             reasons=_declaration_reasons,
         ),
         Check("batch_invariance", check_batch_invariance, applies=lambda case: len(case.real_requests) >= 2),
+        Check(
+            "non_finite_stays_in_its_slot",
+            check_non_finite_stays_in_its_slot,
+            applies=lambda case: case.id in NON_FINITE_CASES,
+        ),
+        Check(
+            "scale_floor",
+            check_scale_floor,
+            applies=lambda case: case.id in NON_FINITE_CASES and case.kv_dtype != "auto",
+        ),
+        Check(
+            "kivi4_grown_token_by_token",
+            check_kivi4_grown_token_by_token,
+            applies=lambda case: case.id == "kv_kivi4-decode_only",
+        ),
         Check(
             "cuda_graph_replay",
             check_cuda_graph_replay,

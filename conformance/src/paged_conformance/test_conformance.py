@@ -62,3 +62,18 @@ def test_plan_captured_with_forward(paged_backend, paged_case, conformance):
 def test_random_batches(paged_backend, conformance):
     """Hypothesis-drawn batches and shapes within the backend's capabilities match the reference."""
     conformance.check("random_batches", paged_backend)
+
+
+def test_non_finite_stays_in_its_slot(paged_backend, paged_case, conformance):
+    """A NaN / -inf written into one slot: write_kv's bytes, NaN exactly in the rows that read it."""
+    conformance.check("non_finite_stays_in_its_slot", paged_backend, paged_case)
+
+
+def test_scale_floor(paged_backend, paged_case, conformance):
+    """A row of the dtype's smallest subnormal and zeros reads back finite, with write_kv's bytes."""
+    conformance.check("scale_floor", paged_backend, paged_case)
+
+
+def test_kivi4_grown_token_by_token(paged_backend, paged_case, conformance):
+    """A kivi4 block written one token per write: write_kv's bytes, keys within the stated bound."""
+    conformance.check("kivi4_grown_token_by_token", paged_backend, paged_case)
