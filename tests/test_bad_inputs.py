@@ -314,6 +314,53 @@ def test_a_refused_write_into_an_int8_cache_writes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))
 
 
+class _AutoOnly(ReferenceBackend):
+    """A backend that claims only full-precision caches (as FlashInfer's and flash-attn2's
+    classes claim few formats) and keeps the base class's write."""
+
+    name = "auto-only"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, kv_dtypes=frozenset({"auto"}))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "kivi4", "int8"])
+def test_write_refuses_a_cache_the_backend_does_not_claim(kv_dtype):
+    # Backend.write checked only the cache's kv_scales: a backend that claims kv_dtypes {"auto"}
+    # wrote int4 and kivi4 codes, which its forward then refused to read.
+    _, cache, meta = small(kv_dtype)
+    before = stores(cache)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(UnsupportedSpecError) as exc:
+        _AutoOnly().write(cache, k, k, meta)
+    assert exc.value.backend == "auto-only"
+    assert exc.value.reasons == [f"kv_dtype {kv_dtype!r} is not supported (accepted: auto)"]
+    assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))  # nothing written
+    _, plain, _ = small()
+    _AutoOnly().write(plain, k, k, meta)  # what it claims is written
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "kivi4"])
+def test_flashinfer_built_directly_refuses_a_write_into_a_4_bit_cpu_cache(kv_dtype):
+    # docs/quantization.md: FlashInfer reads no 4-bit cache, and it runs on CUDA only; its
+    # class, built without the registry, wrote such a CPU cache anyway.
+    backend_module = pytest.importorskip("paged_flashinfer.backend")
+    _, cache, meta = small(kv_dtype)
+    before = stores(cache)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(UnsupportedSpecError) as exc:
+        backend_module.FlashInferBackend().write(cache, k, k, meta)
+    assert f"kv_dtype {kv_dtype!r} is not supported (accepted: auto, fp8, fp8_e5m2)" in exc.value.reasons
+    assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))
+
+
+def test_attention_spec_refuses_an_unknown_kv_dtype():
+    # AttentionSpec(kv_dtype="int3") was accepted, and every backend then said only that it
+    # does not support 'int3'.
+    from paged_core import AttentionSpec
+
+    with pytest.raises(InputError, match="AttentionSpec.kv_dtype is 'int3'; accepted: auto, int8, fp8, fp8_e5m2, int4"):
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="int3")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("bad", [math.inf, math.nan, "0.1", True])
 @pytest.mark.parametrize("field", ["scale", "softcap"])

@@ -156,7 +156,7 @@ class Backend:
         """
         if torch.compiler.is_compiling():
             return _ops.write(self, cache, k, v, meta)
-        batch = check_write(self, cache, meta)
+        batch = check_write(self, self._checked_calls, cache, meta)
         if self.validate and not capturing():
             batch.validate(num_blocks=cache.num_blocks)
         self._write(cache, k, v, batch.slot_mapping)

@@ -146,25 +146,50 @@ def _is_int(v) -> bool:
 
 
 # ------------------------------------------------------------------------------------- write
-def check_write(backend: _Checked, cache: Any, meta: Any) -> BatchMeta:
-    """The cache and batch of ``write``: types, structure, the cache's scales against the
-    capabilities, and that they belong together. Returns the batch."""
+def check_write(backend: _Checked, seen: set[tuple], cache: Any, meta: Any) -> BatchMeta:
+    """The cache and batch of ``write``: types, structure, the cache against the capabilities
+    (the backend's own reasons), and that they belong together. Returns the batch.
+
+    A write into a cache the backend does not claim (an int4 cache for FlashInfer) is refused
+    as ``forward`` would refuse to read it, before anything is written. ``seen`` (the backend's
+    memo, shared with :func:`check_forward`) remembers the cache layouts already accepted.
+    """
     batch = batch_of(backend, meta)
     if not isinstance(cache, KVCache):
         raise InputError(f"cache is {_described(cache)}; accepted: a paged_core.KVCache")
     cache.check()
-    # _kv_scales: what check() just found ("per_slot" for a full-precision cache too, which has none).
-    if cache.kv_dtype != "auto" and cache._kv_scales not in backend.capabilities.kv_scales:
-        raise UnsupportedSpecError(
-            backend.name,
-            [
-                f"{cache.kv_dtype} caches with kv_scales {cache._kv_scales!r} are not supported "
-                f"(accepted: {', '.join(sorted(backend.capabilities.kv_scales))})"
-            ],
-        )
+    key = ("write", cache._layout)
+    if key not in seen:
+        reasons = backend.reasons(_cache_spec(backend.capabilities, cache))
+        if reasons:
+            raise UnsupportedSpecError(backend.name, reasons)
+        if len(seen) >= CHECKED_CALLS_MAX:
+            seen.clear()
+        seen.add(key)
     batch.check_structure()
     _check_batch_fits(batch, cache)
     return batch
+
+
+def _cache_spec(caps: Capabilities, cache: KVCache) -> AttentionSpec:
+    """The spec of a layer over ``cache``: the cache's facts (dtypes, scales, head dims, block
+    size, device); for what a write does not know (query heads, the batch's shape), values the
+    backend takes, so only the cache can be refused, as in :func:`_check_layer`."""
+    group = min(caps.group_sizes) if caps.group_sizes else 1
+    return AttentionSpec(
+        num_heads=cache.num_kv_heads * group,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        block_size=cache.block_size,
+        dtype=cache.dtype,
+        kv_dtype=cast(KVDtype, cache.kv_dtype),
+        # What check() just found ("per_slot" for a full-precision cache too, which has none).
+        kv_scales=cache._kv_scales,
+        device=cache.device.type,
+        # Every backend reads decode steps; a cache some batch can be read from is writable.
+        decode_only=True,
+        head_dim_v=cache.head_dim_v,
+    )
 
 
 def _check_batch_fits(batch: BatchMeta, cache: KVCache, *, device: bool = True) -> None:

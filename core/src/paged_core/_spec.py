@@ -157,6 +157,11 @@ class AttentionSpec:
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise InputError(f"AttentionSpec.{name} is {v!r}; accepted: a positive int")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(
+                f"AttentionSpec.kv_dtype is {self.kv_dtype!r}; accepted: {', '.join(KV_DTYPES)} "
+                "('auto': the model dtype itself)"
+            )
         if self.kv_scales not in KV_SCALES:
             raise InputError(f"AttentionSpec.kv_scales is {self.kv_scales!r}; accepted: {', '.join(KV_SCALES)}")
 
