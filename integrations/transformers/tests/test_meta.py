@@ -107,3 +107,48 @@ def test_write_index_must_cover_every_row():
     step["num_tokens"] = 5
     with pytest.raises(InputError, match="write_index has shape \\[3\\] but q has 5 rows"):
         batch_meta_from_transformers(**step, block_size=BS, max_query_len=3, max_seq_len=3)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (dict(block_size=0), "block_size is 0; accepted: an int >= 1 (the paged cache's tokens per block)"),
+        (dict(block_size=4.0), "block_size is 4.0; accepted: an int >= 1"),
+        (dict(cu_seq_lens_q=[0, 1, 4, 6]), "cu_seq_lens_q is a list; accepted: an int tensor"),
+        (dict(cu_seq_lens_k=torch.tensor([0.0, 10.0])), "cu_seq_lens_k is float32 [2]; accepted: an int tensor"),
+        (dict(write_index=[1, 2]), "write_index is a list; accepted: an int tensor"),
+        (dict(max_seq_len=None), "max_seq_len is None; accepted: an int (a host int of the step)"),
+        (dict(num_tokens=-1), "num_tokens is -1; accepted: an int >= 0"),
+    ],
+    ids=["block_size_0", "float_block_size", "list_cu_q", "float_cu_k", "list_write", "none_max", "negative_rows"],
+)
+def test_bad_step_arguments_are_named(change, needle):
+    # block_size=0 was a ZeroDivisionError and a list cu_seq_lens an AttributeError ('list'
+    # object has no attribute 'dim').
+    step = transformers_step([[7, 2, 5], [3], [6, 1]], [9, 0, 4], [1, 3, 2])
+    args = {**step, "block_size": BS, "max_query_len": 3, "max_seq_len": 10, **change}
+    with pytest.raises(InputError) as exc:
+        batch_meta_from_transformers(**args)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (dict(cu_seq_lens_q=[0, 1, 3]), "cu_seq_lens_q is a list; accepted: an int tensor"),
+        (dict(num_kv_rows=None), "num_kv_rows is None; accepted: an int >= 0"),
+    ],
+    ids=["list_cu_q", "none_kv_rows"],
+)
+def test_bad_gathered_step_arguments_are_named(change, needle):
+    args = dict(
+        cu_seq_lens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+        cu_seq_lens_k=torch.tensor([0, 3, 6], dtype=torch.int32),
+        num_tokens=4,
+        num_kv_rows=8,
+        max_query_len=4,
+        max_seq_len=3,
+    )
+    with pytest.raises(InputError) as exc:
+        batch_meta_from_gathered(**{**args, **change})
+    assert needle in str(exc.value)

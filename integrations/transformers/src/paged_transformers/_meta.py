@@ -23,13 +23,41 @@ graph.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from paged_core import BatchMeta, InputError
 
 __all__ = ["batch_meta_from_gathered", "batch_meta_from_transformers"]
 
 
+def _check_index_tensors(**tensors: object) -> None:
+    """transformers' per-step tensors are integer tensors; a list or a float tensor is refused
+    here, before any arithmetic on it."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            if isinstance(t, torch.Tensor):
+                found = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+            else:
+                found = f"a {type(t).__name__}"
+            raise InputError(
+                f"{name} is {found}; accepted: an int tensor (transformers' "
+                f"per-step {name}; torch.tensor(..., dtype=torch.int32) for a list)"
+            )
+
+
+def _check_host_ints(**ints: tuple[object, int | None]) -> None:
+    """transformers' host ints, each ``(value, lowest accepted)``: a block size of 0 would divide
+    by zero. The max lengths take any int (below 0 is read as 0, as transformers may send)."""
+    for name, (v, low) in ints.items():
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or (low is not None and v < low):
+            bound = "an int" if low is None else f"an int >= {low}"
+            what = "the paged cache's tokens per block" if name == "block_size" else "a host int of the step"
+            raise InputError(f"{name} is {v!r}; accepted: {bound} ({what})")
+
+
 def _check_cu_lens(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> None:
+    _check_index_tensors(cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k)
     if cu_seq_lens_q.dim() != 1 or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
         raise InputError(
             f"cu_seq_lens_q is {list(cu_seq_lens_q.shape)} and cu_seq_lens_k is {list(cu_seq_lens_k.shape)}; "
@@ -100,6 +128,15 @@ def batch_meta_from_transformers(
     True
     """
     _check_cu_lens(cu_seq_lens_q, cu_seq_lens_k)
+    _check_index_tensors(read_index=read_index, write_index=write_index)
+    _check_host_ints(
+        num_tokens=(num_tokens, 0),
+        block_size=(block_size, 1),
+        max_query_len=(max_query_len, None),
+        max_seq_len=(max_seq_len, None),
+    )
+    if padding_slot is not None and (not isinstance(padding_slot, numbers.Integral) or isinstance(padding_slot, bool)):
+        raise InputError(f"padding_slot is {padding_slot!r}; accepted: an int slot (-1: paged's padding slot) or None")
     if write_index.dim() != 1 or write_index.shape[0] != num_tokens:
         raise InputError(
             f"write_index has shape {list(write_index.shape)} but q has {num_tokens} rows; accepted: one "
@@ -170,6 +207,12 @@ def batch_meta_from_gathered(
     True
     """
     _check_cu_lens(cu_seq_lens_q, cu_seq_lens_k)
+    _check_host_ints(
+        num_tokens=(num_tokens, 0),
+        num_kv_rows=(num_kv_rows, 0),
+        max_query_len=(max_query_len, None),
+        max_seq_len=(max_seq_len, None),
+    )
     device = cu_seq_lens_q.device
     num_reqs = cu_seq_lens_q.shape[0] - 1
     cu_q = cu_seq_lens_q.to(torch.int64)

@@ -16,11 +16,24 @@ mapping to the ``N`` real tokens (vLLM pads the token count; rows past ``N`` are
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
-from paged_core import BatchMeta
+from paged_core import BatchMeta, InputError
 
 __all__ = ["batch_meta_from_vllm"]
+
+#: What this reads of ``CommonAttentionMetadata`` (``query_start_loc_cpu`` is optional).
+_FIELDS = (
+    "num_reqs",
+    "num_actual_tokens",
+    "max_query_len",
+    "max_seq_len",
+    "query_start_loc",
+    "seq_lens",
+    "block_table_tensor",
+    "slot_mapping",
+)
 
 
 def batch_meta_from_vllm(common: Any, block_size: int) -> BatchMeta:
@@ -45,6 +58,17 @@ def batch_meta_from_vllm(common: Any, block_size: int) -> BatchMeta:
     >>> meta.validate(num_blocks=4) is meta
     True
     """
+    missing = [f for f in _FIELDS if not hasattr(common, f)]
+    if missing:
+        raise InputError(
+            f"common is a {type(common).__name__} without {', '.join(missing)}; accepted: vLLM's "
+            f"CommonAttentionMetadata (an object with the attributes {', '.join(_FIELDS)})"
+        )
+    if not isinstance(block_size, numbers.Integral) or isinstance(block_size, bool) or block_size < 1:
+        raise InputError(
+            f"block_size is {block_size!r}; accepted: a positive int (the KV cache group's kernel block "
+            "size, in which vLLM's block table and slot mapping count)"
+        )
     num_reqs = int(common.num_reqs)
     num_tokens = int(common.num_actual_tokens)
     return BatchMeta(
