@@ -4,7 +4,7 @@
 # OTHER_DIR holds another version's core/, conformance/, bench/ and plugins/, e.g. main's:
 #   git archive main core conformance bench plugins | tar -x -C /tmp/main
 # Its runs put its src/ folders first on PYTHONPATH, so one environment where this checkout is
-# installed (editable, scripts/gpu_install.sh) runs both. Rounds alternate other, this, other,
+# installed (editable, scripts/gpu/gpu_install.sh) runs both. Rounds alternate other, this, other,
 # this...; an empty Triton cache per run means each tunes its own configs, as a new process on a
 # new machine would (the spread between rounds of one version is the noise to compare against).
 # Writes $OUT/ab-{other,this}-N.{txt,json} and prints ms per row, one column per run.

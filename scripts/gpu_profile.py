@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
-HERE = Path(__file__).resolve().parent
 
 # The sections whose metrics the table reads (the raw CSV holds all of theirs).
 SECTIONS = ["SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis"]
@@ -51,34 +50,33 @@ CASES = {
 
 def build(case: str):
     """The call to profile, as a closure over its batch."""
-    sys.path.insert(0, str(HERE))
-    import gpu_tune as G
+    import _harness as H  # a sibling module: a script's own folder is first on sys.path
     import torch
     from paged_triton_splitkv.launch import choose_num_splits
 
-    def split_call(b, n):  # gpu_tune's split call at the split count the backend chooses
-        c = G.make_case([1] * b, [n] * b, check_reqs=[0])
-        return G.split_call(c, torch.empty_like(c.q), choose_num_splits(b, G.HKV, n, G.BS, G.DEV), (64, 4, 3))
+    def split_call(b, n):  # the harness's split call at the split count the backend chooses
+        c = H.make_case([1] * b, [n] * b, check_reqs=[0])
+        return H.split_call(c, torch.empty_like(c.q), choose_num_splits(b, H.HKV, n, H.BS, H.DEV), (64, 4, 3))
 
     if case.startswith("decode-"):
         kv = {"bf16": "auto", "int8": "int8", "fp8": "fp8", "int8-w8": "int8", "int8-static": "int8"}[
             case[len("decode-") :]
         ]
-        c = G.make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=case.endswith("-static"))
+        c = H.make_case([1] * 64, [4096] * 64, kv_dtype=kv, static_scales=case.endswith("-static"))
         small = (128, 8, 2) if case.endswith("-w8") else (128, 4, 2)
-        return G.unified(c, torch.empty_like(c.q), G.cfg(small))
+        return H.unified(c, torch.empty_like(c.q), H.cfg(small))
     if case == "split-small":
         return split_call(4, 4096)
     if case == "split-long":
         return split_call(4, 32768)
     if case == "prefill":
-        c = G.make_case([2048] * 8, [2048] * 8, check_reqs=[0])
-        return G.unified(c, torch.empty_like(c.q), G.cfg((64, 4, 2), (64, 8, 2), 32))
+        c = H.make_case([2048] * 8, [2048] * 8, check_reqs=[0])
+        return H.unified(c, torch.empty_like(c.q), H.cfg((64, 4, 2), (64, 8, 2), 32))
     if case == "mixed":
         g = torch.Generator().manual_seed(0)
         dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]
-        c = G.make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0])
-        return G.unified(c, torch.empty_like(c.q), G.cfg((128, 4, 2), (64, 4, 2), 16))
+        c = H.make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0])
+        return H.unified(c, torch.empty_like(c.q), H.cfg((128, 4, 2), (64, 4, 2), 16))
     raise SystemExit(f"unknown case {case!r}; accepted: {', '.join(CASES)}")
 
 

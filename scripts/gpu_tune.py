@@ -9,257 +9,23 @@ A development aid (the numbers in docs/benchmarks.md come from ``paged bench``):
 Every variant runs a FIXED kernel config (no autotuning: one compile per variant), prints one
 line ``section | variant | ms | % of floor (or TFLOP/s) | max abs err``, and is checked against
 ``paged_core.reference_attention`` (float32) on a few of its requests with the conformance
-suite's tolerance (``paged_conformance.tolerances``); ``BAD`` flags an error beyond it. Floors:
-bytes of K/V (+ scales) read / 4.55 TB/s (the read ceiling a streaming-read kernel measured on
-the NVIDIA H200); prefill is reported in TFLOP/s (causal FLOPs, 4 * D * Hq per visible
-pair). With ``--deadline SECONDS`` a section stops adding variants once the whole run passes it.
+suite's tolerance; ``BAD`` flags an error beyond it. The batches, the timing (CUDA-graph
+replays, as ``paged bench`` times them), the check and the floors are ``_harness.py``'s. With
+``--deadline SECONDS`` a section stops adding variants once the whole run passes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
-import os
 import sys
 import time
 
-# --smoke: run every variant once on tiny shapes on the CPU (interpreter) to check the script
-# and the numerics before spending a GPU call. Must be decided before Triton is imported.
-SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-import torch.utils._python_dispatch  # noqa: E402
-import triton  # noqa: E402
-from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
-from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
-from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention  # noqa: E402
-from paged_triton_unified.launch import LaunchConfig, unified_attention  # noqa: E402
-
-DEV = "cpu" if SMOKE else "cuda"
-BW = 4.55e12  # read floor measured on the NVIDIA H200 (streaming-read kernel)
-HQ, HKV, D, BS = (8, 2, 64, 16) if SMOKE else (32, 8, 128, 16)  # Qwen3-8B attention
-SCALE = D**-0.5
-DEADLINE_S: float | None = None  # --deadline
-T0 = time.time()
-
-
-class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
-    """Raises on a device-to-host read (``.item()``, ``int(tensor)``): inside a CUDA-graph
-    capture that is an error, so on the CPU (--smoke) a timed call must not do one either."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise RuntimeError(
-                "the timed call reads a tensor's value on the host, which a CUDA-graph capture "
-                "refuses: compute it before building the call"
-            )
-        return func(*args, **(kwargs or {}))
-
-
-def graph_ms(fn) -> float:
-    if SMOKE:
-        with _NoHostSync():
-            fn()
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
-
-
-# --------------------------------------------------------------------------------------------
-# Batches
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Case:
-    meta: BatchMeta
-    cache: KVCache
-    q: torch.Tensor
-    nbytes: int  # K/V (+ scale) bytes the batch must read
-    flops: int  # causal FLOPs
-    check_reqs: list[int]
-    kv_dtype: str
-
-
-def make_case(
-    qlens, slens, kv_dtype="auto", seed=1, check_reqs=None, static_scales=False, head_major_scales=False
-) -> Case:
-    """A batch on random data; ``static_scales``: an 8-bit cache with one scale per tensor (no
-    per-key scale to gather) instead of one per slot; ``head_major_scales``: per-slot scales
-    stored ``[num_blocks, num_kv_heads, block_size]`` (a block's keys of one head contiguous),
-    seen through the contract's ``[num_blocks, block_size, num_kv_heads]`` view."""
-    if SMOKE:  # the first, middle and last request, at most 40 tokens each
-        keep = sorted({0, len(qlens) // 2, len(qlens) - 1})
-        qlens = [min(qlens[r], 20 + 7 * i) for i, r in enumerate(keep)]
-        slens = [max(q, min(slens[r], 40 + 9 * i)) for i, (q, r) in enumerate(zip(qlens, keep, strict=True))]
-        check_reqs = None
-    meta = BatchMeta.build(qlens, slens, block_size=BS, device=DEV, seed=seed)
-    nb = int(meta.block_table.max()) + 1
-    fixed = dict(k_scale=0.01, v_scale=0.012) if static_scales else {}
-    cache = allocate_kv_cache(nb, BS, HKV, D, dtype=torch.bfloat16, device=DEV, kv_dtype=kv_dtype, **fixed)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    if kv_dtype == "auto":
-        cache.k.normal_(generator=g), cache.v.normal_(generator=g)
-    elif kv_dtype == "int8":
-        for t in (cache.k, cache.v):
-            codes = torch.randint(-127, 128, t.shape, generator=g, device=DEV, dtype=torch.int16)
-            t.copy_(codes.to(torch.int8))
-    else:  # fp8 e4m3: normal codes spread over the format's range
-        for t in (cache.k, cache.v):
-            t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
-    if head_major_scales:
-        ks, vs = (torch.empty(nb, HKV, BS, device=DEV).transpose(1, 2) for _ in "kv")
-        cache = KVCache(k=cache.k, v=cache.v, kv_dtype=kv_dtype, k_scale=ks, v_scale=vs, dtype=cache.dtype)
-    if cache.k_scale is not None and not cache.static_scales:
-        for t in (cache.k_scale, cache.v_scale):
-            t.copy_(torch.rand(t.shape, generator=g, device=DEV) * 0.02 + 1e-3)
-    q = torch.randn(sum(qlens), HQ, D, generator=g, device=DEV).to(torch.bfloat16)
-    elem = 2 if kv_dtype == "auto" else 1
-    per_token = 2 * HKV * D * elem + (2 * HKV * 4 if kv_dtype != "auto" and not static_scales else 0)
-    nbytes = sum(slens) * per_token
-    flops = 4 * D * HQ * sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
-    if check_reqs is None:
-        check_reqs = sorted({0, len(qlens) // 2, len(qlens) - 1})
-    return Case(meta, cache, q, nbytes, flops, check_reqs, kv_dtype)
-
-
-def check(case: Case, out: torch.Tensor) -> tuple[float, bool]:
-    """(max abs error, within the conformance tolerance) against a float32 reference on the
-    check requests only (a compact copy of their blocks)."""
-    meta, cache = case.meta, case.cache
-    qlens, slens = meta.host()
-    qsl = meta.query_start_loc.tolist()
-    table = meta.block_table.tolist()
-    bs = cache.k.shape[1]  # the case's own block size (BS unless the case chose another)
-    used = [table[r][: math.ceil(slens[r] / bs)] for r in case.check_reqs]
-    uniq = sorted({b for t in used for b in t})
-    remap = {b: i for i, b in enumerate(uniq)}
-    idx = torch.tensor(uniq, dtype=torch.long, device=DEV)
-    sub = KVCache(
-        k=cache.k.index_select(0, idx),
-        v=cache.v.index_select(0, idx),
-        kv_dtype=cache.kv_dtype,
-        k_scale=None if cache.k_scale is None else cache.k_scale.index_select(0, idx),
-        v_scale=None if cache.v_scale is None else cache.v_scale.index_select(0, idx),
-        dtype=cache.dtype,
-    )
-    reqs = case.check_reqs
-    sub_meta = BatchMeta.from_lists(
-        [qlens[r] for r in reqs],
-        [slens[r] for r in reqs],
-        [[remap[b] for b in t] for t in used],
-        block_size=bs,
-        device=DEV,
-    )
-    rows = torch.tensor([i for r in case.check_reqs for i in range(qsl[r], qsl[r + 1])], device=DEV)
-    ref = reference_attention(case.q.index_select(0, rows), sub, sub_meta, scale=SCALE, compute_dtype=torch.float32)
-    got = out.index_select(0, rows)
-    try:
-        return assert_close_to_reference(
-            got, ref, backend="gpu_tune", case="check", tolerance=output_tolerance(got.dtype, case.kv_dtype)
-        ), True
-    except ConformanceFailure as exc:
-        return exc.max_error, False
-
-
-def report(section: str, name: str, case: Case, fn, out: torch.Tensor, *, tflops: bool = False) -> None:
-    if DEADLINE_S is not None and time.time() - T0 > DEADLINE_S:
-        print(f"{section:8s} | {name:58s} | skipped (deadline)", flush=True)
-        return
-    try:
-        out.fill_(float("nan"))
-        ms = graph_ms(fn)
-        err, ok = check(case, out)
-    except Exception as exc:  # out of resources, compile errors: report and go on
-        first = (str(exc).splitlines() or [""])[0][:90]
-        print(f"{section:8s} | {name:58s} | {type(exc).__name__}: {first}", flush=True)
-        return
-    if tflops:
-        perf = f"{case.flops / ms / 1e9:6.1f} TFLOP/s"
-    else:
-        perf = f"{100 * case.nbytes / BW * 1e3 / ms:5.1f}% of floor ({case.nbytes / BW * 1e3:.3f} ms)"
-    flag = "" if ok else "  BAD"
-    elapsed = time.time() - T0
-    print(f"{section:8s} | {name:58s} | {ms:7.4f} ms | {perf} | err {err:.1e}{flag}  [{elapsed:5.0f}s]", flush=True)
-
-
-def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig | None):
-    m, c = case.meta, case.cache
-    return lambda: unified_attention(
-        case.q,
-        c.k,
-        c.v,
-        out,
-        query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens,
-        block_table=m.block_table,
-        max_query_len=m.max_query_len,
-        max_seq_len=m.max_seq_len,
-        scale=SCALE,
-        k_scale=c.k_scale,
-        v_scale=c.v_scale,
-        config=cfg,
-    )
-
-
-def cfg(small=(128, 4, 2), large=(64, 8, 2), bq_large=32) -> LaunchConfig:
-    """A fixed config: ``small`` for decode-shaped batches (and the key step of a fused launch's
-    small tiles), ``large`` for a launch with large tiles of ``bq_large`` query tokens."""
-    return LaunchConfig(
-        block_q_small=4,
-        block_q_large=bq_large,
-        block_n=small[0],
-        num_warps=small[1],
-        num_stages=small[2],
-        large_block_n=large[0],
-        large_num_warps=large[1],
-        large_num_stages=large[2],
-    )
-
-
-def tag(small=None, large=None, bq_large=None) -> str:
-    parts = []
-    if small:
-        parts.append("small {}/w{}/st{}".format(*small))
-    if large:
-        parts.append("large {}/w{}/st{}".format(*large))
-    if bq_large:
-        parts.append(f"BLOCK_M {bq_large * 4}")
-    return " ".join(parts)
-
-
-def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, int]):
-    """triton-splitkv's split decode at a fixed split count and kernel config (any cache format)."""
-    c = case.cache
-    kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
-    max_seq_len = case.meta.max_seq_len  # a host int: the call is captured, where a sync is an error
-    return lambda: split_decode_attention(
-        case.q,
-        c.k,
-        c.v,
-        out,
-        seq_lens=case.meta.seq_lens,
-        block_table=case.meta.block_table,
-        max_seq_len=max_seq_len,
-        scale=SCALE,
-        num_splits=splits,
-        kernel_config=kcfg,
-        k_scale=c.k_scale,
-        v_scale=c.v_scale,
-    )
-
+import _harness as H  # first: with --smoke it sets TRITON_INTERPRET before Triton is imported
+import torch
+import triton
+from _harness import BS, DEV, HKV, SCALE, SMOKE, cfg, graph_ms, make_case, report, split_call, tag, unified
+from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention
+from paged_triton_unified.launch import LaunchConfig
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -452,7 +218,8 @@ def section_small_decode() -> None:
 
 def section_bench_mixed() -> None:
     """The mixed batch of ``paged bench`` (chunk contexts 1,024 and 3,072: heavier than
-    section_mixed's), so fixed configs compare with the bench's FlashInfer row (0.205 ms)."""
+    section_mixed's), so fixed configs compare with the bench's FlashInfer row (docs/benchmarks.md,
+    the run of record)."""
     g = torch.Generator().manual_seed(0)
     dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]
     case = make_case([1] * 30 + [512, 512], dec + [1024 + 512, 3072 + 512], check_reqs=[0, 30, 31])
@@ -561,7 +328,7 @@ def section_launch() -> None:
 
 def section_chunk() -> None:
     """Chunked prefill after a long context next to decodes: 512 new tokens after 15,872 cached
-    ones + 32 decodes at 4,096 (137 GFLOP: compute-bound, 0.6 ms at 230 TFLOP/s). NVIDIA H200,
+    ones + 32 decodes at 4,096 (137 GFLOP: compute-bound). NVIDIA H200,
     2026-11-29: 64-row tiles 0.746 ms, 128-row 1.259; splitting the tiles' keys (reverted) 0.90-1.23."""
     case = make_case([512] + [1] * 32, [16384] + [4096] * 32, check_reqs=[0, 1, 32])
     out = torch.empty_like(case.q)
@@ -660,7 +427,6 @@ SECTIONS = {
 
 
 def main(argv: list[str]) -> int:
-    global DEADLINE_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, checks only")
@@ -675,14 +441,14 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown sections {unknown}; accepted: {', '.join(SECTIONS)}")
-    DEADLINE_S = args.deadline
+    H.DEADLINE_S = args.deadline
     device = "CPU interpreter (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"# {device} triton {triton.__version__} torch {torch.__version__}", flush=True)
     for name in args.sections or ["prefill", "split", "bench-mixed", "decode", "cascade", "quant", "mixed", "chunk"]:
         SECTIONS[name]()
         if not SMOKE:
             torch.cuda.empty_cache()
-    print(f"# total {time.time() - T0:.0f}s", flush=True)
+    print(f"# total {time.time() - H.T0:.0f}s", flush=True)
     return 0
 
 

@@ -25,8 +25,9 @@ features at a time:
 
 next to triton-unified's prefill path on the same batch. Every variant is checked against the
 float32 reference (``BAD`` flags an error), times are CUDA-graph replays, rates count causal
-FLOPs. On the H200 (2026-12-01, Triton 3.6, 8 x 2,048, Qwen3-8B heads) ``paged`` reached 329
-TFLOP/s (64 x 64, 4 warps, 2 stages), ``tma`` 406 (3 stages), triton-unified 233:
+FLOPs (``_harness.py``). The H200's numbers of record, and the product's prefill beside them:
+docs/developing.md ("What a Triton tile can reach") and docs/benchmarks.md ("Targets and gaps").
+Usage:
     python scripts/prefill_ceiling.py                 # 8 x 2,048 causal, Qwen3-8B heads
     python scripts/prefill_ceiling.py --len 4096 --reqs 4
     python scripts/prefill_ceiling.py --modes paged,paged-masked,paged-gqa
@@ -39,16 +40,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-SMOKE = "--smoke" in sys.argv  # gpu_tune reads it at import: interpreter, tiny shapes
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpu_tune as G  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from paged_core import BatchMeta, allocate_kv_cache  # noqa: E402
+import _harness as H  # first: with --smoke it sets TRITON_INTERPRET before Triton is imported
+import torch
+import triton
+import triton.language as tl
+from paged_core import BatchMeta, allocate_kv_cache
 
 # mode -> (K/V load path, masks of the bulk steps, GQA rows). Load paths: 0 paged pointers,
 # 1 contiguous by arithmetic, 2 TMA, 3 TMA + warp specialisation. Masks: 0 none; 1 triton-unified's
@@ -69,7 +66,7 @@ MODES = {
 }
 # paged-tma reads a cache of larger blocks, one TMA box per block and key step (the block id as
 # the box's row coordinate): each key step must lie in one block (BLOCK_N <= its block size).
-TMA_BLOCK_SIZE = 32 if G.SMOKE else 64
+TMA_BLOCK_SIZE = 32 if H.SMOKE else 64
 
 
 @triton.jit
@@ -278,19 +275,19 @@ def ceiling_kernel(
     )
 
 
-def make_case(reqs: int, n: int, block_size: int = G.BS) -> tuple[G.Case, torch.Tensor, torch.Tensor]:
+def make_case(reqs: int, n: int, block_size: int = H.BS) -> tuple[H.Case, torch.Tensor, torch.Tensor]:
     """A causal prefill of ``reqs`` x ``n`` tokens (block table from ``BatchMeta.build``), plus
     the same keys laid out contiguously, request after request (for the affine and TMA loads)."""
-    meta = BatchMeta.build([n] * reqs, [n] * reqs, block_size=block_size, device=G.DEV, seed=1)
+    meta = BatchMeta.build([n] * reqs, [n] * reqs, block_size=block_size, device=H.DEV, seed=1)
     nb = int(meta.block_table.max()) + 1
-    cache = allocate_kv_cache(nb, block_size, G.HKV, G.D, dtype=torch.bfloat16, device=G.DEV)
-    g = torch.Generator(device=G.DEV).manual_seed(1)
+    cache = allocate_kv_cache(nb, block_size, H.HKV, H.D, dtype=torch.bfloat16, device=H.DEV)
+    g = torch.Generator(device=H.DEV).manual_seed(1)
     cache.k.normal_(generator=g), cache.v.normal_(generator=g)
-    q = torch.randn(reqs * n, G.HQ, G.D, generator=g, device=G.DEV).to(torch.bfloat16)
+    q = torch.randn(reqs * n, H.HQ, H.D, generator=g, device=H.DEV).to(torch.bfloat16)
     used = meta.block_table[:, : n // block_size].reshape(-1).long()
-    k_flat, v_flat = (t.index_select(0, used).reshape(reqs * n, G.HKV, G.D).contiguous() for t in (cache.k, cache.v))
-    flops = 4 * G.D * G.HQ * reqs * (n * (n + 1) // 2)
-    case = G.Case(meta, cache, q, nbytes=0, flops=flops, check_reqs=sorted({0, reqs - 1}), kv_dtype="auto")
+    k_flat, v_flat = (t.index_select(0, used).reshape(reqs * n, H.HKV, H.D).contiguous() for t in (cache.k, cache.v))
+    flops = 4 * H.D * H.HQ * reqs * (n * (n + 1) // 2)
+    case = H.Case(meta, cache, q, nbytes=0, flops=flops, check_reqs=sorted({0, reqs - 1}), kv_dtype="auto")
     return case, k_flat, v_flat
 
 
@@ -307,9 +304,9 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
     if load == 4:  # the descriptor views the cache as [num_blocks * block_size, heads * D]
         assert c.k.is_contiguous() and block_n <= block_size and block_size % block_n == 0
     num_slots = c.k.shape[0] * block_size if load == 4 else reqs * n
-    group = G.HQ // G.HKV
-    grid = (n // (block_m // group), G.HKV, reqs) if gqa else (n // block_m, G.HQ, reqs)
-    qk_scale = G.SCALE * 1.4426950408889634
+    group = H.HQ // H.HKV
+    grid = (n // (block_m // group), H.HKV, reqs) if gqa else (n // block_m, H.HQ, reqs)
+    qk_scale = H.SCALE * 1.4426950408889634
     return lambda: ceiling_kernel[grid](
         case.q,
         k,
@@ -332,12 +329,12 @@ def ceiling(case, k_flat, v_flat, out, mode: str, block_m: int, block_n: int, wa
         MASKS=masks,
         GQA=gqa,
         GROUP=group,
-        NUM_KV_HEADS=G.HKV,
+        NUM_KV_HEADS=H.HKV,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        D=G.D,
+        D=H.D,
         BLOCK_SIZE=block_size,
-        UPCAST=G.SMOKE,
+        UPCAST=H.SMOKE,
         num_warps=warps,
         num_stages=stages,
     )
@@ -349,23 +346,23 @@ def offline_resources(modes: list[str], configs: list[tuple[int, int, int, int]]
     import kernel_resources as R
 
     fn = ceiling_kernel
-    print(f"sm_90a, triton {triton.__version__}, head_dim {G.D}, group {G.HQ // G.HKV}, block {G.BS}, bf16")
+    print(f"sm_90a, triton {triton.__version__}, head_dim {H.D}, group {H.HQ // H.HKV}, block {H.BS}, bf16")
     print(f"{'mode':18s} {'BLOCK_M x BLOCK_N w st':>22s} {R.HEADER}")
     for mode in modes:
         load, masks, gqa = MODES[mode]
         for bm, bn, w, st in configs:
-            block_size = TMA_BLOCK_SIZE if load == 4 else G.BS
+            block_size = TMA_BLOCK_SIZE if load == 4 else H.BS
             if bn > block_size and load == 4:
                 continue
             constexprs = dict(
                 LOAD=load,
                 MASKS=masks,
                 GQA=gqa,
-                GROUP=G.HQ // G.HKV,
-                NUM_KV_HEADS=G.HKV,
+                GROUP=H.HQ // H.HKV,
+                NUM_KV_HEADS=H.HKV,
                 BLOCK_M=bm,
                 BLOCK_N=bn,
-                D=G.D,
+                D=H.D,
                 BLOCK_SIZE=block_size,
                 UPCAST=False,
             )
@@ -428,7 +425,7 @@ def main(argv: list[str]) -> int:
         ]
     if args.resources:
         return offline_resources(modes, configs)
-    if G.DEV == "cuda":  # device-side descriptors take their scratch memory from here
+    if H.DEV == "cuda":  # device-side descriptors take their scratch memory from here
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     case, k_flat, v_flat = make_case(args.reqs, args.len)
     out = torch.empty_like(case.q)
@@ -440,7 +437,7 @@ def main(argv: list[str]) -> int:
             if tma_blocks and bn > TMA_BLOCK_SIZE:
                 continue  # a key step would span two blocks: two boxes, not this mode
             tag = f" ({TMA_BLOCK_SIZE}-token blocks)" if tma_blocks else ""
-            G.report(
+            H.report(
                 "ceiling",
                 f"{name} {mode} {bm}x{bn} w{w} st{st}{tag}",
                 mode_case,
@@ -450,15 +447,15 @@ def main(argv: list[str]) -> int:
             )
     product = [((64, 8, 2), 32)] if args.smoke else [((64, 8, 2), 32), ((128, 8, 2), 32), ((64, 4, 2), 16)]
     for large, bq in product:
-        G.report(
+        H.report(
             "ceiling",
-            f"{name} triton-unified {G.tag(None, large, bq)}",
+            f"{name} triton-unified {H.tag(None, large, bq)}",
             case,
-            G.unified(case, out, G.cfg((64, 4, 2), large, bq)),
+            H.unified(case, out, H.cfg((64, 4, 2), large, bq)),
             out,
             tflops=True,
         )
-    G.report("ceiling", f"{name} triton-unified autotuned", case, G.unified(case, out, None), out, tflops=True)
+    H.report("ceiling", f"{name} triton-unified autotuned", case, H.unified(case, out, None), out, tflops=True)
     return 0
 
 

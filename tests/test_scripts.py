@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = ROOT / "scripts"
+# The offline GPU machine's shell layer (install, the recorded runs, the vLLM recipe).
+GPU_DIR = SCRIPTS_DIR / "gpu"
+# A leading underscore marks a module the scripts import (``_harness.py``), not a script.
+SCRIPTS = sorted(s for s in SCRIPTS_DIR.glob("*.py") if not s.name.startswith("_"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -32,11 +38,17 @@ def test_the_scripts_are_found():
 
 
 def _load_script(name):
+    """``scripts/<name>.py`` as a module, its folder first on ``sys.path`` as when it runs (the
+    scripts import ``_harness`` beside them)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(SCRIPTS_DIR))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS_DIR))
     return module
 
 
@@ -130,7 +142,7 @@ def test_gpu_profile_cases_run_on_the_cpu():
     # Every case builds its batch and runs its call (interpreter, tiny shapes, no ncu).
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS[0].parent / "gpu_profile.py"), "--smoke"],
+        [sys.executable, str(SCRIPTS_DIR / "gpu_profile.py"), "--smoke"],
         env=env,
         capture_output=True,
         text=True,
@@ -144,7 +156,7 @@ def test_prefill_ceiling_variants_match_the_reference_on_the_cpu():
     # Each load path of the minimal kernel and triton-unified's prefill run once and are checked.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--smoke"],
+        [sys.executable, str(SCRIPTS_DIR / "prefill_ceiling.py"), "--smoke"],
         env=env,
         capture_output=True,
         text=True,
@@ -162,7 +174,7 @@ def test_gpu_tune_variants_run_and_match_the_reference_on_the_cpu():
     # call reads a tensor on the host (which its CUDA-graph capture would refuse) fails here.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS[0].parent / "gpu_tune.py"), "--smoke"],
+        [sys.executable, str(SCRIPTS_DIR / "gpu_tune.py"), "--smoke"],
         env=env,
         capture_output=True,
         text=True,
@@ -197,7 +209,7 @@ def test_kernel_resources_lists_every_loop_in_address_order():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(SCRIPTS[0].parent), sass], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code, str(SCRIPTS_DIR), sass], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats, longer = json.loads(proc.stdout)
@@ -213,7 +225,7 @@ def test_prefill_ceiling_compiles_its_modes_offline():
         pytest.skip("this Triton wheel ships no cuobjdump: the offline compile report needs it")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS[0].parent / "prefill_ceiling.py"), "--resources", "--modes", "paged-lean"],
+        [sys.executable, str(SCRIPTS_DIR / "prefill_ceiling.py"), "--resources", "--modes", "paged-lean"],
         env=env,
         capture_output=True,
         text=True,
@@ -226,32 +238,31 @@ def test_prefill_ceiling_compiles_its_modes_offline():
 
 
 def _vllm_gpu_pins() -> dict[str, str]:
-    """scripts/vllm_gpu_requirements.txt: each package -> its specifier ("==0.26.0", "" unpinned)."""
+    """scripts/gpu/vllm_gpu_requirements.txt: each package -> its specifier ("==0.26.0", "" unpinned)."""
     from packaging.requirements import Requirement
 
-    text = (Path(__file__).resolve().parents[1] / "scripts" / "vllm_gpu_requirements.txt").read_text()
+    text = (GPU_DIR / "vllm_gpu_requirements.txt").read_text()
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     return {(req := Requirement(line)).name: str(req.specifier) for line in lines}
 
 
 def test_the_vllm_gpu_recipe_pins_each_package_in_one_place():
-    """The GPU recipe's pins live in scripts/vllm_gpu_requirements.txt: slim_vllm_wheel.sh reads it,
+    """The GPU recipe's pins live in scripts/gpu/vllm_gpu_requirements.txt: slim_vllm_wheel.sh reads it,
     no other file pins vLLM or openai apart from it, and its vLLM is one the plugin and its
     distribution accept and its README names. (The script pinned openai 2.8.1, whose
     openai.types.responses lacks the NamespaceTool vLLM 0.26 imports: `from vllm import LLM`
     failed on the GPU machine.)"""
     import ast
-    import re
 
     from packaging.requirements import Requirement
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     pins = _vllm_gpu_pins()
     vllm, openai = pins["vllm"], pins["openai"]
     assert vllm.startswith("==") and openai.startswith("=="), pins
     vllm = vllm[2:]
 
-    slim = (root / "scripts" / "slim_vllm_wheel.sh").read_text()
+    slim = (GPU_DIR / "slim_vllm_wheel.sh").read_text()
     assert "vllm_gpu_requirements.txt" in slim
     # Every other pin of vLLM's or openai's release in the repository is the file's.
     files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
@@ -260,7 +271,7 @@ def test_the_vllm_gpu_recipe_pins_each_package_in_one_place():
         path = root / name
         if path.suffix not in {".sh", ".py", ".md", ".toml", ".txt", ".cfg", ".yml", ".yaml"} or not path.is_file():
             continue
-        if name == "scripts/vllm_gpu_requirements.txt":
+        if name == "scripts/gpu/vllm_gpu_requirements.txt":
             continue
         for package, version in pin.findall(path.read_text(errors="replace")):
             assert f"=={version}" == pins[package], f"{name} pins {package}=={version}; the recipe: {pins[package]}"
@@ -279,14 +290,41 @@ def test_the_vllm_gpu_recipe_pins_each_package_in_one_place():
     (cuda,) = [Requirement(d) for d in pyproject["project"]["optional-dependencies"]["cuda"]]
     assert cuda.name == "vllm" and cuda.specifier.contains(vllm), (str(cuda), vllm)
     readme = (root / "integrations" / "vllm" / "README.md").read_text()
-    assert f"**{vllm}**" in readme and "scripts/vllm_gpu_requirements.txt" in readme
+    assert f"**{vllm}**" in readme and "scripts/gpu/vllm_gpu_requirements.txt" in readme
 
 
 def test_the_gpu_install_checks_that_vllm_imports():
     """gpu_vllm_install.sh ends by importing vLLM's LLM once both parts are in, and says what to
     fix (the recipe's pins) when that fails, rather than leaving the failure to the first run."""
-    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_install.sh").read_text()
+    script = (GPU_DIR / "gpu_vllm_install.sh").read_text()
     check = script[script.index("from vllm import LLM") :]
     assert "vllm_gpu_requirements.txt" in check and "return 1" in check
-    proc = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parents[1] / "scripts" / "gpu_vllm_install.sh")])
+    proc = subprocess.run(["bash", "-n", str(GPU_DIR / "gpu_vllm_install.sh")])
     assert proc.returncode == 0
+
+
+SHELL_SCRIPTS = sorted([*SCRIPTS_DIR.glob("*.sh"), *GPU_DIR.glob("*.sh")])
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=[str(s.relative_to(SCRIPTS_DIR)) for s in SHELL_SCRIPTS])
+def test_shell_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_readme_lists_every_script_and_its_tests_exist():
+    """scripts/README.md links every file of scripts/ and scripts/gpu/, and each smoke test it
+    names is a test function of the file it names (tests/test_scripts.py when it names none)."""
+    readme = (SCRIPTS_DIR / "README.md").read_text()
+    files = [p for d in (SCRIPTS_DIR, GPU_DIR) for p in sorted(d.iterdir()) if p.is_file() and p.name != "README.md"]
+    assert len(files) >= 15, files
+    unlisted = [str(p.relative_to(SCRIPTS_DIR)) for p in files if f"]({p.relative_to(SCRIPTS_DIR)})" not in readme]
+    assert not unlisted, f"scripts/README.md has no row for {unlisted}"
+    cited = re.findall(r"`(?:([\w/.-]+\.py)(?:::))?(test_\w+)", readme)
+    assert len(cited) >= 10, cited
+    missing = []
+    for file, name in cited:
+        path = ROOT / (file or "tests/test_scripts.py")
+        if not re.search(rf"^def {name}\(", path.read_text(), re.M):
+            missing.append(f"{file or 'tests/test_scripts.py'}::{name}")
+    assert not missing, f"scripts/README.md names tests that do not exist: {missing}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Why the open speed gaps are what they are, in one GPU call (no package index needed):
-#   bash scripts/gpu_investigate.sh
-# Installs offline (scripts/gpu_install.sh), then, each step bounded in time:
+#   bash scripts/gpu/gpu_investigate.sh
+# Installs offline (scripts/gpu/gpu_install.sh), then, each step bounded in time:
 #   1. scripts/gpu_profile.py: hardware counters (Nsight Compute) of every profile case;
 #   2. scripts/prefill_ceiling.py: a minimal flash tile's rate by K/V load path, beside the product;
 #   3. scripts/gpu_tune.py quant-depth small-decode: 8-bit caches (configs, split counts, static
@@ -11,7 +11,7 @@
 # profile/) to $OUT, and prints the tables last. Knobs (seconds): PROFILE_S, CEILING_S, TUNE_S,
 # BENCH_S (defaults 240, 150, 300, 240).
 set -uo pipefail
-source scripts/gpu_install.sh
+source scripts/gpu/gpu_install.sh
 
 timeout "${PROFILE_S:-240}" python3 scripts/gpu_profile.py --out "$OUT/profile" > "$OUT/profile.txt" 2>&1
 echo "profile rc=$?"

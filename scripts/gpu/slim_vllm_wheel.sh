@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Slim vLLM's CUDA wheel (the release scripts/vllm_gpu_requirements.txt pins) into parts that travel to an offline GPU machine (each under
-# 64 MiB), for integrations/vllm/gpu_generate.py; scripts/gpu_vllm_install.sh installs them there.
+# Slim vLLM's CUDA wheel (the release scripts/gpu/vllm_gpu_requirements.txt pins) into parts that travel to an offline GPU machine (each under
+# 64 MiB), for integrations/vllm/gpu_generate.py; scripts/gpu/gpu_vllm_install.sh installs them there.
 # Run on a machine with a package index, from the repository root; writes .stage/{p1,p2,deps}.
 # Kept: every .py file and the kernels a dense model's offline LLM.generate loads (the stable
 # custom ops and FlashAttention 3, 10.9 MB once xz-compressed). Dropped: FlashAttention 2 (305 MB;

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The benchmark of record and the memory check, on a GPU machine without a package index:
-#   bash scripts/gpu_run.sh
-# Installs offline (scripts/gpu_install.sh), then runs `paged bench` (every installed backend,
+#   bash scripts/gpu/gpu_run.sh
+# Installs offline (scripts/gpu/gpu_install.sh), then runs `paged bench` (every installed backend,
 # alone on the GPU) and the compute-sanitizer run, writing to $OUT: list.txt, bench.txt,
 # bench.json, bench-sweep.png, bench.err, sanitize.txt. The conformance suite has its own
-# script: scripts/gpu_conformance.sh.
+# script: scripts/gpu/gpu_conformance.sh.
 # Knobs (environment): BENCH_ARGS, extra `paged bench` options; BENCH_S and SANITIZE_S, optional
 # wall-clock limits in seconds for the two steps (unset: no limit).
 set -uo pipefail
-source scripts/gpu_install.sh
+source scripts/gpu/gpu_install.sh
 
 bounded() {  # bounded SECONDS COMMAND...: COMMAND, stopped after SECONDS if SECONDS is not empty
   local s=$1; shift

@@ -1,5 +1,5 @@
 # Source from the repository root on the offline GPU machine: installs the slimmed vLLM that
-# scripts/slim_vllm_wheel.sh made, from whichever parts .stage/ holds (p1 with deps/, then p2, in
+# scripts/gpu/slim_vllm_wheel.sh made, from whichever parts .stage/ holds (p1 with deps/, then p2, in
 # consecutive calls on a warm machine), into /tmp/vllm-site, and the workspace with paged-vllm.
 # Once both parts are in, it imports vLLM's LLM, and fails (status 1) with the pins to fix if
 # that import does.
@@ -18,7 +18,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e core -e plugins/trit
 ls $SITE/.p1 $SITE/.p2 2>/dev/null
 if [ -f $SITE/.p1 ] && [ -f $SITE/.p2 ] && ! python3 -c "from vllm import LLM"; then
   echo "gpu_vllm_install.sh: 'from vllm import LLM' failed (traceback above) with the packages of" \
-    "scripts/vllm_gpu_requirements.txt; fix the pin of the package the ImportError names there," \
-    "run scripts/slim_vllm_wheel.sh again, then rm -rf $SITE and install again" >&2
+    "scripts/gpu/vllm_gpu_requirements.txt; fix the pin of the package the ImportError names there," \
+    "run scripts/gpu/slim_vllm_wheel.sh again, then rm -rf $SITE and install again" >&2
   return 1 2>/dev/null || exit 1  # sourced: return; run with bash: exit
 fi

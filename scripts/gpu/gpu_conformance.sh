@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole conformance suite at full size, on a GPU machine without a package index:
-#   bash scripts/gpu_conformance.sh
-# Installs offline (scripts/gpu_install.sh), then runs the backends in concurrent pytest
+#   bash scripts/gpu/gpu_conformance.sh
+# Installs offline (scripts/gpu/gpu_install.sh), then runs the backends in concurrent pytest
 # sessions, with pytest-xdist workers where it is installed (Triton compiles and FlashInfer's JIT
 # are CPU-bound; the GPU is mostly idle), each writing $OUT/conformance-<name>.{md,json,txt}.
 # Merge the reports into one matrix with `paged check --merge $OUT/conformance-*.json --report NAME`.
@@ -17,7 +17,7 @@
 #   SESSION_JOBS  parallel compile jobs of each session's FlashInfer JIT (default 4).
 #   FA_BUILD=0  never build flash-attn; FA_BUILD_S optional: a limit in seconds for the build.
 set -uo pipefail
-source scripts/gpu_install.sh
+source scripts/gpu/gpu_install.sh
 
 bounded() {  # bounded SIGNAL SECONDS COMMAND...: COMMAND, signalled after SECONDS if SECONDS is not empty
   local sig=$1 s=$2; shift 2

@@ -1,13 +1,13 @@
 # Source this from the repository root on a GPU machine without a package index: it installs the
 # workspace editable (no build isolation, no dependencies: torch, triton and pytest must already be
 # there), whatever the wheels folder holds, and exports the environment they need.
-#   source scripts/gpu_install.sh
+#   source scripts/gpu/gpu_install.sh
 # The wheels folder (PAGED_WHEELS, default .whl/) is filled beforehand on a machine with an index:
 #   pip download --no-deps -d .whl flashinfer-python==0.7.4 apache-tvm-ffi   # FlashInfer
 #   FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip download --no-deps --no-build-isolation \
 #     --no-binary :all: -d .whl flash-attn==2.8.3                            # flash-attn sdist
 # plus, once built, fa2-sm90.tar.xz (a flash-attn build of plugins/flash-attn2/build_sm90.sh,
-# which scripts/gpu_conformance.sh writes to $OUT). Wheels go to PAGED_SITE (default /tmp/site,
+# which scripts/gpu/gpu_conformance.sh writes to $OUT). Wheels go to PAGED_SITE (default /tmp/site,
 # put on PYTHONPATH), so the machine's own Python environment is left as it is.
 # Logs and results go to $OUT (default /tmp/paged-out).
 export PYTHONUNBUFFERED=1
