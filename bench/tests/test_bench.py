@@ -524,3 +524,64 @@ def test_cache_formats_are_reported_against_bf16_of_the_same_shape_and_backend()
         ["int8", "64x4096", "b", "1.500x"],
         ["fp8", "static", "64x4096", "a", "0.250x"],
     ]
+
+
+def _minimal_run() -> dict:
+    """The smallest document ``--from-json`` prints: what ``paged bench --json`` writes, one row."""
+    cfg = _config.make_config(_args("--cases", "decode"))
+    env = {key: 1.0 if key.endswith(("_Bps", "_flops")) else "x" for key in _bench.report.ENV_PRINTED}
+    case = {"id": "decode", "kind": "decode", "group": "decode", "shape": "1x64"}
+    row = {"case": "decode", "shape": "1x64", "kind": "decode", "group": "decode", "batch": 1}
+    row |= {"backend": "reference", "label": "reference", "paged": True, "status": "ok"}
+    return {"env": env, "config": cfg.public(), "cases": [case], "rows": [row], "complete": True}
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda d: d.update(rows=["decode"]), "rows[0] is 'decode'; accepted: a JSON object"),
+        (lambda d: d["env"].pop("device_name"), "env has no device_name"),
+        (lambda d: d["config"].update(device="gpu9"), "config.device is 'gpu9', not a device name"),
+        (lambda d: d["config"].update(dtype="float8"), "config.dtype is 'float8'; accepted: "),
+        (lambda d: d.update(cases={}), "'cases' is a dict; accepted: a JSON list"),
+        (lambda d: d["rows"][0].pop("label"), "a row lacks a field"),
+        (lambda d: d["rows"][0].update(case="prefill"), "rows of cases it does not describe: prefill"),
+        (lambda d: d["env"].update(read_bandwidth_Bps="fast"), "the table could not be printed from it"),
+        (lambda d: d.clear() or d.update(run=[1]), "'env' is missing; accepted: a JSON object"),
+    ],
+    ids=["str_rows", "no_device_name", "gpu9", "bad_dtype", "cases_dict", "row_field", "row_case", "env_type", "other"],
+)
+def test_from_json_names_what_is_wrong_in_a_malformed_run(tmp_path, capsys, change, needle):
+    # String rows were an AttributeError, a missing device_name a KeyError and device "gpu9" a
+    # RuntimeError, each with a traceback.
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_minimal_run()))
+    assert _cli.main(["bench", "--from-json", str(good)]) == 0
+    assert "decode" in capsys.readouterr().out
+    doc = _minimal_run()
+    change(doc)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    assert _cli.main(["bench", "--from-json", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"paged bench: --from-json {bad}: not a run written by paged bench --json (")
+    assert needle in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("--heads", "999999999", "--kv-heads", "1"), "the sizes are too large: the smallest case"),
+        (("--rep", "-5"), "--rep is -5; accepted: a positive number of milliseconds"),
+        (("--rep", "0"), "--rep is 0; accepted: a positive number of milliseconds"),
+        (("--warmup", "-1"), "--warmup is -1; accepted: 0 or more milliseconds"),
+    ],
+    ids=["huge_heads", "negative_rep", "zero_rep", "negative_warmup"],
+)
+def test_sizes_and_timings_out_of_range_exit_2(fake_registry, capsys, argv, needle):
+    # --heads 999999999 ended in torch's allocator error for every case; --rep -5 was accepted.
+    assert _bench.main(_args(*argv), registry=fake_registry) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    if argv[0] == "--heads":
+        assert "--heads 999999999" in err and "GB" in err

@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import os
 import sys
 from typing import Any
 
 import torch
-from paged_conformance import check_writable, output_tolerance
+from paged_conformance import blocks_needed, check_writable, output_tolerance
 from paged_core import Backend, InputError, PagedError, Registry
 
 from . import floor, report
 from .cases import Case, build_cases
 from .config import CPU_NOTE, DTYPES, Config, add_arguments, make_config, split_values
-from .data import free, materialize_safely
+from .data import _bytes_per_token, free, materialize_safely
 from .rows import PRODUCERS, SDPA_BASELINES, Lineup, Row, short, tolerance_label
 
 __all__ = ["add_arguments", "main", "replay", "run"]
@@ -132,6 +133,8 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
 
         registry = default_registry
     cfg = make_config(args)
+    cases = build_cases(cfg)
+    _check_fits(cfg, cases)
     lineup, versions, not_run = _lineup(args, cfg, registry)
     for name, why in not_run.items():
         _progress(f"[bench] {name}: not run: {why}")
@@ -147,7 +150,6 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
     if cfg.device.type != "cuda":
         _progress(f"[bench] {CPU_NOTE}; Triton backends run under TRITON_INTERPRET=1 (slow)")
 
-    cases = build_cases(cfg)
     record = _Record(args.json, env, cfg, not_run, registry)
     for i, (case, data) in enumerate(materialize_safely(cfg, cases)):
         step = f"[{i + 1}/{len(cases)}]"
@@ -183,26 +185,127 @@ def run(args: argparse.Namespace, *, registry: Registry | None = None) -> dict:
     return result
 
 
+def _memory_bytes(device: torch.device) -> int | None:
+    """The memory of ``device`` (the GPU's, or the host's RAM for the CPU); None if unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
+def _check_fits(cfg: Config, cases: list[Case]) -> None:
+    """Refuse shape options with which not even the smallest case fits the device's memory: a
+    PagedError naming the options, instead of an allocator error for every case. A single case
+    too large for the device is still reported in its row (the others run)."""
+    total = _memory_bytes(cfg.device)
+    if total is None or not cases:
+        return
+    elem = torch.empty(0, dtype=cfg.dtype).element_size()
+
+    def need(case: Case) -> tuple[int, int]:
+        """(q and output bytes, K/V bytes) of ``case``."""
+        qo = sum(case.query_lens) * cfg.heads * (cfg.head_dim + cfg.dim_v) * elem
+        blocks = blocks_needed(case.seq_lens, cfg.block_size, shared_prefix_blocks=case.lengths.shared_prefix_blocks)
+        return qo, blocks * cfg.block_size * _bytes_per_token(cfg, case)
+
+    smallest = min(cases, key=lambda c: sum(need(c)))
+    qo, kv = need(smallest)
+    if qo + kv <= total:
+        return
+    dims = f"--head-dim {cfg.head_dim}" + ("" if cfg.dim_v == cfg.head_dim else f", --head-dim-v {cfg.dim_v}")
+    if qo >= kv:
+        what = f"q and the output ({sum(smallest.query_lens)} tokens x --heads {cfg.heads} x {dims})"
+    else:
+        what = f"the K/V cache (--kv-heads {cfg.kv_heads} x {dims}, blocks of --block-size {cfg.block_size})"
+    raise PagedError(
+        f"the sizes are too large: the smallest case, {smallest.id}, needs {(qo + kv) / 1e9:.3g} GB, mostly "
+        f"{what}, and {cfg.device} has {total / 1e9:.3g} GB; accepted: sizes whose cases fit (lower "
+        "--heads, --kv-heads or --head-dim, or leave them at their defaults)"
+    )
+
+
 def replay(path: str, plot: str | None = None) -> dict:
     """The table (and with ``plot`` the sweep's plot) of a run recorded with ``--json``; times nothing."""
-    try:
-        with open(path) as f:
-            result = json.load(f)
-        env, conf, cases, rows = result["env"], result["config"], result["cases"], result["rows"]
-        fields = {f.name for f in dataclasses.fields(Row)}
-        rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in rows]
-        conf = {k: v for k, v in conf.items() if k in {f.name for f in dataclasses.fields(Config)}}
-        cfg = Config(**{**conf, "device": torch.device(conf["device"]), "dtype": DTYPES[conf["dtype"]]})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"--from-json {path}: not a run written by paged bench --json ({short(exc)})") from exc
+    result, env, cfg, cases, rows = _read_run(path)
     if not result.get("complete", True):
         print(f"(a run cut short: {path} holds the cases it finished)")
-    report.print_table(env, cfg, cases, rows, result.get("not_run", {}))
+    # Rendered whole before printing: a field of the wrong kind deep in the file is refused
+    # like the others, without half a table above the message.
+    table = io.StringIO()
+    try:
+        report.print_table(env, cfg, cases, rows, result.get("not_run") or {}, out=table)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise _not_a_run(path, f"the table could not be printed from it: {short(exc)}") from exc
+    sys.stdout.write(table.getvalue())
     if plot:
-        err = report.plot(plot, env, cfg, rows)
+        try:
+            err = report.plot(plot, env, cfg, rows)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise _not_a_run(path, f"its sweep could not be plotted: {short(exc)}") from exc
         print(f"plot not written: {err}" if err else f"wrote {plot}")
         result["plot_error"] = err
     return result
+
+
+def _not_a_run(path: str, what: str) -> InputError:
+    return InputError(
+        f"--from-json {path}: not a run written by paged bench --json ({what}); accepted: the file "
+        "that `paged bench --json PATH` wrote (run it again to get one)"
+    )
+
+
+def _read_run(path: str) -> tuple[dict, dict, Config, list[dict], list[Row]]:
+    """``(result, env, cfg, cases, rows)`` of a ``--json`` file, or an :class:`InputError` that
+    says what in it is not what ``paged bench --json`` writes."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _not_a_run(path, short(exc)) from exc
+    if not isinstance(result, dict):
+        raise _not_a_run(path, f"it holds a JSON {type(result).__name__}, not an object")
+    kinds = {"env": dict, "config": dict, "cases": list, "rows": list}
+    for key, kind in kinds.items():
+        if not isinstance(result.get(key), kind):
+            found = "missing" if key not in result else f"a {type(result[key]).__name__}"
+            raise _not_a_run(path, f"{key!r} is {found}; accepted: a JSON {'object' if kind is dict else 'list'}")
+    env, conf, cases, raw_rows = result["env"], result["config"], result["cases"], result["rows"]
+    missing = [k for k in report.ENV_PRINTED if k not in env]
+    if missing:
+        raise _not_a_run(path, f"env has no {', '.join(missing)}")
+    for key, items, needed in (("cases", cases, ("id", "kind", "group")), ("rows", raw_rows, ())):
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise _not_a_run(path, f"{key}[{i}] is {item!r}; accepted: a JSON object")
+            lacks = [k for k in needed if k not in item]
+            if lacks:
+                raise _not_a_run(path, f"{key}[{i}] has no {', '.join(lacks)}")
+    fields = {f.name for f in dataclasses.fields(Row)}
+    try:
+        rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in raw_rows]
+    except TypeError as exc:
+        raise _not_a_run(path, f"a row lacks a field: {short(exc)}") from exc
+    ids = {c["id"] for c in cases}
+    unknown = sorted({str(r.case) for r in rows if r.case not in ids})
+    if unknown:
+        raise _not_a_run(path, f"rows of cases it does not describe: {', '.join(unknown)}")
+    conf = {k: v for k, v in conf.items() if k in {f.name for f in dataclasses.fields(Config)}}
+    if conf.get("dtype") not in DTYPES:
+        raise _not_a_run(path, f"config.dtype is {conf.get('dtype')!r}; accepted: {', '.join(sorted(DTYPES))}")
+    try:
+        # The recorded device need not exist here (a GPU run printed on a laptop): only its name is read.
+        device = torch.device(conf.get("device"))
+    except (RuntimeError, TypeError) as exc:
+        raise _not_a_run(
+            path, f"config.device is {conf.get('device')!r}, not a device name such as 'cuda:0' or 'cpu'"
+        ) from exc
+    try:
+        cfg = Config(**{**conf, "device": device, "dtype": DTYPES[conf["dtype"]]})
+    except TypeError as exc:
+        raise _not_a_run(path, f"config lacks a field: {short(exc)}") from exc
+    return result, env, cfg, cases, rows
 
 
 def main(args: argparse.Namespace, *, registry: Registry | None = None) -> int:

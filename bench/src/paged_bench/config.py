@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -179,6 +180,11 @@ def make_config(args: argparse.Namespace) -> Config:
         val = getattr(args, opt, None)
         if val is not None and val < 1:
             raise PagedError(f"--{opt.replace('_', '-')} is {val}; accepted: a positive int")
+    for opt, low in (("warmup", 0.0), ("rep", None)):
+        val = getattr(args, opt, None)
+        if val is not None and not (math.isfinite(val) and (val > 0 if low is None else val >= low)):
+            bound = "a positive number of milliseconds" if low is None else "0 or more milliseconds"
+            raise PagedError(f"--{opt} is {val:g}; accepted: {bound}")
     if args.sweep_batches:
         batches = _positive_ints("--sweep-batches", [args.sweep_batches])
     elif tiny:

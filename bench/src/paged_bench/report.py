@@ -77,6 +77,19 @@ def failed_case_record(case: Case, error: str) -> dict:
     }
 
 
+#: The ``env`` fields :func:`print_table` reads (``--from-json`` checks a file has them).
+ENV_PRINTED = (
+    "device_name",
+    "torch",
+    "triton",
+    "date",
+    "read_bandwidth_Bps",
+    "read_bandwidth_method",
+    "matmul_flops",
+    "matmul_method",
+)
+
+
 def make_env(cfg: Config, bw: dict, mm: dict, backends: dict) -> dict:
     """The machine, the versions and the ceilings of this run (the JSON's ``env``)."""
     env: dict[str, Any] = {
