@@ -30,6 +30,8 @@ from paged_triton_common.backend import TritonBackend  # noqa: E402
 from paged_triton_common.write import write_kv  # noqa: E402
 
 NB, BS, H, D = 5, 4, 3, 24  # 3 heads and head_dim 24: both padded in the kernel (4, 32)
+# A head dim the Triton backends' attention claims: Backend.write refuses the caches it does not.
+CLAIMED_D = 32
 NUM_SLOTS = NB * BS
 STORE = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DTYPES = [(dt, kv) for kv in STORE for dt in (torch.float32, torch.float16, torch.bfloat16)]
@@ -404,14 +406,15 @@ def test_the_triton_backends_write_with_the_kernel(name, monkeypatch):
     calls = []
     monkeypatch.setattr(backend_module, "write_checked", lambda *args: calls.append(args))
     meta = BatchMeta.build([3, 1], [6, 5], block_size=BS, num_blocks=NB, seed=3)
-    cache = backend.allocate(NB, BS, H, D, dtype=torch.float32)
-    k = torch.randn(meta.num_tokens, H, D)
+    cache = backend.allocate(NB, BS, H, CLAIMED_D, dtype=torch.float32)
+    k = torch.randn(meta.num_tokens, H, CLAIMED_D)
     backend.write(cache, k, k, meta)
     assert len(calls) == 1 and calls[0][0] is cache and calls[0][3] is meta.slot_mapping
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2"])
-def test_backend_write_equals_paged_core(kv_dtype):
+def test_backend_write_equals_paged_core(kv_dtype, monkeypatch):
+    monkeypatch.setitem(globals(), "D", CLAIMED_D)
     backend = registry.get("triton-unified")
     meta = BatchMeta.build([3, 1, 2], [6, 4, 2], block_size=BS, num_blocks=NB, seed=7)
     cache, storages = make_cache("hnd", torch.bfloat16, kv_dtype, "cpu")
