@@ -101,7 +101,7 @@ KV_FLAGS = {
     "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2, "V_SCALE_ON_P": True},
 }
 for _flags in KV_FLAGS.values():  # the 4-bit formats' switches of the split kernel: off here
-    _flags.update(INT4=False, K_PER_CHANNEL=False)
+    _flags.update(INT4=False, K_PER_CHANNEL=False, F16=False)
 
 
 def loop_stats(sass: str, min_len: int = 64) -> dict:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from paged_triton_common.tiles import tanh  # noqa: E402
+from paged_triton_common.tiles import int4_f16, tanh  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,3 +56,23 @@ def _tanh_exp2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(y_ptr + offs, 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0), mask=offs < n)
+
+
+def test_int4_f16_unpacks_every_byte_as_int4_codes_does():
+    """Both int4 unpackings (PTX on the GPU, shifts under the interpreter) give every byte's two
+    signed nibbles, low nibble first, exactly."""
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).to(DEVICE)
+    got = torch.empty(16, 32, dtype=torch.float16, device=DEVICE)
+    _int4_f16_kernel[(1,)](packed, got, ASM=DEVICE == "cuda")
+    b = packed.cpu().to(torch.int32)
+    lo, hi = b & 0xF, b >> 4
+    want = torch.stack([lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)], dim=-1).reshape(16, 32)
+    assert torch.equal(got.cpu().to(torch.int32), want)
+
+
+@triton.jit
+def _int4_f16_kernel(x_ptr, y_ptr, ASM: tl.constexpr):
+    r = tl.arange(0, 16)
+    x = tl.load(x_ptr + r[:, None] * 16 + r[None, :])
+    c = tl.arange(0, 32)
+    tl.store(y_ptr + r[:, None] * 32 + c[None, :], int4_f16(x, ASM))

@@ -30,7 +30,9 @@ from paged_triton_common.tiles import (
     codes_to,
     fold_sink,
     int4_codes,
+    int4_f16,
     natural_lse,
+    q_f16,
     sink_weight,
     soft_cap,
     softmax_step,
@@ -93,6 +95,8 @@ def _attend_tile(
     HEAD_DIM_V: tl.constexpr = 0,
     HEAD_DIM_V_PAD: tl.constexpr = 0,
     K_PER_CHANNEL: tl.constexpr = False,  # kivi4: key scales per (block, KV head, channel)
+    F16: tl.constexpr = False,  # int4 codes into fp16 dots (q already in fp16: tiles.q_f16)
+    ASM: tl.constexpr = False,  # int4 unpacking in PTX (the GPU; not the interpreter)
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
@@ -104,7 +108,10 @@ def _attend_tile(
             mask=key_ok[:, None] & (offs_h < HEAD_DIM // 2)[None, :],
             other=0,
         )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
-        kt = tl.trans(int4_codes(kp))
+        if F16:
+            kt = tl.trans(int4_f16(kp, ASM))
+        else:
+            kt = tl.trans(int4_codes(kp))
     else:
         kt = tl.load(
             k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_k_d,
@@ -121,7 +128,7 @@ def _attend_tile(
             k_scale_ptr + ks_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_mask[:, None], other=0.0
         )
         kt = (kt.to(tl.float32) * k_sc).to(q.dtype)
-    else:
+    elif not F16:  # (int4_f16's codes are fp16 already)
         kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT and not K_PER_CHANNEL:
@@ -138,13 +145,15 @@ def _attend_tile(
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
     if INT4:
         offs_hv = tl.arange(0, HEAD_DIM_V_PAD // 2)
-        v = int4_codes(
-            tl.load(
-                v_cache_ptr + v_off[:, None] + offs_hv[None, :] * stride_v_d,
-                mask=key_ok[:, None] & (offs_hv < HEAD_DIM_V // 2)[None, :],
-                other=0,
-            )
-        )
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + offs_hv[None, :] * stride_v_d,
+            mask=key_ok[:, None] & (offs_hv < HEAD_DIM_V // 2)[None, :],
+            other=0,
+        )  # [BLOCK_N, HEAD_DIM_V_PAD // 2] bytes
+        if F16:
+            v = int4_f16(v, ASM)
+        else:
+            v = int4_codes(v)
     else:
         v = tl.load(
             v_cache_ptr + v_off[:, None] + offs_dv[None, :] * stride_v_d,
@@ -154,18 +163,29 @@ def _attend_tile(
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-        if V_SCALE_ON_P:
-            # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities instead of
-            # BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into subnormals.
-            pv = p * v_sc[None, :]
-            v = codes_to(v, q.dtype, FP8)
+    if F16:
+        # p @ (codes * s) == (p * s) @ codes; p * s in fp16 could sink into subnormals for small
+        # scales, so p * s / s_max (in [0, 1], like plain probabilities) goes into the dot and
+        # s_max multiplies its [BLOCK_M, HEAD_DIM_V] product.
+        vs_max = tl.max(tl.abs(v_sc), 0)
+        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+        pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(tl.float16), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * vs_max
+    else:
+        if QUANT:
+            if V_SCALE_ON_P:
+                # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities
+                # instead of BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into
+                # subnormals.
+                pv = p * v_sc[None, :]
+                v = codes_to(v, q.dtype, FP8)
+            else:
+                pv = p
+                v = (codes_to(v, tl.float32, FP8) * v_sc[:, None]).to(q.dtype)
         else:
             pv = p
-            v = (codes_to(v, tl.float32, FP8) * v_sc[:, None]).to(q.dtype)
-    else:
-        pv = p
-        v = codes_to(v, q.dtype, FP8)
-    acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            v = codes_to(v, q.dtype, FP8)
+        acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -385,6 +405,7 @@ def split_kv_attention_kernel(
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
+    F16: tl.constexpr,  # int4/kivi4 cache with 16-bit q: both dots in fp16 (tiles.int4_f16)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -456,6 +477,9 @@ def split_kv_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
+    if F16:
+        q, q_factor = q_f16(q)
+        scale = scale * q_factor
 
     # Keys the tile can see: [lo, hi). Rows refine this with their own causal / window mask.
     last_q = tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
@@ -547,6 +571,8 @@ def split_kv_attention_kernel(
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
             K_PER_CHANNEL=K_PER_CHANNEL,
+            F16=F16,
+            ASM=not UPCAST,
         )
 
     if DIRECT_OUT:
@@ -719,6 +745,7 @@ def cascade_prefix_kernel(
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
+    F16: tl.constexpr,  # int4/kivi4 cache with 16-bit q: both dots in fp16 (tiles.int4_f16)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -776,6 +803,9 @@ def cascade_prefix_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
+    if F16:
+        q, q_factor = q_f16(q)
+        scale = scale * q_factor
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -837,6 +867,8 @@ def cascade_prefix_kernel(
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
             K_PER_CHANNEL=K_PER_CHANNEL,
+            F16=F16,
+            ASM=not UPCAST,
         )
 
     _store_partial(

@@ -32,7 +32,9 @@ from paged_triton_common.tiles import (
     codes_to,
     fold_sink,
     int4_codes,
+    int4_f16,
     natural_lse,
+    q_f16,
     soft_cap,
     softmax_step,
     upcast,
@@ -141,7 +143,8 @@ def _attend_step(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: fp16 dots, V scale per tile
+    QDOT16: tl.constexpr,  # fp8 or 4-bit cache with 16-bit q: fp16 dots, V scale per tile
+    ASM: tl.constexpr,  # int4 unpacking in PTX (the GPU; not the interpreter)
     FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see unified_attention_kernel)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -189,7 +192,10 @@ def _attend_step(
         kp = tl.load(
             k_cache_ptr + k_offs[:, None] + offs_h[None, :], mask=(offs_h < HEAD_DIM // 2)[None, :], other=0
         )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
-        k = tl.trans(int4_codes(kp))
+        if QDOT16 and not K_PER_CHANNEL:
+            k = tl.trans(int4_f16(kp, ASM))
+        else:
+            k = tl.trans(int4_codes(kp))
     elif D_PADDED:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
     else:
@@ -199,9 +205,9 @@ def _attend_step(
         ks_offs = block * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
         k_sc = tl.load(k_scale_ptr + ks_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
         k = (k.to(tl.float32) * k_sc).to(q.dtype)
-    else:
+    elif not (INT4 and QDOT16):
         # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
-        # [BLOCK_M, BLOCK_N] scores instead of to every element of K.
+        # [BLOCK_M, BLOCK_N] scores instead of to every element of K. (int4_f16: already fp16.)
         k = codes_to(k, q.dtype, FP8)
 
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
@@ -237,12 +243,17 @@ def _attend_step(
         hv_mask = (offs_hv < HEAD_DIM_V // 2)[None, :]
         if MASKED:
             hv_mask = hv_mask & key_ok[:, None]
-        v = int4_codes(tl.load(v_cache_ptr + v_offs[:, None] + offs_hv[None, :], mask=hv_mask, other=0))
-    elif MASK_V:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
+        vp = tl.load(v_cache_ptr + v_offs[:, None] + offs_hv[None, :], mask=hv_mask, other=0)
+        if QDOT16:
+            v = int4_f16(vp, ASM)
+        else:
+            v = codes_to(int4_codes(vp), q.dtype, 0)
     else:
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
-    v = codes_to(v, q.dtype, FP8)
+        if MASK_V:
+            v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
+        else:
+            v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
+        v = codes_to(v, q.dtype, FP8)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -348,14 +359,10 @@ def _tile_program(
     else:
         qk_scale = scale * LOG2E
     if QDOT16:
-        # fp8 caches run their dots in fp16 (e4m3 -> fp16 is a native conversion, -> bf16 is
-        # not). bf16 q is exact in fp16 as long as it stays in fp16's range: scale q by a power
-        # of two (exact) so that max|q| < 2**14, and scale the scores back through qk_scale. Ordinary q needs no shift.
-        q_amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-        exponent = ((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        shift = tl.minimum(tl.maximum(exponent - 13, 0), 100)
-        q = (q.to(tl.float32) * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
-        qk_scale = qk_scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        # fp8 and 4-bit caches run their dots in fp16: their codes convert to fp16 natively or in
+        # a few integer instructions (to bf16 they do not); q is brought into fp16's range exactly.
+        q, q_factor = q_f16(q)
+        qk_scale = qk_scale * q_factor
 
     # Key range of the tile. Visible to some row: [lo_key, last_pos]; visible to every row
     # without any mask: [full_lo, first_pos]. Steps are aligned to multiples of BLOCK_N so a
@@ -419,7 +426,7 @@ def _tile_program(
                 stride_vs_b=stride_vs_b, stride_vs_s=stride_vs_s, stride_vs_h=stride_vs_h,
                 offs_d=offs_d, d_mask=d_mask, offs_dv=offs_dv, dv_mask=dv_mask,
                 MASKED=part != 1, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP, KV_QUANT=KV_QUANT,
-                QDOT16=QDOT16, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+                QDOT16=QDOT16, ASM=not UPCAST, FOLD_SCALE=FOLD_SCALE, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
                 D_PADDED=HEAD_DIM_PAD != HEAD_DIM, DV_PADDED=HEAD_DIM_V_PAD != HEAD_DIM_V,
                 DOT_PRECISION=DOT_PRECISION, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
                 HEAD_DIM_V=HEAD_DIM_V, HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
@@ -665,7 +672,7 @@ def unified_attention_kernel(
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8),
     # 4: int4 codes, 5: kivi4 (int4 codes, key scales per block and channel: k_scale [.., head_dim])
-    QDOT16: tl.constexpr,  # fp8 cache with 16-bit q: both dots in fp16 (native fp8 -> fp16)
+    QDOT16: tl.constexpr,  # fp8 or 4-bit cache with 16-bit q: both dots in fp16 (tiles.q_f16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
