@@ -111,7 +111,9 @@ def test_capabilities_name_the_pairs():
     assert "head_dim_v" not in Capabilities().summary()
     dims = Capabilities(head_dims=frozenset({64, 192}), head_dim_pairs=None)
     assert dims.reasons(spec) == ["head_dim_v 128 is not supported (accepted: 64, 192)"]
-    assert "head_dim_v any;" in dims.summary()
+    # paged list states what reasons() accepts: V dims from head_dims, not "any".
+    assert "head_dim_v 64,192;" in dims.summary()
+    assert "head_dim_v any;" in Capabilities(head_dims=None, head_dim_pairs=None).summary()
     with pytest.raises(InputError, match="head_dim_v is 0"):
         AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, head_dim_v=0, block_size=16)
 

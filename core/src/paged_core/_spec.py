@@ -289,10 +289,11 @@ class Capabilities:
         ]
 
     def pairs_summary(self) -> str:
-        """The ``head_dim_pairs`` of ``summary`` (shown when not empty): "any", or the pairs
-        ``(head_dim, head_dim_v)`` as ``192/128``."""
+        """The ``head_dim_pairs`` of ``summary`` (shown when not empty): the V head dims any
+        ``head_dim`` pairs with (``head_dims``, as ``head_dim_v_reasons`` accepts them; "any"
+        when those are unrestricted), or the pairs ``(head_dim, head_dim_v)`` as ``192/128``."""
         if self.head_dim_pairs is None:
-            return "any"
+            return "any" if self.head_dims is None else ",".join(str(d) for d in sorted(self.head_dims))
         return ",".join(f"{d}/{dv}" for d, dv in sorted(self.head_dim_pairs))
 
     def accepts_block_size(self, block_size: int) -> bool:
