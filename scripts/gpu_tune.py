@@ -364,7 +364,7 @@ def section_cascade() -> None:
         ("16 prefix splits", 16),
         ("32 prefix splits", 32),
     ]:
-        fn = lambda splits=splits, q=case.q: cascade_attention(  # noqa: E731
+        fn = lambda splits=splits, q=case.q: cascade_attention(
             q,
             c.k,
             c.v,
@@ -391,7 +391,7 @@ def section_cascade() -> None:
     del case
     own = make_case([1] * b, [n_own] * b)  # the suffix pass's work: 64 requests x 100 keys
     own_out = torch.empty_like(own.q)
-    suffix = lambda own=own: split_decode_attention(  # noqa: E731
+    suffix = lambda own=own: split_decode_attention(
         own.q,
         own.cache.k,
         own.cache.v,

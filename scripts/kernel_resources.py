@@ -39,17 +39,17 @@ import warnings
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET")
 
-import triton  # noqa: E402
-from paged_triton_unified import kernels  # noqa: E402
-from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL  # noqa: E402
+import triton
+from paged_triton_unified import kernels
+from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL
 
 try:  # triton-splitkv is optional here
-    from paged_triton_splitkv import kernels as split_kernels  # noqa: E402
-    from paged_triton_splitkv import launch as split_launch  # noqa: E402
+    from paged_triton_splitkv import kernels as split_kernels
+    from paged_triton_splitkv import launch as split_launch
 except ImportError:
     split_kernels = split_launch = None
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 REGISTERS_PER_SM = 65536
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

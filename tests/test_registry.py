@@ -463,7 +463,7 @@ def test_concurrent_access_is_safe_and_consistent(fixture_plugins):
                 sorted(p.source for p in reg.problems()),
                 reg.available(SPEC16),
             )
-        except BaseException as exc:  # noqa: BLE001 - report it from the main thread
+        except BaseException as exc:  # report it from the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]

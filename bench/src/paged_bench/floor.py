@@ -87,7 +87,7 @@ def read_bandwidth(device: torch.device, *, gbytes: float = 4.0, warmup_ms: floa
                     continue
                 grid = (n // chunk,)
                 out = torch.empty(grid[0], dtype=torch.float32, device=device)
-                call = lambda k=kernel, o=out, c=chunk, b=block, w=warps, g=grid: k[g](  # noqa: E731
+                call = lambda k=kernel, o=out, c=chunk, b=block, w=warps, g=grid: k[g](
                     x, o, CHUNK=c, BLOCK=b, num_warps=w
                 )
                 call()

@@ -193,7 +193,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
             return row
         if type(backend).plan is not Backend.plan:
             row.plan_ms = host_time_ms(lambda: backend.plan(meta), cfg.device)
-        fn = lambda: backend.forward(q, cache, plan, out=out)  # noqa: E731
+        fn = lambda: backend.forward(q, cache, plan, out=out)
         row.ms, row.timing = time_fn(fn, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
         row.eager_ms = row.ms
         row.host_us = host_us(fn, cfg.device)

@@ -27,7 +27,7 @@ _FLUSH_BYTES = 256 * 1024 * 1024
 
 def have_triton() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.testing  # noqa: F401
     except Exception:
         return False

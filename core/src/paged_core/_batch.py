@@ -356,7 +356,7 @@ class BatchMeta:
             elif callable(getattr(allocator, "free", None)) and tables:
                 try:
                     allocator.free([b for t in tables for b in t])
-                except Exception:  # noqa: S110  (the allocation's error is the one to report)
+                except Exception:  # the allocation's error is the one to report
                     pass
             raise
         return cls.from_lists(

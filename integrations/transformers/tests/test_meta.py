@@ -16,7 +16,7 @@ def transformers_step(tables, past, query, *, padded_tokens=0, reads=True):
     Slots follow transformers' full-attention allocator: position p of a request lives at
     ``table[p // BS] * BS + p % BS``; reads list every position, writes the new ones.
     """
-    slot = lambda t, p: t[p // BS] * BS + p % BS  # noqa: E731
+    slot = lambda t, p: t[p // BS] * BS + p % BS
     cu_q, cu_k, read, write = [0], [0], [], []
     for t, p, q in zip(tables, past, query, strict=True):
         cu_q.append(cu_q[-1] + q)

@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from paged_triton_common.tiles import int4_f16, tanh  # noqa: E402
+import triton
+import triton.language as tl
+from paged_triton_common.tiles import int4_f16, tanh
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

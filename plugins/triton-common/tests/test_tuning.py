@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from paged_triton_common.tuning import replay_bench  # noqa: E402
+from paged_triton_common.tuning import replay_bench
 
 
 def test_a_config_that_does_not_fit_raises_where_the_autotuner_expects_it():

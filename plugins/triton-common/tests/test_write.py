@@ -21,13 +21,13 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry, static_scale  # noqa: E402
-from paged_core import write_kv as torch_write_kv  # noqa: E402
-from paged_triton_common import write as triton_write  # noqa: E402
-from paged_triton_common.backend import TritonBackend  # noqa: E402
-from paged_triton_common.write import write_kv  # noqa: E402
+import triton
+import triton.language as tl
+from paged_core import BatchMeta, InputError, KVCache, allocate_kv_cache, registry, static_scale
+from paged_core import write_kv as torch_write_kv
+from paged_triton_common import write as triton_write
+from paged_triton_common.backend import TritonBackend
+from paged_triton_common.write import write_kv
 
 NB, BS, H, D = 5, 4, 3, 24  # 3 heads and head_dim 24: both padded in the kernel (4, 32)
 # A head dim the Triton backends' attention claims: Backend.write refuses the caches it does not.

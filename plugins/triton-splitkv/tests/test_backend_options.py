@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_core import BatchMeta, InputError, ReferenceBackend, allocate_kv_cache  # noqa: E402
-from paged_triton_splitkv.backend import TritonSplitKVBackend  # noqa: E402
+from paged_core import BatchMeta, InputError, ReferenceBackend, allocate_kv_cache
+from paged_triton_splitkv.backend import TritonSplitKVBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -26,12 +26,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import paged_triton_splitkv.launch as split_launch  # noqa: E402
-import paged_triton_unified.launch as unified_launch  # noqa: E402
-from paged_core import BatchMeta, ReferenceBackend, allocate_kv_cache  # noqa: E402
-from paged_triton_common.direct import DirectKernel  # noqa: E402
-from paged_triton_splitkv.backend import TritonSplitKVBackend  # noqa: E402
-from paged_triton_unified.backend import TritonUnifiedBackend  # noqa: E402
+import paged_triton_splitkv.launch as split_launch
+import paged_triton_unified.launch as unified_launch
+from paged_core import BatchMeta, ReferenceBackend, allocate_kv_cache
+from paged_triton_common.direct import DirectKernel
+from paged_triton_splitkv.backend import TritonSplitKVBackend
+from paged_triton_unified.backend import TritonUnifiedBackend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counts keys under the CPU interpreter")
 

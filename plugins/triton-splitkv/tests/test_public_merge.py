@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import paged_triton_splitkv  # noqa: E402
-from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance  # noqa: E402
-from paged_core import merge_states as merge_states_torch  # noqa: E402
+import paged_triton_splitkv
+from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
+from paged_core import merge_states as merge_states_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

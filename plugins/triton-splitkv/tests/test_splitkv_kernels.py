@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance  # noqa: E402
-from paged_core import InputError  # noqa: E402
-from paged_core import merge_states as merge_states_torch  # noqa: E402  (the PyTorch path on CPU tensors)
-from paged_triton_splitkv import launch as split_launch  # noqa: E402
-from paged_triton_splitkv.launch import (  # noqa: E402
+from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
+from paged_core import InputError
+from paged_core import merge_states as merge_states_torch
+from paged_triton_splitkv import launch as split_launch
+from paged_triton_splitkv.launch import (
     cascade_attention,
     choose_num_splits,
     merge_states,
@@ -146,7 +146,7 @@ def assert_lse_close(lse, ref_lse, dtype=torch.float32, kv="auto"):
 
 def run_decode(q, kc, vc, seq_lens, bt, *, dtype, ks=None, vs=None, with_lse=True, **kw):
     """Run split_decode_attention on DEVICE with NaN-poisoned outputs; returns CPU (out, lse)."""
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    dev = lambda t: None if t is None else t.to(DEVICE)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE) if with_lse else None
     split_decode_attention(
@@ -585,7 +585,7 @@ def cascade_case(
 def run_cascade(q, kc, vc, qsl, sl, bt, prefix_blocks, *, ks=None, vs=None, **kw):
     out = torch.full_like(q, float("nan")).to(DEVICE)
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE)
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    dev = lambda t: None if t is None else t.to(DEVICE)
     q_lens = qsl[1:] - qsl[:-1]
     cascade_attention(
         q.to(DEVICE),
@@ -726,7 +726,7 @@ def test_concurrent_cascade_passes_eager_and_in_a_cuda_graph():
 
     args = [t.to(DEVICE) for t in (q, kc, vc, qsl, sl, bt)]
     out = torch.full_like(args[0], float("nan"))
-    call = lambda: cascade_attention(  # noqa: E731
+    call = lambda: cascade_attention(
         args[0],
         args[1],
         args[2],

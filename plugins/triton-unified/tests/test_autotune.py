@@ -9,9 +9,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from paged_triton_common.tuning import replay_bench  # noqa: E402
-from paged_triton_unified import kernels  # noqa: E402
-from triton.runtime.autotuner import Autotuner  # noqa: E402
+from paged_triton_common.tuning import replay_bench
+from paged_triton_unified import kernels
+from triton.runtime.autotuner import Autotuner
 
 
 def test_every_autotuner_times_configs_as_graph_replays():

@@ -21,11 +21,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
-import triton  # noqa: E402
-from paged_conformance.tolerances import assert_close_to_reference as conformance_close  # noqa: E402
-from paged_conformance.tolerances import lse_tolerance, output_tolerance  # noqa: E402
-from paged_core import InputError  # noqa: E402
-from paged_triton_unified.launch import LaunchConfig, default_config, unified_attention  # noqa: E402
+import triton
+from paged_conformance.tolerances import assert_close_to_reference as conformance_close
+from paged_conformance.tolerances import lse_tolerance, output_tolerance
+from paged_core import InputError
+from paged_triton_unified.launch import LaunchConfig, default_config, unified_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2", torch.uint8: "fp8"}

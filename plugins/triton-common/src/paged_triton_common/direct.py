@@ -86,7 +86,7 @@ def _exchange_capture_mode(mode: int) -> int:
     return value.value
 
 
-class relaxed_capture_mode:  # noqa: N801 - a context manager, named like one
+class relaxed_capture_mode:  # a context manager, named like one
     """While active, this thread may make calls a global-mode capture forbids (module loads).
 
     Work launched on the capturing stream is still captured; only the driver's check against
