@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from paged_core import (
+    AttentionSpec,
     BatchMeta,
     BatchMetaError,
     BlockAllocator,
@@ -24,6 +25,7 @@ from paged_core import (
     allocate_kv_cache,
     dequantize_kv,
     kv_bytes_per_token,
+    reference_attention,
     registry,
     write_kv,
 )
@@ -514,7 +516,7 @@ def test_plan_refuses_a_spec_before_the_backend_plans():
             "head_dim, head_dim_v, dtype, kv_dtype, kv_scales, window, softcap, scale, sinks, chunk",
         ),
         (dict(num_heads=0), "num_heads is 0; accepted: a positive int"),
-        (dict(dtype="bf16"), "dtype is 'bf16'; accepted: a torch.dtype"),
+        (dict(dtype="bf16"), "dtype is the string 'bf16'; accepted: torch.float16 (a torch.dtype, not a string)"),
         (dict(kv_dtype="int2"), "kv_dtype is 'int2'; accepted: auto, int8, fp8, fp8_e5m2, int4, kivi4"),
         (dict(window=-2), "window is -2; accepted: 0 (no window) or a positive int"),
         (dict(softcap=math.inf), "softcap is inf; accepted: 0 (off) or a positive finite float"),
@@ -529,6 +531,36 @@ def test_plan_keywords_are_checked(layer, needle):
         b.plan(BatchMeta.build([1], [5], block_size=16), **layer)
     assert needle in str(exc.value)
     assert b.calls == []
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (
+            lambda: ReferenceBackend(compute_dtype="float64"),
+            "compute_dtype is the string 'float64'; accepted: torch.float32, torch.float64 (a torch.dtype, "
+            "not a string: torch.float64; ",
+        ),
+        (
+            lambda: reference_attention(*small(), compute_dtype="float64"),
+            "compute_dtype is the string 'float64'; accepted: torch.float32, torch.float64 (a torch.dtype, "
+            "not a string: torch.float64; ",
+        ),
+        (
+            lambda: AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"),
+            "AttentionSpec.dtype is the string 'float32'; accepted: torch.float32, torch.float16, "
+            "torch.bfloat16 (a torch.dtype, not a string: torch.float32)",
+        ),
+    ],
+    ids=["ReferenceBackend", "reference_attention", "AttentionSpec"],
+)
+def test_a_dtype_given_as_a_string_is_named_a_string(make, needle):
+    # compute_dtype="float64" read "compute_dtype is 'float64'; accepted: torch.float32,
+    # torch.float64", and AttentionSpec(dtype="float32") was accepted, then refused as "dtype
+    # float32 is not supported (accepted: ..., float32)": each refused the value it listed.
+    with pytest.raises(InputError) as exc:
+        make()
+    assert needle in str(exc.value)
 
 
 def test_plan_of_something_that_is_not_a_batch():

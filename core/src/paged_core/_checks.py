@@ -25,7 +25,7 @@ import torch
 from ._batch import BatchMeta
 from ._cache import KVCache, byte_span
 from ._errors import InputError, UnsupportedSpecError
-from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, dtype_name
+from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, check_dtype, dtype_name
 
 __all__ = [
     "PLAN_KEYWORDS",
@@ -241,7 +241,8 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
             raise InputError(f"{name} is {v!r}; accepted: a positive int (or leave it out)")
     dtype, kv_dtype = layer.get("dtype"), layer.get("kv_dtype")
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise InputError(f"dtype is {dtype!r}; accepted: a torch.dtype such as torch.bfloat16")
+        # The type only: a torch dtype the backend lacks is an UnsupportedSpecError below.
+        check_dtype("dtype", dtype, sorted(backend.capabilities.dtypes, key=str))
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype is {kv_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
     kv_scales = layer.get("kv_scales", "per_slot")

@@ -18,7 +18,7 @@ from ._batch import BatchMeta
 from ._cache import KVCache, unpack_int4
 from ._checks import check_inputs
 from ._errors import InputError
-from ._spec import KV_DTYPES, KV_SCALES, PER_CHANNEL_KEYS, Capabilities
+from ._spec import KV_DTYPES, KV_SCALES, PER_CHANNEL_KEYS, Capabilities, check_dtype
 
 __all__ = ["ReferenceBackend", "reference_attention"]
 
@@ -99,11 +99,12 @@ def reference_attention(
 
 def _check_compute_dtype(compute_dtype: Any) -> None:
     """The oracle computes in float32 or float64 (``reference_attention``, ``ReferenceBackend``)."""
-    if compute_dtype not in (torch.float32, torch.float64):
-        raise InputError(
-            f"compute_dtype is {compute_dtype!r}; accepted: torch.float32, torch.float64 (the oracle "
-            "computes in floating point; q and out keep their own dtype)"
-        )
+    check_dtype(
+        "compute_dtype",
+        compute_dtype,
+        (torch.float32, torch.float64),
+        "the oracle computes in floating point; q and out keep their own dtype",
+    )
 
 
 def _attention(

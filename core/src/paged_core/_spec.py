@@ -68,6 +68,33 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def check_dtype(name: str, value: Any, accepted: Iterable[torch.dtype], note: str = "") -> None:
+    """``value`` is one of the torch dtypes ``accepted``, else an InputError; ``note`` ends it.
+
+    The one place a refused dtype is described: a string such as ``"float32"`` is named as a
+    string, so the message never lists the value it refuses as accepted (``accepted: float32``
+    beside ``dtype float32``), and the accepted torch dtype it names, if any, is suggested.
+
+    >>> check_dtype("dtype", "float32", [torch.float32, torch.float16])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    paged_core._errors.InputError: dtype is the string 'float32'; accepted: ... not a string: torch.float32)
+    """
+    accepted = list(accepted)
+    if isinstance(value, torch.dtype) and value in accepted:
+        return
+    remarks = [note] if note else []
+    if isinstance(value, str):
+        found = f"the string {value!r}"
+        named = getattr(torch, value.removeprefix("torch."), None)
+        remarks.insert(0, "a torch.dtype, not a string" + (f": {named}" if named in accepted else ""))
+    elif isinstance(value, torch.dtype):
+        found = str(value)
+    else:
+        found = f"{value!r} (of type {type(value).__name__})"
+    remark = f" ({'; '.join(remarks)})" if remarks else ""
+    raise InputError(f"{name} is {found}; accepted: {', '.join(str(d) for d in accepted)}{remark}")
+
+
 def check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here, or an InputError saying what does."""
     try:
@@ -157,6 +184,10 @@ class AttentionSpec:
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise InputError(f"AttentionSpec.{name} is {v!r}; accepted: a positive int")
+        # A string here ("float32") would be refused later as "dtype float32 is not supported
+        # (accepted: ..., float32)"; say what it is instead. Which dtypes run is the backends' call.
+        if not isinstance(self.dtype, torch.dtype):
+            check_dtype("AttentionSpec.dtype", self.dtype, _DTYPE_NAMES)
         if self.kv_dtype not in KV_DTYPES:
             raise InputError(
                 f"AttentionSpec.kv_dtype is {self.kv_dtype!r}; accepted: {', '.join(KV_DTYPES)} "
