@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -98,23 +99,98 @@ def test_the_key_is_tritons_own_specialisation():
     assert sorted(map(sorted, ours.values())) == sorted(map(sorted, theirs.values()))
 
 
-def test_outside_the_tested_releases_every_launch_takes_tritons_path(monkeypatch):
+@pytest.mark.parametrize("version", ["3.10.0", "3.8.0", "3.5.1"], ids=["newer", "between-the-tested-two", "older"])
+def test_outside_the_tested_releases_every_launch_takes_tritons_path(version, monkeypatch):
     import triton
     from paged_triton_common import direct
     from triton.runtime.jit import JITFunction
 
     jit = JITFunction(_probe)
     monkeypatch.setattr(direct, "_supported", None)
-    monkeypatch.setattr(triton, "__version__", "3.10.0")
-    with pytest.warns(RuntimeWarning, match=r"tested with Triton 3\.6 to 3\.9.*'triton>=3\.6,<3\.10'") as seen:
+    monkeypatch.setattr(triton, "__version__", version)
+    message = (
+        rf"Triton {re.escape(version)} is installed, which is not a tested release.*tested with Triton 3\.6 and 3\.9"
+    )
+    with pytest.warns(RuntimeWarning, match=message + r".*'triton==3\.6\.\*'") as seen:
         kernels = [DirectKernel(jit), DirectKernel(jit)]
     assert len(seen) == 1, "warned more than once"
     assert not any(k.enabled for k in kernels)
+    for tested in ("3.6.0", "3.9.0"):
+        monkeypatch.setattr(direct, "_supported", None)
+        monkeypatch.setattr(triton, "__version__", tested)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert DirectKernel(jit).enabled
+
+
+class _RefusingBinary:
+    """A compiled binary whose launcher takes other arguments than the direct launch passes (a
+    Triton release whose ``CompiledKernel.run`` signature changed)."""
+
+    function, packed_metadata = "fn", "md"
+
+    def run(self, *args):
+        raise TypeError(f"function takes exactly 12 arguments ({len(args)} given)")
+
+
+class _TritonsPath:
+    """``kernel[grid](**kwargs)``, Triton's own launch, logged."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.calls.append((grid, kwargs))
+
+
+def _hit(monkeypatch, binary):
+    """A DirectKernel (enabled, Triton's path faked) whose cache already holds ``binary`` for
+    :data:`PROBE`'s arguments: the next launch with them is a direct ``binary.run``."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    kernel = DirectKernel(JITFunction(_probe))
+    if not kernel.enabled:
+        pytest.skip("this Triton release is outside TESTED_TRITON: its launches take Triton's own path")
+    monkeypatch.setattr(kernel, "kernel", _TritonsPath())
+    kernel._cache[(0, specialization_key(kernel.kinds, PROBE))] = (binary, {})
+    return kernel
+
+
+PROBE = {"x_ptr": torch.zeros(16), "y_ptr": None, "n": 4, "m": 1, "f": 1.0, "BLOCK": 16}
+
+
+def test_a_launcher_that_refuses_the_direct_arguments_falls_back_to_tritons_path(monkeypatch):
+    """A TypeError from the first ``compiled.run`` turns direct launches off, with the warning of
+    an untested release, and the launch goes through Triton's own path instead."""
+    from paged_triton_common import direct
+
     monkeypatch.setattr(direct, "_supported", None)
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(direct, "_run_works", False)
+    kernel, other = _hit(monkeypatch, _RefusingBinary()), _hit(monkeypatch, _RefusingBinary())
+    with pytest.warns(RuntimeWarning, match=r"refused a direct launch's arguments \(function takes exactly") as seen:
+        kernel[(2,)](**PROBE)
+        other[(2,)](**PROBE)
+        kernel[(3,)](**PROBE)
+    assert len(seen) == 1, "warned more than once"
+    assert kernel.kernel.calls == [((2,), PROBE), ((3,), PROBE)] and other.kernel.calls == [((2,), PROBE)]
+    assert not kernel.enabled and not direct.direct_launch_supported()
+
+
+def test_once_a_direct_launch_worked_a_type_error_is_the_callers(monkeypatch):
+    from paged_triton_common import direct
+
+    monkeypatch.setattr(direct, "_supported", None)
+    monkeypatch.setattr(direct, "_run_works", False)
+    working = _FakeBinary()
+    _hit(monkeypatch, working)[(2,)](**PROBE)
+    assert len(working.calls) == 1 and direct._run_works
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert DirectKernel(jit).enabled
+        with pytest.raises(TypeError, match="function takes exactly"):
+            _hit(monkeypatch, _RefusingBinary())[(2,)](**PROBE)
+    assert direct.direct_launch_supported()
 
 
 @pytest.mark.parametrize("backend", ["triton-unified", "triton-splitkv"])

@@ -24,9 +24,11 @@ while a launch hook is installed (``triton.knobs.runtime.launch_enter_hook``, e.
 
 This is the one module that reaches into Triton's internals (``compiled.run`` and its
 ``packed_metadata``, the autotuner's ``nargs``/``prune_configs``/``check_disk_cache``,
-``triton.runtime._async_compile``, ``_init_handles``). It was tested on the releases in
-:data:`TESTED_TRITON`; on any other release every launch takes Triton's own
-``kernel[grid](...)`` path (correct, with Triton's host cost per call), after one warning.
+``triton.runtime._async_compile``, ``_init_handles``). It is enabled only on the releases in
+:data:`TESTED_TRITON` (which says how each was tested); on any other release every launch takes
+Triton's own ``kernel[grid](...)`` path (correct, with Triton's host cost per call), after one
+warning. The same warning and fallback follow when the first direct launch finds that
+``compiled.run`` takes other arguments (a ``TypeError``: a launcher whose signature changed).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import inspect
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -51,11 +53,23 @@ __all__ = [
     "specialization_key",
 ]
 
-#: The (major, minor) Triton releases the direct launch was tested on, oldest and newest: 3.6 on
-#: an NVIDIA H200, 3.9 in CI (the key against Triton's own binder, tests/test_direct.py). The
-#: distributions' ``triton`` requirement stops after the newest.
+#: The (major, minor) Triton releases the direct launch is enabled on, each as far as it was tested:
+#:
+#: * 3.6: on NVIDIA GPUs (H200, H100): direct launches, recordings and first-call CUDA-graph
+#:   capture. Every GPU run of record used Triton 3.6.0.
+#: * 3.9: on the CPU only (CI's pin, ``noxfile.TRITON``): the specialisation key against 3.9's own
+#:   binder for an sm_90 target, and which launcher kernels launch directly when compiled
+#:   (tests/test_direct.py). The kernels themselves ran under the interpreter, which always takes
+#:   Triton's own path: no direct launch has run on 3.9, and a ``compiled.run`` that refuses its
+#:   arguments falls back (:meth:`DirectKernel.launch`).
+#:
+#: 3.7 and 3.8 were never tested, so they take Triton's path. paged-triton-common's ``triton``
+#: requirement stops after the newest.
 TESTED_TRITON = ((3, 6), (3, 9))
 _supported: bool | None = None
+# Whether a direct ``compiled.run`` has succeeded in this process: until one has, a TypeError from
+# it means the launcher takes other arguments than this module passes (see _run).
+_run_works = False
 
 # How each argument enters the key (see specialization_key).
 _INT, _INT_NOSPEC, _EXACT = range(3)
@@ -146,25 +160,37 @@ def _release(version: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
+def _tested() -> str:
+    """The tested releases, for messages: '3.6 and 3.9'."""
+    names = [f"{a}.{b}" for a, b in TESTED_TRITON]
+    return " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _fall_back(why: str) -> None:
+    """Warn that every launch takes Triton's own path from now on, because of ``why``."""
+    (a, b) = TESTED_TRITON[0]  # the release of every GPU run of record
+    warnings.warn(
+        f"paged_triton_common.direct: {why}, so every kernel launch takes Triton's own path "
+        f"(kernel[grid](...): the same results, with Triton's host work per launch). Direct launches "
+        f"were tested with Triton {_tested()} (TESTED_TRITON says how); to launch directly on a GPU, "
+        f"install the release every GPU run of record used: pip install 'triton=={a}.{b}.*'",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def direct_launch_supported() -> bool:
-    """Whether the installed Triton is a release within :data:`TESTED_TRITON` (read once).
-    Outside it, warns once that every launch takes Triton's own path."""
+    """Whether the installed Triton is one of the releases in :data:`TESTED_TRITON` (read once),
+    and no direct launch has failed since. Outside them, warns once that every launch takes
+    Triton's own path."""
     global _supported
     if _supported is None:
         import triton
 
         release = _release(triton.__version__)
-        _supported = release is not None and TESTED_TRITON[0] <= release <= TESTED_TRITON[-1]
+        _supported = release in TESTED_TRITON
         if not _supported:
-            (a, b), (c, d) = TESTED_TRITON[0], TESTED_TRITON[-1]
-            warnings.warn(
-                f"paged_triton_common.direct was tested with Triton {a}.{b} to {c}.{d}, and Triton "
-                f"{triton.__version__} is installed: every kernel launch takes Triton's own path "
-                f"(kernel[grid](...): the same results, with Triton's host work per launch). To launch "
-                f"directly, install a tested release: pip install 'triton>={a}.{b},<{c}.{d + 1}'",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _fall_back(f"Triton {triton.__version__} is installed, which is not a tested release")
     return _supported
 
 
@@ -267,7 +293,9 @@ class DirectKernel:
         return specialization_key(self.binary_kinds, kwargs)
 
     @staticmethod
-    def kinds_of(names, *, constexprs=frozenset(), nospec=frozenset()) -> dict[str, int]:
+    def kinds_of(
+        names: Iterable[str], *, constexprs: Set[str] = frozenset(), nospec: Set[str] = frozenset()
+    ) -> dict[str, int]:
         """Classify argument names for :func:`specialization_key`."""
         kinds = {}
         for n in names:
@@ -286,38 +314,56 @@ class DirectKernel:
         d = self.defaults
         return [kwargs[n] if n in kwargs else extra[n] if n in extra else d[n] for n in self.names]
 
-    def _run(self, compiled: Any, args: list[Any], grid: tuple[int, ...], device: int) -> None:
+    def _run(self, compiled: Any, args: list[Any], grid: tuple[int, ...], device: int) -> bool:
+        """Launch ``compiled`` directly; False (nothing launched, direct launches off from now on,
+        after one warning) when the first ``compiled.run`` of the process refuses its arguments."""
+        global _run_works, _supported
         # What Triton itself calls for the stream (~0.3 us; torch.cuda.current_stream() ~5 us).
         stream = torch._C._cuda_getCurrentRawStream(device)
         n = len(grid)
-        compiled.run(
-            grid[0],
-            grid[1] if n > 1 else 1,
-            grid[2] if n > 2 else 1,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-        )
+        try:
+            compiled.run(
+                grid[0],
+                grid[1] if n > 1 else 1,
+                grid[2] if n > 2 else 1,
+                stream,
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+            )
+        except TypeError as exc:
+            # Triton's launcher parses its arguments before launching, so nothing ran. Once a
+            # direct launch has worked, the signature is right and the error is the caller's.
+            if _run_works:
+                raise
+            self.enabled = False
+            if _supported:
+                import triton
+
+                _supported = False
+                _fall_back(f"Triton {triton.__version__}'s compiled kernel refused a direct launch's arguments ({exc})")
+            return False
+        _run_works = True
+        return True
 
     def launch(self, grid: tuple[int, ...], kwargs: dict[str, Any]) -> Any:
         """Launch on ``grid`` with ``kwargs`` (every argument by keyword); returns the binary."""
-        if not self.enabled or not _hooks_empty():
-            if _recording.active is not None:
-                _recording.active.ok = False  # not a direct launch: cannot be replayed
-            return self.kernel[grid](**kwargs)
+        if not self.enabled or not _supported or not _hooks_empty():
+            return self._tritons_path(grid, kwargs)
         device = torch.cuda.current_device()
         key = (device, specialization_key(self.kinds, kwargs))
         hit = self._cache.get(key)
         if hit is not None:
             compiled, extra = hit
             args = self._args(kwargs, extra)
-            if callable(grid):  # Triton's grid(meta): the arguments with the config's values
-                grid = grid({**kwargs, **extra})
-            self._run(compiled, args, grid, device)
+            # Triton's grid(meta): the arguments with the config's values
+            launch_grid = grid({**kwargs, **extra}) if callable(grid) else grid
+            if not self._run(compiled, args, launch_grid, device):
+                return self._tritons_path(grid, kwargs)
+            grid = launch_grid
         elif torch.cuda.is_current_stream_capturing():
             return self._launch_in_capture(grid, kwargs, device)
         else:
@@ -333,6 +379,12 @@ class DirectKernel:
         if recording is not None:
             recording.add(compiled, grid, args, device)
         return compiled
+
+    def _tritons_path(self, grid: Any, kwargs: dict[str, Any]) -> Any:
+        """``kernel[grid](**kwargs)``: Triton's own launch (and compile, and tuning)."""
+        if _recording.active is not None:
+            _recording.active.ok = False  # not a direct launch: cannot be replayed
+        return self.kernel[grid](**kwargs)
 
     def _tuned(self, kwargs: Mapping[str, Any]) -> tuple[tuple, list[Any], Any]:
         """(the autotuner's key, its pruned configs, the tuned config or None) for ``kwargs``:
@@ -403,7 +455,10 @@ class DirectKernel:
             compiled = _result(self.jit.run(grid=grid, warmup=True, **kwargs, **extra, **options))
             compiled._init_handles()
         # Not remembered: the next eager call for this key tunes (or looks up) as usual.
-        self._run(compiled, self._args(kwargs, extra), grid, device)
+        if not self._run(compiled, self._args(kwargs, extra), grid, device):
+            # Triton's own launch of the binary just compiled (no tuning: a capture forbids it).
+            with relaxed_capture_mode():
+                self.jit.run(grid=grid, **kwargs, **extra, **options)
         if _recording.active is not None:
             _recording.active.ok = False
         return compiled
