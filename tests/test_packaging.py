@@ -1,5 +1,6 @@
 """The workspace's distributions fit together: one version each, read from one place; every pin
-between them names that version; extras name real plugins; triton is bounded above."""
+between them names that version; extras name real plugins; triton is required in one place,
+bounded above."""
 
 from __future__ import annotations
 
@@ -104,7 +105,26 @@ def test_every_backend_plugin_is_in_the_all_extra_and_registers_its_folder_name(
     assert backends >= 4
 
 
-def test_triton_is_bounded_above_at_the_newest_tested_release_everywhere():
+def _depends_on(name: str) -> set[str]:
+    """The distributions of this repo that require ``name`` (a distribution of this repo) in their
+    dependencies, directly or through others."""
+    deps = {
+        _pyproject(d)["project"]["name"]: {
+            REQUIREMENT.match(r).group(1) for r in _pyproject(d)["project"].get("dependencies", [])
+        }
+        for d in DISTRIBUTIONS
+    }
+    found = {name}
+    while True:
+        more = {d for d, needs in deps.items() if needs & found} - found
+        if not more:
+            return found - {name}
+        found |= more
+
+
+def test_triton_is_required_in_one_place_bounded_above_at_the_newest_tested_release():
+    """paged-triton-common alone requires triton; the Triton backends get it through their
+    dependency on it, so its bound is written once."""
     tested = _literal(ROOT / "plugins/triton-common/src/paged_triton_common/direct.py", "TESTED_TRITON")
     newest = max(tested)
     bound = f"<{newest[0]}.{newest[1] + 1}"
@@ -114,8 +134,15 @@ def test_triton_is_bounded_above_at_the_newest_tested_release_everywhere():
         for where, req in _requirements(project):
             name, _, spec = REQUIREMENT.match(req).groups()
             if name == "triton":
-                found.append(project["name"])
+                found.append(f"{project['name']} {where}")
                 assert bound in spec.split(","), f"{project['name']} {where} requires {req!r}; bound it: {bound}"
-    assert "paged-triton-common" in found and "paged-triton-unified" in found
+    assert found == ["paged-triton-common dependencies"], (
+        f"triton is required by {found}; require it in paged-triton-common only (the Triton backends "
+        "get it through their dependency on paged-triton-common)"
+    )
+    backends = {f"paged-{p.parent.name}" for p in ROOT.glob("plugins/triton-*/pyproject.toml")} - {
+        "paged-triton-common"
+    }
+    assert backends and backends <= _depends_on("paged-triton-common")
     pinned = re.search(r'"triton==(\d+)\.(\d+)\.\d+"', (ROOT / "noxfile.py").read_text())
     assert pinned and (int(pinned[1]), int(pinned[2])) in tested, "the sessions' triton is a tested release"
