@@ -55,8 +55,13 @@ DISTRIBUTIONS = [
     "integrations/vllm",
 ]
 # The lint session's tools, pinned: a new release's new rules or formatting fail CI otherwise.
+# .pre-commit-config.yaml runs the same (tests/test_lint_config.py keeps them equal).
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+# The libraries whose types mypy checks the code against: torch, pluggy, pytest and hypothesis (the
+# suite), transformers (its integration). The vendor libraries, matplotlib and vLLM are configured
+# as missing.
+MYPY_DEPS = [TORCH, TRANSFORMERS, "pluggy>=1.5", *TEST_DEPS]
 # Third-party plugins for `nox -s conformance` to install beside this repo's (pip requirements or
 # paths, separated by spaces): PAGED_EXTRA_PLUGINS="./my-plugin paged-foo==1.2" nox -s conformance
 EXTRA_PLUGINS_ENV = "PAGED_EXTRA_PLUGINS"
@@ -297,10 +302,7 @@ def demo(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (rules, formatting) over the workspace, mypy over each distribution's src; each runs even if one fails."""
     # Configured in pyproject.toml ([tool.ruff], [tool.mypy]).
-    # The libraries whose types the code is checked against: torch, pluggy, pytest and hypothesis
-    # (the suite), transformers (its integration). The vendor libraries, matplotlib and vLLM are
-    # configured as missing.
-    session.install(RUFF, MYPY, TORCH, TRANSFORMERS, "pluggy>=1.5", *TEST_DEPS)
+    session.install(RUFF, MYPY, *MYPY_DEPS)
     failed = []
     for command in (
         ["ruff", "check", "."],
