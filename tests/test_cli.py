@@ -3,6 +3,7 @@ Commands from plugins (``register_commands``), and what ``paged`` says when one 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -22,8 +23,32 @@ GOOD_CAPS = "head_dim 16; block 8,16; group any; dtype bfloat16,float16,float32;
 WHEELS = " (build dist/ in a clone of paged: python3 -m nox -s wheels)"
 
 
+#: This project's plugins other than the reference, and what installs each (paged_core's hints).
+NOT_INSTALLED = [
+    ("triton-unified", f"pip install --find-links dist 'paged-core[triton]'{WHEELS}"),
+    ("triton-splitkv", f"pip install --find-links dist 'paged-core[triton]'{WHEELS}"),
+    ("flashinfer", f"pip install --find-links dist 'paged-core[flashinfer]'{WHEELS}"),
+    ("flash-attn2", f"pip install --find-links dist 'paged-core[flash-attn]'{WHEELS}"),
+]
+
+
+def hide_plugins(monkeypatch, names):
+    """Plugins ``names`` uninstalled, as far as the registry can tell: their entry points are gone."""
+    real = importlib.metadata.entry_points
+
+    def entry_points(**params):
+        eps = real(**params)
+        if params.get("group") != "paged_core":
+            return eps
+        return importlib.metadata.EntryPoints(ep for ep in eps if ep.name not in names)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
 @pytest.fixture
 def cli_registry(fixture_plugins, monkeypatch):
+    # Which of the project's plugins this environment has installed must not change the table.
+    hide_plugins(monkeypatch, [name for name, _ in NOT_INSTALLED])
     reg = Registry()
     monkeypatch.setattr(_cli, "registry", reg)
     return reg
@@ -33,19 +58,25 @@ def test_list_table(cli_registry, capsys):
     assert _cli.main(["list"]) == 0
     out = capsys.readouterr().out.splitlines()
     w = len("fixture-missing")
-    assert out[:7] == [
-        f"{'fixture-good':<{w}}  available    paged-fixture-plugins 0.3.1",
+    assert out[:15] == [
+        f"{'fixture-good':<{w}}  available      paged-fixture-plugins 0.3.1",
         f"{'':<{w}}  {GOOD_CAPS}",
-        f"{'fixture-missing':<{w}}  unavailable  paged-fixture-plugins 0.3.1",
+        f"{'fixture-missing':<{w}}  unavailable    paged-fixture-plugins 0.3.1",
         f"{'':<{w}}  ! importing paged_fixture_good.missing:MissingBackend failed: ModuleNotFoundError: "
         "No module named 'paged_fixture_extra_dependency_that_is_not_installed' "
         "(to fix: pip install paged-fixture-extra)",
-        f"{'reference':<{w}}  available    paged-core 0.1.0",
+        f"{'reference':<{w}}  available      paged-core 0.1.0",
         f"{'':<{w}}  {REFERENCE_CAPS}",
+        # The project's backends that are not installed: named, with the command that installs each.
+        *(
+            line
+            for name, cmd in NOT_INSTALLED
+            for line in (f"{name:<{w}}  not installed", f"{'':<{w}}  ! to install: {cmd}")
+        ),
         "",
     ]
-    assert out[7] == "Problems (these plugins were skipped; the others work):"
-    problems = out[8:]
+    assert out[15] == "Problems (these plugins were skipped; the others work):"
+    problems = out[16:]
     assert (
         "  fixture-broken (import): ImportError: paged_fixture_broken needs libfixture.so.3, "
         "which is not installed (simulated)"
@@ -73,11 +104,34 @@ def test_list_json(cli_registry, capsys):
     missing = backends["fixture-missing"]
     assert missing["available"] is False and missing["capabilities"] is None
     assert missing["reasons"][0].endswith("(to fix: pip install paged-fixture-extra)")
+    # Added beside "backends", whose rows stay what is registered.
+    assert data["not_installed"] == [{"name": name, "install": cmd} for name, cmd in NOT_INSTALLED]
     assert {(p["source"], p["stage"]) for p in data["problems"]} == {
         ("fixture-broken", "import"),
         ("fixture-badhook", "register_backends"),
         ("fixture-missing", "backend"),
     }
+
+
+def test_not_installed_is_only_what_has_no_entry_point(fixture_plugins, monkeypatch):
+    # Left out by PAGED_PLUGINS (pip install would change nothing) or registered some other way
+    # is not "not installed"; a plugin whose entry point is gone is.
+    hide_plugins(monkeypatch, ["flash-attn2"])
+    reg = Registry()
+
+    @hookimpl
+    def register_backends(register):
+        register("flashinfer", "paged_core:ReferenceBackend")
+
+    reg.add_plugin(type("InProcess", (), {"register_backends": staticmethod(register_backends)}), name="in-process")
+    missing = reg.not_installed()
+    assert missing["flash-attn2"] == dict(NOT_INSTALLED)["flash-attn2"]
+    assert "flashinfer" not in missing and "reference" not in missing
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="paged_core")}
+    assert ("triton-unified" in missing) == ("triton-unified" not in installed)
+    assert not set(missing) & set(reg.left_out())
+    # A registry of another entry-point group has backends of its own: none of ours is missing.
+    assert Registry(group="paged_cli_tests").not_installed() == {}
 
 
 def test_list_with_nothing_registered(command_registry, capsys):
@@ -90,13 +144,18 @@ def test_list_with_nothing_registered(command_registry, capsys):
 def test_list_when_paged_plugins_leaves_every_plugin_out(monkeypatch, capsys, value):
     # Installed but left out: "pip install" would be the wrong advice (registry.get says the same).
     monkeypatch.setenv("PAGED_PLUGINS", value)
+    hide_plugins(monkeypatch, [name for name, _ in NOT_INSTALLED])
     monkeypatch.setattr(_cli, "registry", Registry())
     assert _cli.main(["list"]) == 1
     out = capsys.readouterr().out
     assert out.startswith(f"No backends loaded: PAGED_PLUGINS={value!r} leaves out the installed plugins ")
     assert "reference" in out.splitlines()[0]
     assert "To fix: name the plugins to load, such as PAGED_PLUGINS=reference, or unset PAGED_PLUGINS.\n" in out
-    assert "No backends registered" not in out and "pip install" not in out
+    # pip install is advised for the backends that are missing only, not for what is left out.
+    assert "No backends registered" not in out
+    assert [line.split()[0] for line in out.splitlines() if "pip install" in line or "not installed" in line] == [
+        word for name, _ in NOT_INSTALLED for word in (name, "!")
+    ]
     if value == "no-such-plugin":
         # The name PAGED_PLUGINS gives is no installed plugin: reported, not silently ignored.
         assert "no-such-plugin (PAGED_PLUGINS): PAGED_PLUGINS names 'no-such-plugin'" in out

@@ -51,12 +51,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
             }
         )
     problems = [{"source": p.source, "stage": p.stage, "message": p.message} for p in registry.problems()]
+    # The project's backends that are not here at all, with what installs each: a backend that
+    # cannot run on this machine because it is missing is one to list, with its fix.
+    missing = [{"name": n, "install": cmd} for n, cmd in registry.not_installed().items()]
     left_out = registry.left_out()
     # Installed but narrowed away is not "not installed": pip install would change nothing.
     # Listing nothing for that reason is a misconfiguration, so the exit status says so too.
     code = 1 if left_out and not rows else 0
     if args.json:
-        json.dump({"backends": rows, "left_out": left_out, "problems": problems}, sys.stdout, indent=2)
+        data = {"backends": rows, "not_installed": missing, "left_out": left_out, "problems": problems}
+        json.dump(data, sys.stdout, indent=2)
         print()
         return code
     if not rows and left_out:
@@ -68,15 +72,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
         )
     elif not rows:
         print(f"No backends registered. Install one: {FIRST_PARTY['triton-unified']}")
-    width = max([len(r["name"]) for r in rows] + [7])
+    width = max([len(r["name"]) for r in rows] + [len(m["name"]) for m in missing] + [7])
+    status_width = len("not installed") if missing else len("unavailable")
     for r in rows:
         dist = f"{r['distribution']} {r['version']}".strip()
         status = "available" if r["available"] else "unavailable"
-        print(f"{r['name']:<{width}}  {status:<11}  {dist}")
+        print(f"{r['name']:<{width}}  {status:<{status_width}}  {dist}".rstrip())
         if r["capabilities"]:
             print(f"{'':<{width}}  {r['capabilities']}")
         for reason in r["reasons"]:
             print(f"{'':<{width}}  ! {reason}")
+    for m in missing:
+        print(f"{m['name']:<{width}}  not installed")
+        print(f"{'':<{width}}  ! to install: {m['install']}")
     if problems:
         print("\nProblems (these plugins were skipped; the others work):")
         for p in problems:

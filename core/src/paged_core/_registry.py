@@ -89,13 +89,15 @@ class Registry:
         self._pm: pluggy.PluginManager | None = None
         # Entry points installed but not loaded because of ``env_var`` (for "not found" messages).
         self._skipped: list[str] = []
+        # Every installed entry-point name of ``group``, loaded or not (for :meth:`not_installed`).
+        self._entry_points: list[str] = []
 
     # ----------------------------------------------------------------------------- loading
     def reload(self) -> None:
         """Forget everything and discover again on next use (after installing a plugin)."""
         with self._lock:
             self._loaded = False
-            self._regs, self._problems, self._pm, self._skipped = {}, [], None, []
+            self._regs, self._problems, self._pm, self._skipped, self._entry_points = {}, [], None, [], []
 
     def add_plugin(self, plugin: Any, name: str | None = None) -> None:
         """Register a plugin object (a module or class with a ``register_backends`` hookimpl).
@@ -120,6 +122,7 @@ class Registry:
             wanted = os.environ.get(self.env_var)
             allow = {w.strip() for w in wanted.split(",") if w.strip()} if wanted else None
             names = sorted({ep.name for ep in importlib.metadata.entry_points(group=self.group)})
+            self._entry_points = names
             for typo in sorted(allow - set(names)) if allow is not None else ():
                 # A misspelt name would otherwise just load less, silently.
                 self._problems.append(
@@ -389,6 +392,24 @@ class Registry:
             self._ensure_loaded()
             return list(self._skipped)
 
+    def not_installed(self) -> dict[str, str]:
+        """This project's backends (``FIRST_PARTY``) whose plugin is not installed here, each with
+        the command that installs it, in ``FIRST_PARTY``'s order.
+
+        Not installed is neither left out by ``PAGED_PLUGINS`` (:meth:`left_out`; pip install
+        would change nothing) nor broken (:meth:`problems`): its entry point is absent. A
+        registry of another entry-point group has backends of its own, so none are missing.
+        """
+        with self._lock:
+            self._ensure_loaded()
+            if self.group != hookspecs.PROJECT:
+                return {}
+            return {
+                name: install
+                for name, install in FIRST_PARTY.items()
+                if name not in self._regs and name not in self._entry_points
+            }
+
     def narrowing(self) -> str:
         """How the narrowing variable is set, for messages: ``PAGED_PLUGINS=' , '``."""
         return f"{self.env_var}={os.environ.get(self.env_var, '')!r}"
@@ -418,9 +439,9 @@ class Registry:
             close = difflib.get_close_matches(name, list(self._regs) + list(FIRST_PARTY) + self._skipped, n=1)
             if close:
                 msg += f" Did you mean {close[0]!r}?"
-            missing = [n for n in FIRST_PARTY if n not in self._regs and n not in self._skipped]
+            missing = self.not_installed()
             if missing:
-                msg += " Not installed: " + ", ".join(f"{n} ({FIRST_PARTY[n]})" for n in missing) + "."
+                msg += " Not installed: " + ", ".join(f"{n} ({cmd})" for n, cmd in missing.items()) + "."
             if self._skipped:
                 msg += f" Installed but left out by {narrowed}: {', '.join(self._skipped)}."
         for p in self._problems:
