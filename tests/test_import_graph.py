@@ -95,6 +95,14 @@ def test_the_contract_depends_on_the_ops_one_way():
     assert "_backend" not in graph["_ops"] and "_backend" not in graph["_checks"]
 
 
+def test_the_codec_knows_no_cache():
+    # The codec (_quant) is below the cache (_cache: dequantized(), static scales), and the
+    # reference write (_write) above both: it takes a KVCache and quantizes with the codec.
+    graph = _graph(CORE)
+    assert "_quant" in graph["_cache"] and {"_cache", "_quant"} <= graph["_write"]
+    assert not graph["_quant"] & {"_cache", "_write"} and "_write" not in graph["_cache"]
+
+
 def test_core_modules_import_each_other_one_way():
     cycle = _cycle(_graph(CORE))
     assert not cycle, (

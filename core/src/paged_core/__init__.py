@@ -12,19 +12,7 @@ torch.Size([6, 8, 64])
 
 from ._backend import Backend, validation_enabled
 from ._batch import BatchMeta, BlockAllocator, shared_prefix_blocks
-from ._cache import (
-    Q_MAX,
-    KVCache,
-    allocate_kv_cache,
-    check_write_inputs,
-    dequantize_kv,
-    kv_bytes_per_token,
-    pack_int4,
-    quantize_kv,
-    static_scale,
-    unpack_int4,
-    write_kv,
-)
+from ._cache import KVCache, allocate_kv_cache, kv_bytes_per_token
 from ._convert import FlashAttnArgs, FlashInferPages, to_flash_attn_args, to_flashinfer_pages
 from ._errors import (
     BackendNotFoundError,
@@ -36,6 +24,7 @@ from ._errors import (
     UnsupportedSpecError,
 )
 from ._merge import merge_states
+from ._quant import Q_MAX, dequantize_kv, pack_int4, quantize_kv, static_scale, unpack_int4
 from ._reference import ReferenceBackend, reference_attention
 from ._registry import Problem, Registration, Registry, registry
 from ._spec import (
@@ -48,6 +37,7 @@ from ._spec import (
     Capabilities,
     KVDtype,
 )
+from ._write import check_write_inputs, write_kv
 from .hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import torch
 
 from . import _ops
 from ._batch import BatchMeta
-from ._cache import KVCache, allocate_kv_cache, write_kv
+from ._cache import KVCache, allocate_kv_cache
 from ._checks import (
     PLAN_KEYWORDS,
     batch_of,
@@ -33,6 +33,7 @@ from ._checks import (
 )
 from ._errors import InputError, PagedError
 from ._spec import AttentionSpec, Capabilities, check_spec
+from ._write import write_kv
 
 __all__ = ["Backend", "validation_enabled", "PLAN_KEYWORDS"]
 

@@ -1,4 +1,4 @@
-"""The paged KV cache of one layer, in vLLM's NHD layout, and its int8/fp8 quantization.
+"""The paged KV cache of one layer, in vLLM's NHD layout.
 
 ``k: [num_blocks, block_size, num_kv_heads, head_dim]``, ``v`` the same with its own last
 dimension ``head_dim_v`` (``head_dim`` except in MLA-shaped layers). A quantized cache holds codes
@@ -17,6 +17,9 @@ either
 * **static**: one per tensor or per KV head, fixed when the cache is made (:func:`static_scale`:
   a view whose block and slot strides are 0), which writes quantize with and never change: the
   format of vLLM's and SGLang's fp8 KV caches (``x / k_scale`` with one calibrated scale).
+
+The codes and scales are made by the codec (``_quant``) and written by the reference write
+(``_write``); this module holds the cache object, its checks, its allocation and its size.
 """
 
 from __future__ import annotations
@@ -30,27 +33,15 @@ from typing import cast
 import torch
 
 from ._errors import InputError
-from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_codes, check_device, dtype_name
+from ._quant import dequantize_kv, is_static, static_scale, unpack_int4
+from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_device, dtype_name, tensor_desc
 
 __all__ = [
     "KVCache",
     "allocate_kv_cache",
-    "write_kv",
-    "check_write_inputs",
-    "quantize_kv",
-    "dequantize_kv",
-    "pack_int4",
-    "unpack_int4",
     "kv_bytes_per_token",
-    "static_scale",
-    "Q_MAX",
 ]
 
-#: Largest code magnitude per quantized storage format.
-Q_MAX = {name: q_max for name, (_, q_max) in QUANT_FORMATS.items()}
-#: The smallest scale a write stores: float32's smallest normal, 2**-126 (a scale of
-#: ``max|x| / q_max`` below it would be a subnormal, or 0 for a row of float32 subnormals).
-SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
 _GENERATIONS = itertools.count(1)  # KVCache._generation
 _CODE_DTYPE = {name: code for name, (code, _) in QUANT_FORMATS.items()}
 _QUANTIZED = ", ".join(QUANT_FORMATS)
@@ -137,7 +128,7 @@ class KVCache:
             self.quantized
             and self.kv_dtype not in PER_CHANNEL_KEYS
             and isinstance(self.k_scale, torch.Tensor)
-            and _is_static(self.k_scale)
+            and is_static(self.k_scale)
         )
 
     @property
@@ -188,19 +179,19 @@ class KVCache:
         for name in ("k", "v"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                found = _desc(t) if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+                found = tensor_desc(t) if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
                 raise InputError(
                     f"cache.{name} is {found}; accepted: a 4-D tensor [num_blocks, block_size, "
                     "num_kv_heads, head_dim] (NHD; view other layouts as NHD)"
                 )
             if t.dtype != store:
                 raise InputError(
-                    f"cache.{name} is {_desc(t)} but kv_dtype {self.kv_dtype!r} with dtype "
+                    f"cache.{name} is {tensor_desc(t)} but kv_dtype {self.kv_dtype!r} with dtype "
                     f"{dtype_name(self.dtype)} stores {dtype_name(store)}; accepted: {dtype_name(store)} "
                     "codes (or set kv_dtype/dtype to what the tensors hold)"
                 )
             if min(t.shape) < 1:
-                raise InputError(f"cache.{name} is {_desc(t)}; accepted: every dimension >= 1")
+                raise InputError(f"cache.{name} is {tensor_desc(t)}; accepted: every dimension >= 1")
             if t.stride(-1) != 1:
                 raise InputError(
                     f"cache.{name}'s last dimension has stride {t.stride(-1)}; accepted: stride 1 "
@@ -208,7 +199,7 @@ class KVCache:
                 )
         if self.v.shape[:3] != self.k.shape[:3] or self.v.device != self.k.device:
             raise InputError(
-                f"cache.v is {_desc(self.v)} on {self.v.device} but cache.k is {_desc(self.k)} on "
+                f"cache.v is {tensor_desc(self.v)} on {self.v.device} but cache.k is {tensor_desc(self.k)} on "
                 f"{self.k.device}; accepted: v of k's [num_blocks, block_size, num_kv_heads], dtype and "
                 "device (its head dim may differ from k's)"
             )
@@ -232,7 +223,7 @@ class KVCache:
                 or t.device != self.k.device
             ):
                 found = (
-                    f"{_desc(t)} on {t.device}"
+                    f"{tensor_desc(t)} on {t.device}"
                     if isinstance(t, torch.Tensor)
                     else "None"
                     if t is None
@@ -250,7 +241,7 @@ class KVCache:
                         "an element of its own for each (block, KV head, channel), channels contiguous"
                     )
                 continue
-            if self.kv_dtype in PER_CHANNEL_KEYS and _is_static(t):
+            if self.kv_dtype in PER_CHANNEL_KEYS and is_static(t):
                 raise InputError(
                     f"cache.{name} is a static scale (block and slot strides 0) for a {self.kv_dtype} cache; "
                     f"accepted: per-slot V scales, an element of their own for each (slot, KV head) "
@@ -259,7 +250,7 @@ class KVCache:
                 )
             # Per-slot scales are written by every write: they need one element each (an
             # expanded view would make the writes of different slots land on one float).
-            if not _is_static(t) and 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1]:
+            if not is_static(t) and 0 in [st for st, n in zip(t.stride(), t.shape, strict=True) if n > 1]:
                 raise InputError(
                     f"cache.{name} has strides {tuple(t.stride())} for shape {list(t.shape)}; accepted: "
                     "per-slot scales with an element of their own for each (slot, KV head), or static "
@@ -268,11 +259,9 @@ class KVCache:
         if (
             self.quantized
             and self.kv_dtype not in PER_CHANNEL_KEYS
-            and _is_static(cast(torch.Tensor, self.k_scale)) != _is_static(cast(torch.Tensor, self.v_scale))
+            and is_static(cast(torch.Tensor, self.k_scale)) != is_static(cast(torch.Tensor, self.v_scale))
         ):
-            kinds = [
-                "static" if _is_static(cast(torch.Tensor, t)) else "per slot" for t in (self.k_scale, self.v_scale)
-            ]
+            kinds = ["static" if is_static(cast(torch.Tensor, t)) else "per slot" for t in (self.k_scale, self.v_scale)]
             raise InputError(
                 f"cache.k_scale is {kinds[0]} but cache.v_scale is {kinds[1]}; accepted: both static "
                 "(paged_core.static_scale) or both per slot"
@@ -421,54 +410,9 @@ def allocate_kv_cache(
     )
 
 
-def static_scale(scale: float | torch.Tensor, k: torch.Tensor, *, name: str = "scale") -> torch.Tensor:
-    """The ``[num_blocks, block_size, num_kv_heads]`` scale view of a static scale for cache
-    tensor ``k`` (``[num_blocks, block_size, num_kv_heads, head_dim]``).
-
-    ``scale``: a positive finite float, or a float32 tensor on ``k``'s device holding one value
-    (shape ``[]`` or ``[1]``: a per-tensor scale, as vLLM's ``layer._k_scale``) or one per KV head
-    (``[num_kv_heads]``). A tensor is viewed, not copied (block and slot strides 0): an engine
-    that updates its scale in place updates the cache's. Its values are read once here, to
-    refuse a scale that is not positive and finite (a sync for a GPU tensor; skipped while a
-    CUDA graph is being captured, where a sync is not allowed).
-
-    >>> k = torch.zeros(4, 16, 2, 64, dtype=torch.int8)
-    >>> s = static_scale(torch.tensor([0.5, 0.25]), k)
-    >>> tuple(s.shape), s.stride(), s[3, 7].tolist()
-    ((4, 16, 2), (0, 0, 1), [0.5, 0.25])
-    """
-    if not isinstance(k, torch.Tensor) or k.dim() != 4:
-        found = _desc(k) if isinstance(k, torch.Tensor) else f"a {type(k).__name__}"
-        raise InputError(f"k is {found}; accepted: a cache tensor [num_blocks, block_size, num_kv_heads, head_dim]")
-    heads = k.shape[2]
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        base = torch.full((1,), float(scale), dtype=torch.float32, device=k.device)
-    elif (
-        isinstance(scale, torch.Tensor)
-        and scale.dtype == torch.float32
-        and scale.device == k.device
-        and scale.numel() in (1, heads)
-        and scale.dim() <= 1
-    ):
-        base = scale.reshape(-1)
-    else:
-        found = f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor) else f"{scale!r}"
-        raise InputError(
-            f"{name} is {found}; accepted: a positive float, or a float32 tensor on {k.device} of "
-            f"shape [] or [1] (one scale) or [num_kv_heads={heads}] (one per KV head)"
-        )
-    capturing = base.is_cuda and torch.cuda.is_current_stream_capturing()
-    values = None if capturing else base.detach().cpu()
-    if values is not None and not bool(torch.isfinite(values).all() and (values > 0).all()):
-        raise InputError(f"{name} holds {values.tolist()}; accepted: positive, finite scales")
-    # Strides set, not left to expand: expand keeps the stride of a dimension of size 1 (a
-    # one-slot block), and stride 0 is what marks the view static.
-    return base.as_strided(
-        (k.shape[0], k.shape[1], heads), (0, 0, base.stride(0) if base.numel() > 1 else 0), base.storage_offset()
-    )
-
-
-def _storage_facts(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+def _storage_facts(
+    k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple:
     """What an in-place ``set_`` or ``resize_`` changes without a new object: the addresses of
     the cache's tensors and the shapes of ``k`` and ``v`` (a flat tuple: this runs on every call)."""
     return (
@@ -479,16 +423,6 @@ def _storage_facts(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | Non
         None if k_scale is None else k_scale.data_ptr(),
         None if v_scale is None else v_scale.data_ptr(),
     )
-
-
-def _is_static(t: torch.Tensor) -> bool:
-    """A scale tensor that does not vary over blocks and slots: stride 0 on each of them that
-    has more than one element (a stride of a size-1 dimension means nothing). A cache of one
-    slot in all is static only with both strides 0, as :func:`static_scale` makes them."""
-    nb, bs = t.shape[0], t.shape[1]
-    if nb == 1 and bs == 1:
-        return t.stride(0) == 0 and t.stride(1) == 0
-    return (nb == 1 or t.stride(0) == 0) and (bs == 1 or t.stride(1) == 0)
 
 
 def _check_size(name: str, val: object) -> None:
@@ -515,133 +449,6 @@ def _check_dtypes(dtype: object, kv_dtype: object) -> None:
         raise InputError(f"dtype {dtype} is not supported; accepted: float32, float16, bfloat16")
 
 
-def _desc(t: torch.Tensor) -> str:
-    return f"{dtype_name(t.dtype)} {list(t.shape)}"
-
-
-def quantize_kv(x: torch.Tensor, kv_dtype: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-vector quantization of ``x [..., head_dim]``.
-
-    Returns ``(codes [..., head_dim], scales float32 [...])`` with ``x ≈ codes * scales[..., None]``.
-    Without ``scale`` each vector gets ``max|x| / q_max``: the round-trip error is at most
-    ``scale / 2`` per element for int8 and a relative 2**-4 of the element for fp8 (E4M3's 3
-    mantissa bits), 2**-3 for fp8_e5m2 (2 bits). With ``scale`` (float32, broadcastable to
-    ``x.shape[:-1]``: a static scale) the codes are ``x / scale``, rounded and clamped to the
-    format's range (values beyond ``q_max * scale`` saturate).
-
-    Scales are at least ``2**-126`` (float32's smallest normal), so finite input never reads
-    back NaN. Non-finite input (NaN, ±inf) stays NaN where it was written, never changing another
-    vector: without ``scale`` a vector holding one gets scale NaN and codes 0 (every element reads
-    back NaN); with a static ``scale`` the element itself becomes fp8's NaN code, or code 0 for
-    int8/int4, which have no NaN code (the one case where it reads back finite).
-
-    >>> codes, scale = quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8")
-    >>> codes.tolist(), round(scale.item() * 127, 4)
-    ([[64, -127, 32]], 2.0)
-    >>> quantize_kv(torch.tensor([[1.0, -2.0, 0.5]]), "int8", torch.tensor(0.01))[0].tolist()
-    [[100, -127, 50]]
-    """
-    if not isinstance(kv_dtype, str) or kv_dtype not in Q_MAX or kv_dtype in PER_CHANNEL_KEYS:
-        per_block = isinstance(kv_dtype, str) and kv_dtype in PER_CHANNEL_KEYS
-        extra = f" ({kv_dtype} scales keys per block: write_kv quantizes them)" if per_block else ""
-        accepted = ", ".join(f for f in QUANT_FORMATS if f not in PER_CHANNEL_KEYS)
-        raise InputError(f"kv_dtype {kv_dtype!r} cannot be quantized to{extra}; accepted: {accepted}")
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not x.is_floating_point():
-        found = _desc(x) if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-        raise InputError(f"x is {found}; accepted: a floating-point tensor [..., head_dim]")
-    xf = x.float()
-    finite = torch.isfinite(xf)
-    scale_given = scale is not None
-    if scale is None:
-        amax = torch.where(finite, xf.abs(), 0.0).amax(dim=-1)
-        # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its
-        # reciprocal (a last-bit difference from the CPU), so the same K/V would get other
-        # scales per device. The floor keeps a zero vector's codes 0/floor = 0 and a vector of
-        # float32 subnormals (whose max / q_max underflows to 0) from reading back 0 * inf.
-        scale = torch.clamp_min(amax / torch.full_like(amax, Q_MAX[kv_dtype]), SCALE_FLOOR)
-        # A non-finite element marks its whole vector: scale NaN, codes 0 (see the docstring).
-        bad = ~finite.all(dim=-1)
-        scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    else:
-        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.device != x.device:
-            found = f"{_desc(scale)} on {scale.device}" if isinstance(scale, torch.Tensor) else repr(scale)
-            raise InputError(f"scale is {found}; accepted: a float32 tensor on x's device ({x.device})")
-        try:
-            scale = scale.expand(x.shape[:-1])
-        except RuntimeError as exc:
-            raise InputError(
-                f"scale has shape {list(scale.shape)}, which does not broadcast to x's vectors "
-                f"{list(x.shape[:-1])}; accepted: a shape that does (one scale, or one per KV head)"
-            ) from exc
-    y = xf / scale.unsqueeze(-1)
-    code_dtype, q_max = QUANT_FORMATS[kv_dtype]
-    if not code_dtype.is_floating_point:
-        y = y.round()
-    # Saturating: fp8 casts turn values beyond the format's range into NaN (E4M3) or inf (E5M2).
-    y = y.clamp(-q_max, q_max)
-    if scale_given:
-        # A static scale is shared: a non-finite element becomes NaN in its own element where the
-        # format has a NaN (fp8: +NaN, one byte whatever the sign), else 0 (int codes have none).
-        y = torch.where(finite, y, float("nan") if code_dtype.is_floating_point else 0.0)
-    else:
-        y = torch.where(bad.unsqueeze(-1), 0.0, y)
-    if kv_dtype in PACKED_CODES:
-        return pack_int4(y.to(torch.int8)), scale
-    return y.to(code_dtype), scale
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in ``[-8, 7]``, ``[..., 2n]``, as ``uint8 [..., n]``: element ``2i`` in the low
-    nibble of byte ``i``, ``2i + 1`` in its high nibble (two's complement).
-
-    >>> pack_int4(torch.tensor([[1, -1, 7, -7]], dtype=torch.int8)).tolist()
-    [[241, 151]]
-    """
-    check_codes("codes", codes, torch.int8, "int8 codes in [-8, 7], [..., 2n] (codes.to(torch.int8))")
-    if codes.shape[-1] % 2:
-        raise InputError(f"codes has a last dimension of {codes.shape[-1]}; accepted: an even number (two per byte)")
-    c = codes.to(torch.int16) & 0xF
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 codes of ``uint8 [..., n]`` packed int4 codes, ``[..., 2n]`` (:func:`pack_int4`).
-
-    >>> unpack_int4(torch.tensor([[241, 151]], dtype=torch.uint8)).tolist()
-    [[1, -1, 7, -7]]
-    """
-    check_codes("packed", packed, torch.uint8, "uint8 [..., n], two int4 codes a byte (an int4 cache's k or v)")
-    b = packed.to(torch.int16)
-    both = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
-    return torch.where(both > 7, both - 16, both).to(torch.int8)
-
-
-def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 values of quantized ``codes [..., head_dim]`` with ``scales [...]``.
-
-    >>> dequantize_kv(torch.tensor([[64, -127]], dtype=torch.int8), torch.tensor([0.5])).tolist()
-    [[32.0, -63.5]]
-    """
-    if not isinstance(codes, torch.Tensor) or codes.dim() < 1:
-        found = _desc(codes) if isinstance(codes, torch.Tensor) else f"a {type(codes).__name__}"
-        raise InputError(f"codes is {found}; accepted: a tensor [..., head_dim]")
-    if (
-        not isinstance(scales, torch.Tensor)
-        or tuple(scales.shape) != tuple(codes.shape[:-1])
-        or scales.device != codes.device
-    ):
-        found = (
-            f"{_desc(scales)} on {scales.device}" if isinstance(scales, torch.Tensor) else f"a {type(scales).__name__}"
-        )
-        raise InputError(
-            f"scales is {found} but codes is {_desc(codes)} on {codes.device}; accepted: one scale "
-            f"per head vector, shape codes.shape[:-1] = {list(codes.shape[:-1])} on codes' device"
-        )
-    if codes.dtype == torch.uint8:  # int4 codes, two per byte
-        codes = unpack_int4(codes)
-    return codes.float() * scales.float().unsqueeze(-1)
-
-
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[first, end)`` that tensor ``t`` (non-negative strides, not empty) can touch."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
@@ -651,179 +458,6 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _tensor_layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
-
-
-def is_float8(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is one of the fp8 code dtypes (``float8_e4m3fn``, ``float8_e5m2``)."""
-    return dtype.is_floating_point and dtype.itemsize == 1
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    # PyTorch's CPU index_put_ has no float8 kernel: move fp8 bytes as uint8. A view of the
-    # same element size needs only a contiguous last dimension, which check() guarantees.
-    return t.view(torch.uint8) if is_float8(t.dtype) else t
-
-
-def check_write_inputs(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> int:
-    """The checks of :func:`write_kv`, before it writes anything; returns ``num_tokens``.
-
-    ``cache`` a :class:`KVCache` whose :meth:`~KVCache.check` passes; ``slot_mapping`` int64 or
-    int32 ``[num_tokens]``; ``k`` ``[num_tokens, num_kv_heads, head_dim]`` and ``v`` the same
-    with the cache's ``head_dim_v``, of the cache's model dtype, on its device (any strides).
-    Host-only (slot values are not read); raises :class:`InputError` saying what is wrong. A
-    backend that writes with its own kernel calls this, so every write path refuses the same
-    inputs with the same messages.
-
-    >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
-    >>> check_write_inputs(cache, torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 1, -1]))
-    3
-    """
-    if not isinstance(cache, KVCache):
-        raise InputError(f"cache is a {type(cache).__name__}; accepted: a paged_core.KVCache")
-    cache.check()
-    if (
-        not isinstance(slot_mapping, torch.Tensor)
-        or slot_mapping.dim() != 1
-        or slot_mapping.dtype not in (torch.int64, torch.int32)
-    ):
-        found = (
-            f"{dtype_name(slot_mapping.dtype)} {list(slot_mapping.shape)}"
-            if isinstance(slot_mapping, torch.Tensor)
-            else type(slot_mapping).__name__
-        )
-        raise InputError(f"slot_mapping is {found}; accepted: int64 or int32 [num_tokens]")
-    n = slot_mapping.shape[0]
-    for name, t, dim in (("k", k, cache.head_dim), ("v", v, cache.head_dim_v)):
-        dim_name = "head_dim" if name == "k" or cache.head_dim_v == cache.head_dim else "head_dim_v"
-        if not isinstance(t, torch.Tensor):
-            raise InputError(
-                f"{name} is a {type(t).__name__}; accepted: a tensor [num_tokens={n}, "
-                f"num_kv_heads={cache.num_kv_heads}, {dim_name}={dim}]"
-            )
-        if tuple(t.shape) != (n, cache.num_kv_heads, dim):
-            raise InputError(
-                f"{name} has shape {list(t.shape)}; accepted: [num_tokens={n}, "
-                f"num_kv_heads={cache.num_kv_heads}, {dim_name}={dim}] (one row per slot_mapping entry)"
-            )
-        if t.dtype != cache.dtype:
-            raise InputError(
-                f"{name} is {dtype_name(t.dtype)} but the cache was allocated for "
-                f"{dtype_name(cache.dtype)}; accepted: {dtype_name(cache.dtype)}"
-            )
-        if t.device != cache.device:
-            raise InputError(f"{name} is on {t.device} but the cache is on {cache.device}; accepted: one device")
-    if slot_mapping.device != cache.device:
-        raise InputError(
-            f"slot_mapping is on {slot_mapping.device} but the cache is on {cache.device}; accepted: one device"
-        )
-    return n
-
-
-def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' ``k [num_tokens, num_kv_heads, head_dim]`` and ``v [num_tokens,
-    num_kv_heads, head_dim_v]`` at ``slot_mapping``.
-
-    Slot -1 (a padding row) writes nothing. Quantized caches quantize on write (with static
-    scales: with those, which stay as they are; otherwise each slot gets its own). The write never
-    leaves the pool: slots outside ``[0, num_blocks * block_size)`` are treated like -1. Every
-    input is checked before anything is written.
-
-    Writes go through the cache tensors' strides (``cache.k[block, offset] = ...``), so a cache
-    whose ``k``/``v`` are views of an engine's pool (``pool[:, 0]`` of a ``[num_blocks, 2,
-    block_size, heads, dim]`` pool, or HND storage ``.transpose(1, 2)``) is written in place.
-
-    >>> cache = allocate_kv_cache(2, 4, 1, 2, dtype=torch.float32)
-    >>> write_kv(cache, torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.tensor([5]))
-    >>> cache.k[1, 1].tolist(), int(cache.k.sum())
-    ([[1.0, 1.0]], 2)
-    """
-    n = check_write_inputs(cache, k, v, slot_mapping)
-    if n == 0:
-        return
-    bs = cache.block_size
-    num_slots = cache.num_blocks * bs
-    slots = slot_mapping.long()
-    valid = (slots >= 0) & (slots < num_slots)
-    if cache.kv_dtype in PER_CHANNEL_KEYS:
-        if cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise InputError(
-                f"a {cache.kv_dtype} cache is being written inside a CUDA-graph capture; its writes find the "
-                "blocks they rescale on the host (a sync a capture forbids). Accepted: write outside the "
-                "graph, or a per-token format (int4, int8, fp8) inside it"
-            )
-        keep = valid.nonzero().squeeze(1)  # a sync: the written blocks are found on the host
-        _write_per_channel_keys(cache, k[keep], v[keep], slots[keep])
-        return
-    if cache.static_scales:
-        # Quantized with the cache's fixed scales (one per KV head), which stay as they are.
-        k_scale, v_scale = cache._scales()
-        kc, _ = quantize_kv(k, cache.kv_dtype, k_scale[0, 0])
-        vc, _ = quantize_kv(v, cache.kv_dtype, v_scale[0, 0])
-        pairs = [(0, kc), (1, vc)]
-        views: tuple[torch.Tensor, ...] = (cache.k, cache.v)
-    elif cache.quantized:
-        kc, ks = quantize_kv(k, cache.kv_dtype)
-        vc, vs = quantize_kv(v, cache.kv_dtype)
-        pairs = [(0, kc), (1, vc), (2, ks), (3, vs)]
-        views = (cache.k, cache.v, *cache._scales())
-    else:
-        pairs = [(0, k), (1, v)]
-        views = (cache.k, cache.v)
-    if cache._spill_ok:
-        # Invalid slots go to the hidden block past the pool: no host sync, nothing touched.
-        target = torch.where(valid, slots, torch.full_like(slots, num_slots))
-        blk, off = target // bs, target % bs
-        # ``_spill_ok`` holds only when ``_spill`` is set (``_spill_matches``).
-        spill = cast(tuple[torch.Tensor, ...], cache._spill)
-        for i, src in pairs:
-            _as_bytes(spill[i]).index_put_((blk, off), _as_bytes(src))
-    else:
-        # A cache wrapped around an engine's own tensors has no spill block: filter (syncs).
-        keep = valid.nonzero().squeeze(1)
-        blk, off = slots[keep] // bs, slots[keep] % bs
-        for i, src in pairs:
-            _as_bytes(views[i]).index_put_((blk, off), _as_bytes(src)[keep])
-
-
-def _write_per_channel_keys(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """``kivi4`` writes of valid ``slots``: values per (slot, KV head) as int4; keys per (block, KV
-    head, channel) with scale ``max |k| / 7`` over the block's keys so far. A write that holds slot 0
-    of a block starts the block afresh; any other write whose keys raise a channel's scale
-    requantizes the block's earlier codes of that channel to the new scale (one more rounding of
-    those keys, at most half the new step). Blocks are written whole, so a block's codes and its
-    scales always agree."""
-    if slots.numel() == 0:
-        return
-    q_max = Q_MAX[cache.kv_dtype]
-    k_scale, v_scale = cache._scales()
-    bs = cache.block_size
-    blk, off = slots // bs, slots % bs
-    kf = k.float()
-    finite = torch.isfinite(kf)
-    vc, vs = quantize_kv(v, "int4")  # values: int4's per-(slot, KV head) rule
-    # A key with a non-finite element cannot scale its block's channels (a NaN or inf max would
-    # rescale every other slot's keys): it is left out of the channel max, its non-finite
-    # elements get code 0, and the slot's own V scale becomes NaN, so every row that reads the
-    # slot is NaN and no other slot changes.
-    vs = torch.where(finite.all(dim=-1), vs, float("nan"))
-    cache.v.index_put_((blk, off), vc)
-    v_scale.index_put_((blk, off), vs)
-    kf = torch.where(finite, kf, 0.0)
-    blocks, row = torch.unique(blk, return_inverse=True)  # [U], and each token's block among them
-    u = blocks.shape[0]
-    fresh = torch.zeros(u, dtype=torch.bool, device=slots.device).index_fill_(0, row[off == 0], True)
-    new_max = torch.zeros(u, *k.shape[1:], dtype=torch.float32, device=k.device)
-    k_abs = kf.abs()
-    new_max.scatter_reduce_(0, row[:, None, None].expand_as(k_abs), k_abs, "amax")
-    old = torch.where(fresh[:, None, None], 0.0, k_scale[blocks])  # [U, heads, channels]
-    # Floored as quantize_kv's scales: a channel that is 0 so far keeps a tiny scale, not a
-    # coarse one that a later, larger key could not raise.
-    scale = torch.clamp_min(torch.maximum(old, new_max / q_max), SCALE_FLOOR)
-    earlier = unpack_int4(cache.k[blocks]).float() * old[:, None]  # [U, block_size, heads, channels]
-    codes = (earlier / scale[:, None]).round().clamp(-q_max, q_max)
-    codes[row, off] = (kf / scale[row]).round().clamp(-q_max, q_max)
-    cache.k[blocks] = pack_int4(codes.to(torch.int8))
-    k_scale[blocks] = scale
 
 
 def kv_bytes_per_token(

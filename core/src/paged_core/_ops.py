@@ -42,8 +42,9 @@ from typing import Any, ClassVar, Protocol, cast
 import torch
 
 from ._batch import BatchMeta
-from ._cache import KVCache, write_kv
+from ._cache import KVCache
 from ._errors import InputError
+from ._write import write_kv
 
 __all__ = ["register", "remember", "write", "forward", "write_op", "forward_op", "KEPT_PLANS", "OpBackend"]
 

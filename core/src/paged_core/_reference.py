@@ -15,9 +15,10 @@ import torch
 
 from ._backend import Backend
 from ._batch import BatchMeta
-from ._cache import KVCache, unpack_int4
+from ._cache import KVCache
 from ._checks import check_inputs
 from ._errors import InputError
+from ._quant import unpack_int4
 from ._spec import KV_DTYPES, KV_SCALES, PER_CHANNEL_KEYS, Capabilities, check_dtype
 
 __all__ = ["ReferenceBackend", "reference_attention"]

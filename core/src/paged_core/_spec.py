@@ -68,6 +68,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def tensor_desc(t: torch.Tensor) -> str:
+    """``t``'s dtype and shape as a message names them: ``int8 [4, 16, 2, 64]``."""
+    return f"{dtype_name(t.dtype)} {list(t.shape)}"
+
+
 def check_dtype(name: str, value: Any, accepted: Iterable[torch.dtype], note: str = "") -> None:
     """``value`` is one of the torch dtypes ``accepted``, else an InputError; ``note`` ends it.
 
@@ -123,8 +128,8 @@ def check_device(device: Any) -> torch.device:
 
 def check_codes(name: str, x: Any, dtype: torch.dtype, accepted: str) -> None:
     """A tensor of ``dtype`` with at least one dimension (``pack_int4``'s codes, ``unpack_int4``'s
-    bytes), or an InputError naming what ``x`` is. Here, not in ``_checks``, because ``_cache``
-    (which ``_checks`` imports) calls it."""
+    bytes), or an InputError naming what ``x`` is. Here, not in ``_checks``, because ``_quant``
+    (which ``_checks`` imports through ``_cache``) calls it."""
     if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() == 0:
         found = f"{dtype_name(x.dtype)} {list(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
         raise InputError(f"{name} is {found}; accepted: {accepted}")

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ._batch import BatchMeta
-from ._cache import KVCache, allocate_kv_cache, is_float8
+from ._cache import KVCache, allocate_kv_cache
 from ._errors import InputError
 from ._merge import merge_states
+from ._quant import is_float8
 
 __all__ = ["LAYOUTS", "context_parallel_decode", "merge_across_ranks", "shard_decode_batch", "shard_kv_cache"]
 
