@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import types
 
 import paged_flashinfer
 import pytest
@@ -384,3 +385,28 @@ def test_mla_plan_keyword_reaches_the_params(monkeypatch):
     monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
     FlashInferBackend()._plan(meta, num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, dtype=torch.bfloat16)
     assert seen[0].head_dim_vo == 128 and seen[0].head_dim == 192
+
+
+def test_mla_prefill_wrappers_use_fa2(monkeypatch):
+    # FA3's paged prefill refuses K and V pages of two strides (K 192, V 128 per token and head);
+    # FA2 reads V with its own strides. Equal dims keep the configured backend.
+    made = []
+
+    class _Wrapper:
+        def __init__(self, workspace, layout, backend):
+            made.append(backend)
+
+    monkeypatch.setattr(fib, "_flashinfer", lambda: types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper))
+    b = FlashInferBackend()
+    monkeypatch.setattr(b, "_workspace", lambda device: None)
+    plan = prepare_plan(BatchMeta.build([5, 1], [40, 70], block_size=16))
+    for path in ("prefill", "cascade"):
+        b._new_slot(path, False, plan, _mla_params(), torch.device("cpu"))
+        b._new_slot(path, False, plan, _mla_params(head_dim=128, head_dim_vo=0), torch.device("cpu"))
+    assert made == ["fa2", "auto", "fa2", "fa2", "auto", "auto"]
+    spec = AttentionSpec(
+        num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16, device="cuda", dtype=torch.bfloat16
+    )
+    (reason,) = FlashInferBackend(prefill_backend="fa3").extra_reasons(spec)
+    assert "needs prefill_backend 'auto' or 'fa2'" in reason
+    assert FlashInferBackend(prefill_backend="fa2").extra_reasons(spec) == []

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from paged_core import (
+    AttentionSpec,
     Backend,
     BatchMeta,
     Capabilities,
@@ -409,6 +410,15 @@ class FlashInferBackend(Backend):
             )
         return reasons
 
+    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
+        if spec.head_dim_v != spec.head_dim and self.prefill_backend == "fa3":
+            return [
+                f"head_dim_v {spec.head_dim_v} other than head_dim {spec.head_dim} needs prefill_backend "
+                "'auto' or 'fa2': FA3's paged prefill reads K and V with one page stride, and K and V "
+                "pages of two head dims have two"
+            ]
+        return []
+
     # ----------------------------------------------------------------------------- plan
     def _plan(
         self,
@@ -546,7 +556,16 @@ class FlashInferBackend(Backend):
             self._workspaces[device] = ws
         return ws
 
-    def _new_slot(self, path: str, graph: bool, plan: FlashInferPlan, device: torch.device) -> _Slot:
+    def _prefill_kernel(self, p: _Params) -> str:
+        """The prefill wrapper's ``backend`` for layers of these parameters."""
+        if p.head_dim_vo != p.head_dim and self.prefill_backend == "auto":
+            # FA3's paged prefill needs one page stride and one token stride for K and V
+            # (batch_prefill_sm90.cu: "K and V must have same page stride for sparse attention");
+            # K pages of 192 and V pages of 128 have two. FA2's paged_kv_t has V's own strides.
+            return "fa2"
+        return self.prefill_backend
+
+    def _new_slot(self, path: str, graph: bool, plan: FlashInferPlan, p: _Params, device: torch.device) -> _Slot:
         fi = _flashinfer()
         if path == "decode":
             if graph:
@@ -576,7 +595,7 @@ class FlashInferBackend(Backend):
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace(device),
                 "NHD",
-                backend=self.prefill_backend,
+                backend=self._prefill_kernel(p),
             )
             return _Slot(path, wrapper)
         if path == "cascade":
@@ -584,7 +603,7 @@ class FlashInferBackend(Backend):
             # prefill wrapper each, one float workspace); its run() returns no LSE and takes no
             # out=, so the levels are run here, the same way (cascade.py run).
             wrappers = tuple(
-                fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(device), "NHD", backend=self.prefill_backend)
+                fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(device), "NHD", backend=self._prefill_kernel(p))
                 for _ in range(2)
             )
             return _Slot(path, wrappers)
@@ -604,7 +623,7 @@ class FlashInferBackend(Backend):
             self._retired.append(slot)
             slot = None
         if slot is None:
-            slot = self._new_slot(path, graph, plan, device)
+            slot = self._new_slot(path, graph, plan, params, device)
             self._slots[key] = slot
         if slot.loaded != plan.token:
             if _capturing():
