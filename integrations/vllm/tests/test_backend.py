@@ -263,3 +263,34 @@ def test_vllms_cache_release_drops_the_view_so_the_pool_can_be_freed(monkeypatch
     clear_layer_kv_caches([layer])
     gc.collect()
     assert impl._cache is None and alive() is None
+
+
+def test_a_default_backend_that_is_not_installed_names_itself_and_its_install(monkeypatch):
+    # The default (triton-unified) missing used to fail deep in vLLM's engine process with the
+    # registry's "Unknown backend", which said nothing of PAGED_VLLM_BACKEND or its default.
+    import importlib.metadata
+
+    from paged_core import BackendNotFoundError, Registry
+
+    real = importlib.metadata.entry_points
+
+    def entry_points(**params):  # triton-unified uninstalled, as far as the registry can tell
+        eps = real(**params)
+        if params.get("group") != "paged_core":
+            return eps
+        return importlib.metadata.EntryPoints(ep for ep in eps if ep.name != _backend.DEFAULT_BACKEND)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    monkeypatch.setenv("PAGED_PLUGINS", "reference")
+    monkeypatch.delenv(_backend.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(_backend, "registry", Registry())
+    monkeypatch.setattr(_backend, "_INSTANCES", {})
+    with pytest.raises(BackendNotFoundError) as exc:
+        _backend.paged_backend()
+    msg = str(exc.value)
+    assert msg.startswith(
+        "paged-vllm cannot serve --attention-backend CUSTOM with paged backend 'triton-unified' "
+        "(PAGED_VLLM_BACKEND is unset: the default). Unknown backend 'triton-unified'."
+    )
+    assert "To install it: pip install --find-links dist 'paged-core[triton]'" in msg
+    assert msg.endswith("Or set PAGED_VLLM_BACKEND to a backend that runs here: reference.")

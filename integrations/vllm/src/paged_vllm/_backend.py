@@ -37,6 +37,8 @@ from paged_core import (
     QUANT_FORMATS,
     AttentionSpec,
     Backend,
+    BackendNotFoundError,
+    BackendUnavailableError,
     BatchMeta,
     InputError,
     KVCache,
@@ -95,11 +97,24 @@ _LOCK = threading.Lock()
 
 def paged_backend(name: str | None = None) -> Backend:
     """The process's instance of paged backend ``name`` (default: ``$PAGED_VLLM_BACKEND``, else
-    ``triton-unified``); the registry's errors say what to install for a missing one."""
-    name = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
+    ``triton-unified``). One that cannot run here is a ``PagedError`` that names it, where its
+    name came from, what installs or enables it, and the backends that would run instead."""
+    chosen = name or os.environ.get(BACKEND_ENV)
+    name = chosen or DEFAULT_BACKEND
     with _LOCK:
         if name not in _INSTANCES:
-            _INSTANCES[name] = registry.get(name)
+            try:
+                _INSTANCES[name] = registry.get(name)
+            except (BackendNotFoundError, BackendUnavailableError) as exc:
+                # vLLM reports this from its engine process, after a traceback: the message must
+                # carry the whole fix, including that the name may be a default nobody chose.
+                source = f"{BACKEND_ENV}={name}" if chosen else f"{BACKEND_ENV} is unset: the default"
+                runnable = [n for n in registry.names() if not registry.unavailable(n)]
+                raise type(exc)(
+                    f"paged-vllm cannot serve --attention-backend {ENUM_NAME} with paged backend {name!r} "
+                    f"({source}). {exc}\nOr set {BACKEND_ENV} to a backend that runs here: "
+                    f"{', '.join(runnable) or 'none'}."
+                ) from exc
         return _INSTANCES[name]
 
 

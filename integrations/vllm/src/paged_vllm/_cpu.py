@@ -26,8 +26,9 @@ def __getattr__(name: str) -> Any:
     config = get_current_vllm_config_or_none()
     chosen = None if config is None else config.attention_config.backend
     if chosen is not None and chosen.name == ENUM_NAME:
-        from ._backend import PagedAttentionBackend
+        from ._backend import PagedAttentionBackend, paged_backend
 
+        paged_backend()  # a paged backend that cannot run here fails now, with its fix, not mid-setup
         return PagedAttentionBackend
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
