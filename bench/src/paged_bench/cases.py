@@ -4,7 +4,7 @@ prefix, a batch-size sweep), each with its per-request lengths as the suite's ``
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from paged_conformance import Batch
@@ -87,7 +87,7 @@ def build_cases(cfg: Config) -> list[Case]:
     t = cfg.tiny
     g = torch.Generator().manual_seed(cfg.seed + 1)
 
-    def decode(cid, b, n, desc, kv="auto"):
+    def decode(cid: str, b: int, n: int, desc: str, kv: KVDtype = "auto") -> Case:
         return Case(cid, "decode", f"{b}x{n}", Batch((1,) * b, (n,) * b), kv_dtype=kv, description=desc)
 
     out: list[Case] = []
@@ -127,13 +127,13 @@ def build_cases(cfg: Config) -> list[Case]:
             b, n = (2, 16) if t else (8, 2048)
             out.append(Case(cid, "prefill", f"{b}x{n}", Batch((n,) * b, (n,) * b), description="whole prompts, causal"))
         elif cid in ("decode-int8", "decode-fp8", "decode-fp8_e5m2", "decode-int4", "decode-kivi4"):
-            kv = cid.rsplit("-", 1)[1]
-            for b, n, suffix in ((2, 64, ""),) if t else QUANT_SHAPES:
-                out.append(decode(cid + suffix, b, n, f"decode, {kv} cache", kv=kv))
+            kv = cast("KVDtype", cid.rsplit("-", 1)[1])  # the ids above name formats
+            for b, n, shape_id in ((2, 64, ""),) if t else QUANT_SHAPES:
+                out.append(decode(cid + shape_id, b, n, f"decode, {kv} cache", kv=kv))
         elif cid == "decode-fp8-static":
-            for b, n, suffix in ((2, 64, ""),) if t else QUANT_SHAPES:
+            for b, n, shape_id in ((2, 64, ""),) if t else QUANT_SHAPES:
                 desc = "decode, fp8 cache with one static scale per tensor (vLLM's)"
-                out.append(dataclasses.replace(decode(cid + suffix, b, n, desc, kv="fp8"), static_scales=True))
+                out.append(dataclasses.replace(decode(cid + shape_id, b, n, desc, kv="fp8"), static_scales=True))
         elif cid == "cascade":
             b, prefix, suffix = (4, 32, 8) if t else (64, 4000, 100)
             shared = prefix // cfg.block_size * cfg.block_size

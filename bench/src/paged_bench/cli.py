@@ -29,7 +29,7 @@ import io
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from paged_conformance import blocks_needed, check_writable, output_tolerance
@@ -95,7 +95,7 @@ class _Record:
     """The result of a run (what ``--json`` writes), rewritten after every case: a run cut short
     still leaves its results."""
 
-    def __init__(self, path: str | None, env: dict, cfg: Config, not_run: dict[str, str], registry: Registry):
+    def __init__(self, path: str | None, env: dict, cfg: Config, not_run: dict[str, str], registry: Registry) -> None:
         self.path, self.not_run, self.registry = path, not_run, registry
         self.cases: list[dict] = []
         self.rows: list[Row] = []
@@ -296,7 +296,7 @@ def _read_run(path: str) -> tuple[dict, dict, Config, list[dict], list[Row]]:
         raise _not_a_run(path, f"config.dtype is {conf.get('dtype')!r}; accepted: {', '.join(sorted(DTYPES))}")
     try:
         # The recorded device need not exist here (a GPU run printed on a laptop): only its name is read.
-        device = torch.device(conf.get("device"))
+        device = torch.device(cast(str, conf.get("device")))  # whatever it is: a bad one raises
     except (RuntimeError, TypeError) as exc:
         raise _not_a_run(
             path, f"config.device is {conf.get('device')!r}, not a device name such as 'cuda:0' or 'cpu'"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from paged_conformance import Batch, allocate_tables, blocks_needed
@@ -116,7 +116,9 @@ def pick_checked(qlens: Sequence[int], limit_reqs: int = 8, limit_rows: int = 40
     return sorted(set(chosen))
 
 
-def _reference_subset(q, cache, meta, tables, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_subset(
+    q: torch.Tensor, cache: KVCache, meta: BatchMeta, tables: list[list[int]], reqs: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 reference for requests ``reqs`` on a compact copy of just their blocks."""
     qlens, slens = meta.host()
     bs = cache.block_size
@@ -166,7 +168,7 @@ def unique_kv_tokens(tables: list[list[int]], slens: Sequence[int], bs: int) -> 
     return sum(used.values())
 
 
-def build_pool(cfg: Config, case: Case, seed: int):
+def build_pool(cfg: Config, case: Case, seed: int) -> tuple[BatchMeta, KVCache, list[list[int]]]:
     """The meta (random, non-contiguous blocks; the prefix shared for cascade) and a filled cache."""
     bs = cfg.block_size
     pb = case.lengths.shared_prefix_blocks
@@ -205,7 +207,9 @@ def _bytes_per_token(cfg: Config, case: Case) -> int:
     return per_tok - (2 * cfg.kv_heads * 4 if case.static_scales else 0)
 
 
-def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables, seed: int) -> CaseData:
+def _case_data(
+    cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables: list[list[int]], seed: int
+) -> CaseData:
     torch.manual_seed(seed + 7)
     qlens, slens = case.query_lens, case.seq_lens
     n = sum(qlens)
@@ -229,9 +233,9 @@ def _case_data(cfg: Config, case: Case, meta: BatchMeta, cache: KVCache, tables,
     )
 
 
-def _materialize(cfg: Config, cases: list[Case]):
+def _materialize(cfg: Config, cases: list[Case]) -> Iterator[tuple[Case, CaseData]]:
     """Yield ``(case, data)``; the sweep points of one length share one pool built for the largest batch."""
-    sweep_pools: dict[int, tuple] = {}
+    sweep_pools: dict[int, tuple[BatchMeta, KVCache, list[list[int]]]] = {}
     for i, case in enumerate(cases):
         seed = cfg.seed * 1000 + i
         if case.group == "sweep":
@@ -254,7 +258,7 @@ def _materialize(cfg: Config, cases: list[Case]):
             del meta, cache, tables
 
 
-def materialize_safely(cfg: Config, cases: list[Case]):
+def materialize_safely(cfg: Config, cases: list[Case]) -> Iterator[tuple[Case, CaseData | Exception]]:
     """Like ``_materialize``, but a case that cannot be built (out of memory) yields its error."""
     built = {c.id for c in cases}
     gen = _materialize(cfg, cases)

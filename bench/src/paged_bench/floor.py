@@ -12,6 +12,8 @@ Nothing here imports Triton at module import: on a CPU machine ``paged bench`` s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .timing import have_triton, host_time, time_fn
@@ -26,7 +28,7 @@ class Ceiling(dict):
 _READ_KERNEL = None
 
 
-def _read_kernel():
+def _read_kernel() -> Any:
     """The streaming-read kernel, decorated on first use (never at import)."""
     global _READ_KERNEL
     if _READ_KERNEL is None:
@@ -34,7 +36,8 @@ def _read_kernel():
         import triton.language as tl
 
         @triton.jit
-        def stream_read_kernel(x_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Unannotated pointers: Triton reads a kernel's annotations as what to compile it on.
+        def stream_read_kernel(x_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
             # One program reads CHUNK contiguous elements, BLOCK at a time (16-byte vector loads:
             # BLOCK / (32 * num_warps) elements per thread), and writes a single float.
             pid = tl.program_id(0).to(tl.int64)

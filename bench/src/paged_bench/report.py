@@ -7,7 +7,7 @@ import datetime
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -159,7 +159,9 @@ def _fmt(v: float | None, width: int, digits: int = 1, suffix: str = "") -> str:
     return (s + suffix).rjust(width)
 
 
-def print_table(env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_run: dict, out=None) -> None:
+def print_table(
+    env: dict, cfg: Config, cases: list[dict], rows: list[Row], not_run: dict, out: TextIO | None = None
+) -> None:
     """The table of a run (timed now or read back from ``--json``) on ``out`` (stdout)."""
     w = (out or sys.stdout).write
     w(
@@ -248,10 +250,10 @@ def format_ratios(cases: list[dict], rows: list[Row]) -> list[str]:
     out = []
     for r in timed:
         c = info[r.case]
-        base = plain.get((r.shape, r.label))
-        if c.get("kv_dtype", "auto") != "auto" and base:
+        base, ms = plain.get((r.shape, r.label)), r.ms
+        if c.get("kv_dtype", "auto") != "auto" and base and ms:
             fmt = c["kv_dtype"] + (" static" if c.get("kv_scales") == "static" else "")
-            out.append(f"{fmt:<12} {r.shape:<12} {r.label:<24} {r.ms / base:.3f}x")
+            out.append(f"{fmt:<12} {r.shape:<12} {r.label:<24} {ms / base:.3f}x")
     return out
 
 

@@ -101,7 +101,7 @@ def short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
 
 
-def _graph_fn(fn, device):
+def _graph_fn(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], None] | tuple[None, str]:
     """A CUDA graph of ``fn`` (already warmed up) and its replay, or None with why."""
     try:
         s = torch.cuda.Stream(device)
@@ -343,7 +343,7 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
     v = _contiguous(data.cache.v, data.meta.block_table, n)
     q = data.q.view(B, lq, cfg.heads, cfg.head_dim).transpose(1, 2)
     group = cfg.heads // cfg.kv_heads
-    rep_kv: tuple | None = None
+    rep_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     for b in wanted:
         row = Row.of(
             case,
@@ -360,13 +360,13 @@ def _sdpa_rows(cfg: Config, case: Case, data: CaseData, wanted: list[str], tol: 
             row.status = "skip: cuDNN attention needs a CUDA device"
             continue
 
-        def gqa(q=q, k=k, v=v):
+        def gqa(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
         attempts = [("gqa", gqa)]
         if group > 1:
 
-            def repeated(q=q, k=k, v=v):
+            def repeated(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
                 nonlocal rep_kv
                 if rep_kv is None:  # outside the timed region, once
                     rep_kv = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))

@@ -66,7 +66,7 @@ def time_fn(
     return _event_time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "CUDA events (median, L2 flushed)"
 
 
-def _event_time(fn, device, *, warmup_ms: float, rep_ms: float) -> float:
+def _event_time(fn: Callable[[], Any], device: torch.device, *, warmup_ms: float, rep_ms: float) -> float:
     flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     fn()
     torch.cuda.synchronize(device)
@@ -92,7 +92,7 @@ def _event_time(fn, device, *, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def host_time(fn, device, *, rep_ms: float, max_reps: int = 50) -> float:
+def host_time(fn: Callable[[], Any], device: torch.device, *, rep_ms: float, max_reps: int = 50) -> float:
     """Median ms of ``fn()`` on the host clock, each call synchronised on both sides: as many
     calls as fit in ``rep_ms`` (at least one, at most ``max_reps``)."""
     times: list[float] = []
@@ -117,7 +117,7 @@ def host_time_ms(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> 
 HOST_CALLS = 200
 
 
-def host_us(fn, device: torch.device, calls: int = HOST_CALLS) -> float:
+def host_us(fn: Callable[[], Any], device: torch.device, calls: int = HOST_CALLS) -> float:
     """Host time of one ``fn()`` in microseconds: ``calls`` calls timed with no sync between
     them (what an engine's Python pays per layer), the device synchronised only at the end."""
     sync(device)

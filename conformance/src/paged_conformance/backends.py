@@ -58,7 +58,7 @@ class BackendPool:
     loaded fails the run (see :meth:`load_error`); a discovered one is skipped with its reason.
     """
 
-    def __init__(self, names: Sequence[str] | None = None, *, registry: Registry | None = None):
+    def __init__(self, names: Sequence[str] | None = None, *, registry: Registry | None = None) -> None:
         self.registry = registry if registry is not None else default_registry
         if names:
             for name in names:

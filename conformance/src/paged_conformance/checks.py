@@ -49,15 +49,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from paged_core import (
     PER_CHANNEL_KEYS,
-    BatchMeta,
     Q_MAX,
     Backend,
+    BatchMeta,
     Capabilities,
     InputError,
     KVCache,
@@ -79,6 +79,11 @@ from .tolerances import (
     output_tolerance,
 )
 from .workload import Workload, build_workload, clear_workloads, storage
+
+if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CHECKS",
@@ -102,7 +107,7 @@ __all__ = [
 class NotApplicable(Exception):
     """The backend does not claim what the check needs; ``reasons`` are its own sentences."""
 
-    def __init__(self, reasons: list[str]):
+    def __init__(self, reasons: list[str]) -> None:
         self.reasons = list(reasons)
         super().__init__("; ".join(self.reasons))
 
@@ -123,7 +128,7 @@ def _forward(
     cache: KVCache,
     *,
     q: torch.Tensor | None = None,
-    meta=None,
+    meta: BatchMeta | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> Any:
@@ -422,7 +427,9 @@ NON_FINITE_CASES = frozenset(
 )
 
 
-def _same_bytes_as_write_kv(backend: Backend, wl: Workload, cache: KVCache, k, v, tag: str, what: str) -> None:
+def _same_bytes_as_write_kv(
+    backend: Backend, wl: Workload, cache: KVCache, k: torch.Tensor, v: torch.Tensor, tag: str, what: str
+) -> None:
     want = wl.fresh_cache(backend)
     write_kv(want, k, v, wl.meta.slot_mapping)
     for name, t in storage(cache).items():
@@ -452,7 +459,10 @@ def check_non_finite_stays_in_its_slot(backend: Backend, case: Case, device: tor
     k, v = wl.k_new.clone(), wl.v_new.clone()
     expect = torch.zeros(wl.q.shape[:2], dtype=torch.bool)
     for i, (r, head, tensor, value) in enumerate(
-        ((real[0], 0, k, -math.inf if case.kv_dtype != "auto" else math.nan), (real[-1], case.num_kv_heads - 1, v, math.nan))
+        (
+            (real[0], 0, k, -math.inf if case.kv_dtype != "auto" else math.nan),
+            (real[-1], case.num_kv_heads - 1, v, math.nan),
+        )
     ):
         if i == 1 and r == real[0]:
             break
@@ -745,14 +755,17 @@ def _alone_requests(case: Case) -> list[int]:
 RANDOM_EXAMPLES = {"small": 12, "full": 50}
 
 
-def _menu(caps: Capabilities, candidates, allowed) -> list:
+def _menu(caps: Capabilities, candidates: Iterable[_T], allowed: Collection[_T] | None) -> list[_T]:
     if allowed is None:
         return list(candidates)
     return [c for c in candidates if c in allowed] or sorted(allowed, key=str)[:2]
 
 
-def random_cases(caps: Capabilities, size: str):
-    """A hypothesis strategy of cases drawn within ``caps`` (tiny at size "small").
+def random_cases(
+    caps: Capabilities, size: str
+) -> tuple[SearchStrategy[Case], tuple[list[int], list[int], list[int], list[torch.dtype], list[str]]]:
+    """A hypothesis strategy of cases drawn within ``caps`` (tiny at size "small"), and what it
+    draws from: ``(group sizes, head dims, block sizes, dtypes, cache formats)``.
 
     At size "small" (CPU, Triton under its interpreter: nothing to compile) the draws roam the
     shape space too: group sizes, head dims, block sizes, dtypes, cache formats, soft-cap. At
@@ -772,7 +785,7 @@ def random_cases(caps: Capabilities, size: str):
         or sorted(caps.block_sizes or ())[:2]
     )
     dtypes = [d for d in (torch.float16, torch.bfloat16, torch.float32) if d in caps.dtypes]
-    kv_dtypes = [k for k in ("auto", "int8", "fp8", "fp8_e5m2") if k in caps.kv_dtypes]
+    kv_dtypes: list[str] = [k for k in ("auto", "int8", "fp8", "fp8_e5m2") if k in caps.kv_dtypes]
     if not small:
         block_sizes, kv_dtypes = block_sizes[:1], kv_dtypes[:1]
         dtypes = [torch.bfloat16] if torch.bfloat16 in dtypes else dtypes[:1]
@@ -782,7 +795,7 @@ def random_cases(caps: Capabilities, size: str):
     max_ctx, max_reqs = (160, 5) if size == "small" else (4096, 24)
 
     @st.composite
-    def draw_case(draw) -> Case:
+    def draw_case(draw: st.DrawFn) -> Case:
         group = draw(st.sampled_from(groups))
         num_kv_heads = draw(st.sampled_from([1, 2]))
         query_lens, seq_lens = [], []
@@ -835,7 +848,9 @@ def _graph_reasons(backend: Backend, case: Case, device: torch.device) -> list[s
     return reasons
 
 
-def _graph_workload(backend: Backend, case: Case, device: torch.device, reasons_of) -> tuple[Workload, KVCache, dict]:
+def _graph_workload(
+    backend: Backend, case: Case, device: torch.device, reasons_of: Callable[[Backend, Case, torch.device], list[str]]
+) -> tuple[Workload, KVCache, dict]:
     """The case's workload and cache (K/V written by the backend) and forward's keywords, for a
     graph check whose claims ``reasons_of(backend, case, device)`` tests."""
     reasons = reasons_of(backend, case, device)

@@ -8,13 +8,15 @@ loads no backend and no Triton kernel.
 
 from __future__ import annotations
 
+import argparse
+
 from paged_core.hookspecs import hookimpl
 
 __all__ = ["register_commands"]
 
 
 @hookimpl
-def register_commands(subparsers) -> None:
+def register_commands(subparsers: argparse._SubParsersAction) -> None:
     from . import runner
 
     check = subparsers.add_parser("check", help="run the conformance cases on installed backends now")

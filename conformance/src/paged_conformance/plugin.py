@@ -17,11 +17,14 @@ unchanged, and it imports torch only once such a test is collected.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    import torch
+
     from .backends import BackendPool
     from .cases import Case
     from .report import Matrix
@@ -32,7 +35,7 @@ _PROPERTY = "paged_conformance"
 class _State:
     """Per-session state: options, the backend pool, the cases and the matrix (built lazily)."""
 
-    def __init__(self, config: pytest.Config):
+    def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self._pool: BackendPool | None = None
         self._matrix: Matrix | None = None
@@ -45,7 +48,7 @@ class _State:
         return self.config.getoption("paged_size") or default_size()
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         from .cases import default_device
 
         return default_device()
@@ -95,12 +98,12 @@ _STATE = pytest.StashKey[_State]()
 class Conformance:
     """The ``conformance`` fixture: runs one check the way ``paged check`` does."""
 
-    def __init__(self, state: _State, item: pytest.Item):
+    def __init__(self, state: _State, item: pytest.Item) -> None:
         self._state = state
         self._item = item
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return self._state.device
 
     @property
@@ -180,7 +183,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, None]:
     """Attach (backend, case, check, max error) to the report, for the matrix."""
     outcome = yield
     report = outcome.get_result()
@@ -209,7 +212,7 @@ class _Recorder:
     keeps its own matrix.
     """
 
-    def __init__(self, state: _State):
+    def __init__(self, state: _State) -> None:
         self.state = state
         self.paths: tuple[Any, Any] | None = None
 
@@ -248,7 +251,7 @@ class _Recorder:
         base = session.config.invocation_params.dir / session.config.getoption("paged_report")
         self.paths = matrix.write(base)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.paths is None:
             return
         terminalreporter.write_sep("=", "paged conformance matrix")

@@ -89,7 +89,7 @@ class Matrix:
         backends: dict[str, list[str]] | None = None,
         problems: list[str] | None = None,
         expected_checks: dict[str, int] | None = None,
-    ):
+    ) -> None:
         self.size = size
         self.device = device
         #: Backend name -> reasons it cannot run here (empty: available), in column order.

@@ -19,7 +19,7 @@ from paged_core import InputError, PagedError, Registry
 
 from . import checks
 from .backends import BackendPool, parse_backend_names, use_triton_interpreter_on_cpu
-from .cases import SIZES, default_device, default_size
+from .cases import SIZES, Case, default_device, default_size
 from .cases import cases as all_cases
 from .report import FAIL, PASS, SKIP, Matrix, Outcome, check_writable, report_paths
 from .tolerances import ConformanceFailure
@@ -27,7 +27,7 @@ from .tolerances import ConformanceFailure
 __all__ = ["add_arguments", "main", "merge", "run"]
 
 
-def _one(pool: BackendPool, backend: str, check: str, case, device: torch.device, size: str) -> Outcome:
+def _one(pool: BackendPool, backend: str, check: str, case: Case | None, device: torch.device, size: str) -> Outcome:
     case_id = case.id if case is not None else checks.RANDOM_BATCHES
     start = time.perf_counter()
     try:

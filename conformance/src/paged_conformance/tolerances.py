@@ -121,7 +121,7 @@ class ConformanceFailure(AssertionError):
     """A check failed. ``max_error``: the largest error found (``inf`` for NaN), or None when the
     failure is not a numeric one (a wrong shape, a stray write)."""
 
-    def __init__(self, message: str, *, max_error: float | None = None, tolerance: str = ""):
+    def __init__(self, message: str, *, max_error: float | None = None, tolerance: str = "") -> None:
         super().__init__(message)
         self.max_error = max_error
         self.tolerance = tolerance

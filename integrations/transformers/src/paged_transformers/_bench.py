@@ -6,7 +6,11 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
 
 __all__ = ["describe_environment", "qwen3_shaped_model"]
 
@@ -44,7 +48,9 @@ def describe_environment() -> str:
     return ", ".join(parts)
 
 
-def qwen3_shaped_model(layers: int, *, small: bool = False, dtype=None, device="cpu"):
+def qwen3_shaped_model(
+    layers: int, *, small: bool = False, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> transformers.PreTrainedModel:
     """A random-initialised Qwen3 with Qwen3-8B's attention and width (32 query heads, 8 KV
     heads, head_dim 128, hidden 4096) and ``layers`` layers; ``small``: tiny dims for a CPU
     smoke run. Seeded, in eval mode; nothing is downloaded."""

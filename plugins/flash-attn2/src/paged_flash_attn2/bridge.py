@@ -99,7 +99,7 @@ class BridgedAllocator:
         shuffle: bool = True,
         seed: int = 0,
         reserve_zero: bool = True,
-    ):
+    ) -> None:
         _check_ratio(ratio)
         if num_blocks < ratio or num_blocks % ratio:
             raise BridgeError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,7 +118,19 @@ class TritonBackend(Backend):
         self.__dict__["_last_implicit"] = (meta, meta._generation, made)
         return made
 
-    def _launch(self, plan: TritonPlan, q, cache, out, lse, scale, window, softcap, sinks, call) -> None:
+    def _launch(
+        self,
+        plan: TritonPlan,
+        q: torch.Tensor,
+        cache: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+        call: Callable[[], object],
+    ) -> None:
         """Run ``call()`` (the launcher) for this layer, or repeat what it launched for an earlier
         layer of the plan with this layer's tensors."""
         if _capturing():
@@ -163,7 +176,7 @@ class TritonBackend(Backend):
     def extra_reasons(self, spec: AttentionSpec) -> list[str]:
         return interpreter_reasons(spec)
 
-    def _write(self, cache, k, v, slot_mapping) -> None:
+    def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # One Triton launch (quantization included) with a few microseconds of host work,
         # instead of paged_core.write_kv's several PyTorch ops; the same checks and bytes.
         write_checked(cache, k, v, slot_mapping)
