@@ -199,7 +199,12 @@ def test_allocate_kv_cache_refuses_non_ints(bad):
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        (dict(dtype=torch.float64), "dtype torch.float64 is not supported; accepted: float32, float16, bfloat16"),
+        (dict(dtype=torch.float64), "dtype is torch.float64; accepted: torch.float32, torch.float16, torch.bfloat16"),
+        (
+            dict(dtype="float16"),
+            "dtype is the string 'float16'; accepted: torch.float32, torch.float16, torch.bfloat16 "
+            "(a torch.dtype, not a string: torch.float16)",
+        ),
         (dict(kv_dtype="int2"), "kv_dtype 'int2' is not one of auto, int8, fp8, fp8_e5m2, int4, kivi4"),
         (dict(num_layers=0), "num_layers is 0; accepted: a positive int"),
     ],
@@ -350,7 +355,7 @@ def test_flashinfer_built_directly_refuses_a_write_into_a_4_bit_cpu_cache(kv_dty
     k = torch.randn(3, 2, 8)
     with pytest.raises(UnsupportedSpecError) as exc:
         backend_module.FlashInferBackend().write(cache, k, k, meta)
-    assert f"kv_dtype {kv_dtype!r} is not supported (accepted: auto, fp8, fp8_e5m2)" in exc.value.reasons
+    assert any(r.startswith(f"kv_dtype {kv_dtype!r} is not supported (accepted: auto") for r in exc.value.reasons)
     assert all(torch.equal(a, b) for a, b in zip(before, stores(cache), strict=True))
 
 

@@ -88,7 +88,7 @@ def test_allocate(dtype, kv_dtype, store):
     ("kwargs", "needles"),
     [
         (dict(kv_dtype="fp4"), ["kv_dtype 'fp4' is not one of auto, int8, fp8, fp8_e5m2"]),
-        (dict(dtype=torch.int32), ["dtype torch.int32 is not supported", "float32, float16, bfloat16"]),
+        (dict(dtype=torch.int32), ["dtype is torch.int32", "torch.float32, torch.float16, torch.bfloat16"]),
         (dict(num_blocks=0), ["num_blocks is 0", "accepted: a positive int"]),
         (dict(head_dim=2.5), ["head_dim is 2.5", "accepted: a positive int"]),
     ],
@@ -704,8 +704,10 @@ def test_a_row_of_float32_subnormals_reads_back_finite(kv_dtype):
     cache = allocate_kv_cache(2, 4, 1, 32, kv_dtype=kv_dtype, dtype=torch.float32)
     write_kv(cache, x, x, torch.tensor([0]))
     k, v = cache.dequantized()
-    for got, scale in ((k[0, 0, 0], cache.k_scale[0, 0] if kv_dtype == "kivi4" else cache.k_scale[0, 0, 0]),
-                       (v[0, 0, 0], cache.v_scale[0, 0, 0])):
+    for got, scale in (
+        (k[0, 0, 0], cache.k_scale[0, 0] if kv_dtype == "kivi4" else cache.k_scale[0, 0, 0]),
+        (v[0, 0, 0], cache.v_scale[0, 0, 0]),
+    ):
         assert bool(torch.isfinite(got).all())
         assert bool((scale == FLOOR).all())
         # Within half a step of the floored scale (fp8: within a subnormal step).
@@ -728,7 +730,11 @@ def test_kivi4_refuses_a_static_v_scale():
     shared = torch.tensor([0.05])
     with pytest.raises(InputError, match=r"cache.v_scale is a static scale .* for a kivi4 cache; accepted: per-slot"):
         KVCache(
-            cache.k, cache.v, kv_dtype="kivi4", k_scale=cache.k_scale, v_scale=static_scale(shared, cache.v),
+            cache.k,
+            cache.v,
+            kv_dtype="kivi4",
+            k_scale=cache.k_scale,
+            v_scale=static_scale(shared, cache.v),
             dtype=torch.float32,
         ).check()
     assert shared.item() == pytest.approx(0.05)
@@ -755,7 +761,9 @@ def test_kivi4_keys_grown_token_by_token_stay_within_the_stated_bound(growth):
         keys = torch.randn(bs, 2, 32, generator=g)
     else:
         rate = 1.02 if growth == "2% a token" else 1 + 1 / 15
-        keys = rate ** torch.arange(bs, dtype=torch.float64)[:, None, None] * (1 + 0.01 * torch.rand(bs, 2, 32, generator=g, dtype=torch.float64))
+        keys = rate ** torch.arange(bs, dtype=torch.float64)[:, None, None] * (
+            1 + 0.01 * torch.rand(bs, 2, 32, generator=g, dtype=torch.float64)
+        )
         keys = keys.float()
     cache = allocate_kv_cache(2, bs, 2, 32, kv_dtype="kivi4", dtype=torch.float32)
     for t in range(bs):

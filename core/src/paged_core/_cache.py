@@ -34,7 +34,16 @@ import torch
 
 from ._errors import InputError
 from ._quant import dequantize_kv, is_static, static_scale, unpack_int4
-from ._spec import KV_DTYPES, PACKED_CODES, PER_CHANNEL_KEYS, QUANT_FORMATS, check_device, dtype_name, tensor_desc
+from ._spec import (
+    KV_DTYPES,
+    PACKED_CODES,
+    PER_CHANNEL_KEYS,
+    QUANT_FORMATS,
+    check_device,
+    check_dtype,
+    dtype_name,
+    tensor_desc,
+)
 
 __all__ = [
     "KVCache",
@@ -445,8 +454,7 @@ def _check_packed(kv_dtype: str, head_dim: int, head_dim_v: int) -> None:
 def _check_dtypes(dtype: object, kv_dtype: object) -> None:
     if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
         raise InputError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    if not isinstance(dtype, torch.dtype) or dtype not in _ELEM_BYTES:
-        raise InputError(f"dtype {dtype} is not supported; accepted: float32, float16, bfloat16")
+    check_dtype("dtype", dtype, _ELEM_BYTES)
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
