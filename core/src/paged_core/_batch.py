@@ -47,7 +47,7 @@ class BlockAllocator:
     [1, 2, 3]
     """
 
-    def __init__(self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True):
+    def __init__(self, num_blocks: int, *, shuffle: bool = True, seed: int = 0, reserve_zero: bool = True) -> None:
         if not _is_int(num_blocks) or not 1 <= num_blocks < INT32_LIMIT:
             raise InputError(f"num_blocks is {num_blocks!r}; accepted: an int from 1 to 2**31 - 1")
         self.num_blocks = num_blocks
@@ -101,7 +101,7 @@ class BlockAllocator:
         self._free.extend(ids)
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     # bool is an int to Python, never a length or an id here.
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -679,7 +679,15 @@ class BatchMeta:
             )
         return self
 
-    def _raise_for_request(self, r, qsl, sl, row, slots, num_blocks) -> None:
+    def _raise_for_request(
+        self,
+        r: int,
+        qsl: list[int],
+        sl: list[int],
+        row: list[int],
+        slots: torch.Tensor,
+        num_blocks: int | None,
+    ) -> None:
         """Word the error of request ``r``, which the vector checks found to break an invariant."""
         N, bs, width = self.num_tokens, self.block_size, len(row)
         q, s = qsl[r + 1] - qsl[r], sl[r]

@@ -141,7 +141,7 @@ def _described(x: Any) -> str:
     return f"{dtype_name(dtype)} {list(shape)} on {device}"
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
@@ -279,7 +279,7 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
         raise UnsupportedSpecError(backend.name, reasons)
 
 
-def _check_scalars(window, softcap, scale) -> None:
+def _check_scalars(window: Any, softcap: Any, scale: Any) -> None:
     """The host scalars of a layer, shared by ``plan`` and ``forward``: in the ranges the kernels
     compute in (float32 scalars, an int32 window)."""
     # Fast path for the plain int/float every caller passes: isinstance against the numbers
@@ -345,8 +345,19 @@ def check_out_memory(out: torch.Tensor, cache: KVCache) -> None:
 
 
 # ------------------------------------------------------------------------------------- forward
+# The caller's values are typed Any here: refusing one of the wrong type is what these checks are for.
 def check_forward(
-    backend: _Checked, seen: set[tuple], q, cache, batch: BatchMeta, window, softcap, scale, sinks, out, return_lse
+    backend: _Checked,
+    seen: set[tuple],
+    q: Any,
+    cache: Any,
+    batch: BatchMeta,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    sinks: Any,
+    out: Any,
+    return_lse: Any,
 ) -> None:
     """Run :func:`check_call` unless ``seen`` (the backend's memo) holds this call's facts.
 
@@ -390,7 +401,18 @@ def check_forward(
         seen.add(key)
 
 
-def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, scale, sinks, out, return_lse) -> None:
+def check_call(
+    backend: _Checked,
+    q: Any,
+    cache: Any,
+    meta: BatchMeta,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    sinks: Any,
+    out: Any,
+    return_lse: Any,
+) -> None:
     """Every host-side check of a ``forward`` call: the inputs, then the spec they make.
 
     No device read and no sync: the structure of the cache and of the batch is checked once per
@@ -440,7 +462,17 @@ def check_call(backend: _Checked, q, cache, meta: BatchMeta, window, softcap, sc
         raise UnsupportedSpecError(backend.name, reasons)
 
 
-def check_inputs(q, cache, meta, window, softcap, scale, sinks, *, mirrors: bool = True) -> None:
+def check_inputs(
+    q: Any,
+    cache: Any,
+    meta: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    sinks: Any,
+    *,
+    mirrors: bool = True,
+) -> None:
     """The inputs of an attention call, without an output or a backend: ``q`` against the cache
     and the batch, the scalars and ``sinks``. ``forward`` (through :func:`check_call`) and
     ``reference_attention`` both refuse bad input here. ``mirrors=False`` leaves the host

@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_missing(parser: argparse.ArgumentParser, sub, name: str, dist: str) -> None:
+def _add_missing(
+    parser: argparse.ArgumentParser, sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, dist: str
+) -> None:
     """A stand-in for command ``name`` that says why it is missing and what fixes it (exit 2)."""
     # prefix_chars no argument uses: `paged check --backend x` reaches the message, not
     # "unrecognized arguments".

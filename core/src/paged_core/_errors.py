@@ -34,7 +34,7 @@ class InputError(PagedError, ValueError):
 class UnsupportedSpecError(PagedError, ValueError):
     """A backend was asked for something its capabilities do not claim; lists the reasons."""
 
-    def __init__(self, backend: str, reasons: list[str]):
+    def __init__(self, backend: str, reasons: list[str]) -> None:
         self.backend = backend
         self.reasons = list(reasons)
         lines = "\n".join(f"  - {r}" for r in self.reasons)

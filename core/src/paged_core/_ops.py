@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast
 
 import torch
@@ -239,7 +240,18 @@ def write_op(
 
 
 @write_op.register_fake
-def _write_fake(handle, key, value, k_cache, v_cache, k_scale, v_scale, kv_dtype, spill, slot_mapping) -> None:
+def _write_fake(
+    handle: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kv_dtype: str,
+    spill: bool,
+    slot_mapping: torch.Tensor,
+) -> None:
     return None
 
 
@@ -291,23 +303,23 @@ def forward_op(
 
 @forward_op.register_fake
 def _forward_fake(
-    handle,
-    q,
-    k_cache,
-    v_cache,
-    k_scale,
-    v_scale,
-    kv_dtype,
-    query_start_loc,
-    seq_lens,
-    block_table,
-    slot_mapping,
-    output,
-    lse,
-    sinks,
-    scale,
-    window,
-    softcap,
+    handle: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kv_dtype: str,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: float | None,
+    window: int,
+    softcap: float,
 ) -> None:
     return None
 
@@ -329,7 +341,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-def _remembered(backend: OpBackend, tensors: tuple[torch.Tensor, ...], fields) -> Any:
+def _remembered(
+    backend: OpBackend,
+    tensors: tuple[torch.Tensor, ...],
+    fields: Callable[[BatchMeta], tuple[torch.Tensor, ...]],
+) -> Any:
     """The newest remembered plan of ``backend`` whose batch holds ``tensors`` (same memory and
     shape), or None."""
     for plan in backend._op_plans:
@@ -339,7 +355,14 @@ def _remembered(backend: OpBackend, tensors: tuple[torch.Tensor, ...], fields) -
     return None
 
 
-def _rebuild(query_start_loc, seq_lens, block_table, slot_mapping, *, block_size: int) -> BatchMeta:
+def _rebuild(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    block_size: int,
+) -> BatchMeta:
     """A BatchMeta from the batch's tensors alone: its host ints come from the device."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError(

@@ -217,7 +217,7 @@ class ReferenceBackend(Backend):
         batch_invariant=True,
     )
 
-    def __init__(self, *, compute_dtype: torch.dtype = torch.float32, validate: bool | None = None):
+    def __init__(self, *, compute_dtype: torch.dtype = torch.float32, validate: bool | None = None) -> None:
         super().__init__(validate=validate)
         _check_compute_dtype(compute_dtype)
         self.compute_dtype = compute_dtype

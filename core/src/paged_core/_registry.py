@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any, cast
 
 import pluggy
@@ -79,7 +80,7 @@ class Registration:
 class Registry:
     """All discovered backends. Use the module-level ``registry``; build others in tests."""
 
-    def __init__(self, *, group: str = hookspecs.PROJECT, env_var: str = "PAGED_PLUGINS"):
+    def __init__(self, *, group: str = hookspecs.PROJECT, env_var: str = "PAGED_PLUGINS") -> None:
         self.group = group
         self.env_var = env_var
         self._lock = threading.RLock()
@@ -149,23 +150,23 @@ class Registry:
             self._call_impls(pm.hook.register_backends.get_hookimpls(), dists)
             self._loaded = True
 
-    def _call_impls(self, impls, dists) -> None:
+    def _call_impls(self, impls: list[pluggy.HookImpl], dists: Mapping[str | None, tuple[str, str]]) -> None:
         assert self._pm is not None
         for impl in impls:
             plugin_name = self._pm.get_name(impl.plugin) or repr(impl.plugin)
             dist, version = dists.get(plugin_name, (None, None))
 
             def register(
-                name,
-                target,
+                name: str,
+                target: str | type,
                 *,
-                api_version=hookspecs.HOOK_API_VERSION,
-                priority=0,
-                install=None,
-                _plugin=plugin_name,
-                _dist=dist,
-                _version=version,
-            ):
+                api_version: int = hookspecs.HOOK_API_VERSION,
+                priority: int = 0,
+                install: str | None = None,
+                _plugin: str = plugin_name,
+                _dist: str | None = dist,
+                _version: str | None = version,
+            ) -> None:
                 self._register(
                     name,
                     target,
@@ -207,8 +208,19 @@ class Registry:
                     ):
                         self._problems.append(problem)
 
-    def _register(self, name, target, *, plugin, api_version, priority, install, distribution, version):
-        def problem(msg):
+    def _register(
+        self,
+        name: str,
+        target: str | type,
+        *,
+        plugin: str,
+        api_version: int,
+        priority: int,
+        install: str | None,
+        distribution: str | None,
+        version: str | None,
+    ) -> None:
+        def problem(msg: str) -> None:
             self._problems.append(Problem(plugin, "register", msg))
 
         if not isinstance(name, str) or not _NAME.match(name):

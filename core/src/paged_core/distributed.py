@@ -19,7 +19,7 @@ output works; NCCL on GPUs, gloo on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -291,7 +291,7 @@ def _ownership(meta: BatchMeta, rank: int, world_size: int, layout: str) -> tupl
     return owned, query_lens
 
 
-def _per_request(meta: BatchMeta, owned: Sequence[range]):
+def _per_request(meta: BatchMeta, owned: Sequence[range]) -> Iterator[tuple[list[int], int, bool]]:
     """For each request: the physical ids of its owned blocks, its tokens in them, and whether
     it owns the request's last block."""
     _, seq_lens = meta.host()
