@@ -129,9 +129,9 @@ def tests(session: nox.Session) -> None:
     # Two pytest processes share the machine's cores (below): one thread each for torch's CPU ops.
     session.env.setdefault("OMP_NUM_THREADS", "1")
     session.run("paged", "list")
-    # One pytest per test tree: each has its own conftest.py, and pytest's default import mode
+    # One pytest per test tree: each may have its own conftest.py, and pytest's default import mode
     # cannot hold two top-level modules called conftest in one run.
-    runs = [["tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"], ["bench/tests"]]
+    runs = [["core/tests", "--doctest-modules", "core/src/paged_core"], ["conformance/tests"], ["bench/tests"]]
     # The plugins' doctests too: their launch heuristics (tile sizes, split counts, occupancy
     # classes) are specified by example there.
     runs += [
@@ -141,6 +141,9 @@ def tests(session: nox.Session) -> None:
     ]
     # Each engine integration inside its engine (transformers' generate_batch on tiny models).
     runs += [[f"integrations/{i}/tests", "--doctest-modules", f"integrations/{i}/src"] for i in INTEGRATIONS]
+    # The repository's own checks, beside no distribution: docs, packaging, layering, lint
+    # configuration, scripts and examples.
+    runs.append(["tests"])
     with tempfile.TemporaryDirectory(prefix="paged-tests-") as reports:
         # The suite itself, on every installed backend, writing conformance-report.md/.json: the
         # longest run (Triton's interpreter on every case), so it runs beside the others, one

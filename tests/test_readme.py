@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import io
 import pathlib
 import re
@@ -48,7 +49,12 @@ def test_usage_example_prints_what_its_comments_say():
 
 def test_usage_example_computes_attention():
     import torch
-    from oracle import loop_attention
+
+    # The plain-loop float64 oracle of paged-core's tests, loaded by path: it has one copy, in
+    # core/tests, which pytest runs in a process of its own.
+    spec = importlib.util.spec_from_file_location("_oracle", ROOT / "core" / "tests" / "oracle.py")
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
 
     namespace: dict = {}
     exec(_python_blocks_under("Using it")[0], namespace)
@@ -58,7 +64,7 @@ def test_usage_example_computes_attention():
     # The example's last call (window 32, with the LSE) against the plain-loop float64 oracle.
     qlens, slens = meta.host()
     tables = [meta.block_table[r].tolist() for r in range(meta.num_reqs)]
-    want, want_lse = loop_attention(
+    want, want_lse = oracle.loop_attention(
         q.double().tolist(),
         cache.k.double().tolist(),
         cache.v.double().tolist(),

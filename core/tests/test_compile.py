@@ -2,7 +2,7 @@
 
 A step compiled with ``fullgraph=True`` (which raises on any graph break) must give what eager
 gives and what the float64 reference gives, compile once for a whole run of steps, and write the
-cache in place. On the CPU the Triton backends run under ``TRITON_INTERPRET=1`` (tests/conftest.py)
+cache in place. On the CPU the Triton backends run under ``TRITON_INTERPRET=1`` (core/tests/conftest.py)
 inside the compiled graph: the op calls the eager launcher, which the interpreter runs as usual.
 """
 
@@ -28,7 +28,7 @@ from paged_core import (
 from torch._dynamo.testing import CompileCounterWithBackend
 
 # The torch.compile section of the contract's page, whose example is run as written.
-CONTRACT_DOC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "contract.md").read_text()
+CONTRACT_DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "contract.md").read_text()
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 32, 16, 12
 #: Physical blocks per request: a prefill chunk, a decode, a padding request (seq_len 0).
 TABLES = [[3, 7], [5, 1, 9], []]

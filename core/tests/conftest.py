@@ -1,6 +1,6 @@
 """Shared fixtures of paged-core's own tests.
 
-``plugin_site``: the tiny real plugin distribution in ``tests/fixtures/paged-fixture-plugins``,
+``plugin_site``: the tiny real plugin distribution in ``core/tests/fixtures/paged-fixture-plugins``,
 installed once per session with pip into a temporary ``--target`` directory, which
 ``fixture_plugins`` puts on ``sys.path`` for one test at a time. That is a real install (a wheel
 built by setuptools, a ``.dist-info`` with ``entry_points.txt``), found by ``importlib.metadata``
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 FIXTURES = Path(__file__).parent / "fixtures"
 # The fixture plugins are installed, not collected: with --doctest-modules pytest would import
 # them (one raises on import on purpose). Nor is this file: as a doctest module it is imported as
-# plain "conftest", which clashes with any other tests/conftest.py collected in the same run.
+# plain "conftest", which clashes with any other conftest.py collected in the same run.
 collect_ignore = ["fixtures", "conftest.py"]
 FIXTURE_DIST = FIXTURES / "paged-fixture-plugins"
 FIXTURE_MODULES = ("paged_fixture_good", "paged_fixture_broken", "paged_fixture_badhook")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[1] / "core" / "src" / "paged_core"
+CORE = Path(__file__).resolve().parents[1] / "src" / "paged_core"
 PACKAGE = "paged_core"
 
 

@@ -1,4 +1,4 @@
-"""The reference backend against an independent float64 loop (tests/oracle.py)."""
+"""The reference backend against an independent float64 loop (core/tests/oracle.py)."""
 
 from __future__ import annotations
 
