@@ -5,9 +5,9 @@ replay time and its check against the reference, one printed line per variant.
 Not a script: the scripts beside it import it (``import _harness as H``; Python puts a script's
 own folder first on ``sys.path``). ``--smoke`` on the script's command line selects tiny shapes on
 the CPU under Triton's interpreter; it is read here, at import, because Triton reads
-``TRITON_INTERPRET`` when the kernels are imported. Timings are CUDA-graph replays timed as ``paged
-bench`` times them (paged-bench is reached only through its command, so its timer is not
-imported here); checks use the conformance suite's tolerance
+``TRITON_INTERPRET`` when the kernels are imported. Timings are CUDA-graph replays timed by ``paged
+bench``'s own timer (``paged_bench.timing``, the one module of the bench the scripts import);
+checks use the conformance suite's tolerance
 (``paged_conformance.tolerances``). Floors: bytes of K/V (+ scales) read / ``BW``; prefill is
 reported in TFLOP/s (causal FLOPs, 4 * D * Hq per visible pair).
 """
@@ -26,8 +26,6 @@ if SMOKE:
 
 import torch  # noqa: E402
 import torch.utils._python_dispatch  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
 from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
 from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
 from paged_triton_splitkv.launch import split_decode_attention  # noqa: E402
@@ -55,24 +53,23 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def graph_ms(fn) -> float:
-    """Median ms of ``fn``'s CUDA-graph replays, ``do_bench`` flushing the L2 before each, as
-    ``paged bench`` times the backends that claim CUDA graphs. With --smoke: one call on the CPU,
-    which must not read a tensor on the host, and NaN."""
+    """Median ms of ``fn``'s CUDA-graph replays, timed as ``paged bench`` times the backends that
+    claim CUDA graphs (``paged_bench.timing``: ``graph_replay``, then ``time_fn``, the L2 flushed
+    before each replay). With --smoke: one call on the CPU, which must not read a tensor on the
+    host, and NaN."""
     if SMOKE:
         with _NoHostSync():
             fn()
         return float("nan")
+    from paged_bench.timing import graph_replay, time_fn
+
+    device = torch.device("cuda")
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    replay, why = graph_replay(fn, device)
+    if replay is None:
+        raise RuntimeError(f"the call could not be captured in a CUDA graph: {why}")
+    return time_fn(replay, device)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from paged_core import AttentionSpec, Backend, BatchMeta, Registry, allocate_kv_
 from .cases import Case
 from .config import Config
 from .data import CaseData, as_bytes, recover
-from .timing import host_time_ms, host_us, sync, time_fn
+from .timing import graph_replay, host_time_ms, host_us, sync, time_fn
 
 __all__ = ["PRODUCERS", "SDPA_BASELINES", "Lineup", "Row", "RowProducer", "run_backend", "short", "tolerance_label"]
 
@@ -99,28 +99,6 @@ def short(exc: BaseException) -> str:
     """An exception as a status: its type and the first line of its message."""
     msg = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
-
-
-def _graph_fn(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], None] | tuple[None, str]:
-    """A CUDA graph of ``fn`` (already warmed up) and its replay, or None with why."""
-    try:
-        s = torch.cuda.Stream(device)
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream(device).wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize(device)
-        return g.replay, None
-    except Exception as exc:
-        try:
-            torch.cuda.synchronize(device)
-        except Exception:
-            pass
-        return None, short(exc)
 
 
 def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Backend, tol: Tolerance) -> Row:
@@ -200,7 +178,7 @@ def run_backend(cfg: Config, case: Case, data: CaseData, name: str, backend: Bac
         if cfg.cuda_graph and backend.capabilities.cuda_graphs:
             # Engines replay decode steps from CUDA graphs: the replay time is the kernel's own,
             # without the host-side launch cost that the eager time includes.
-            replay, why = _graph_fn(fn, cfg.device)
+            replay, why = graph_replay(fn, cfg.device)
             if replay is not None:
                 row.ms, row.timing = time_fn(replay, cfg.device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
                 row.note = "CUDA graph"

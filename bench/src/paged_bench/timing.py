@@ -3,6 +3,9 @@
 * :func:`time_fn` — median time of a callable: ``triton.testing.do_bench`` on a GPU (L2 flushed
   before every repetition), CUDA events around each call with a 256 MB buffer written between
   repetitions when Triton is missing, a host clock on the CPU.
+* :func:`graph_replay` — a callable captured in a CUDA graph, as engines run decode steps; its
+  replay is what :func:`time_fn` then times (``paged bench``'s "ms" of backends that claim CUDA
+  graphs, and the development scripts' timings: ``scripts/_harness.py``).
 * :func:`host_us` — the host's own time per call, the device synchronised only at the end.
 * :func:`host_time_ms` — the wall time of a call synchronised on both sides (``plan``).
 
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HOST_CALLS", "have_triton", "host_time", "host_time_ms", "host_us", "sync", "time_fn"]
+__all__ = ["HOST_CALLS", "graph_replay", "have_triton", "host_time", "host_time_ms", "host_us", "sync", "time_fn"]
 
 _FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -64,6 +67,32 @@ def time_fn(
             ms = ms[0] if isinstance(ms, (list, tuple)) else ms
         return float(ms), "triton.testing.do_bench (median, L2 flushed)"
     return _event_time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms), "CUDA events (median, L2 flushed)"
+
+
+def graph_replay(fn: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], None] | tuple[None, str]:
+    """``fn`` (already run once: compiled) captured in a CUDA graph: ``(replay, None)``, or
+    ``(None, why)`` when it cannot be captured. ``fn`` runs once more on a side stream before the
+    capture (what ``torch.cuda.graphs`` asks for) and the graph is replayed once before it is
+    returned, so a replay that fails does so here."""
+    try:
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize(device)
+        return g.replay, None
+    except Exception as exc:
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:
+            pass
+        msg = str(exc).strip().splitlines()
+        return None, f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300]
 
 
 def _event_time(fn: Callable[[], Any], device: torch.device, *, warmup_ms: float, rep_ms: float) -> float:

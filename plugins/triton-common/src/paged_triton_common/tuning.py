@@ -8,6 +8,11 @@ own: on an NVIDIA H200 (Triton 3.6, 2026-12-02) every config of triton-splitkv's
 0.037-0.041 ms, so the choice among them was noise (the same bench row moved 0.0222-0.0250 ms
 between processes). Engines run decode attention from CUDA graphs, and so does the timing here:
 one call is captured, and its replays are timed, each after the same L2 flush.
+
+``paged bench`` and the development scripts time replays the same way with the bench's timer
+(``paged_bench.timing``); the autotuners keep this one, since a plugin may not depend on the
+bench, and a config is captured thread-locally (other threads may be compiling) and timed eagerly
+when it cannot be captured.
 """
 
 from __future__ import annotations
