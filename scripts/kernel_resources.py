@@ -96,12 +96,12 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
 # The kernels' constexprs for each cache format, with bf16 q: what the launchers pass.
 KV_FLAGS = {
     "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False, "V_SCALE_ON_P": False},
-    "int8": {"KV_QUANT": 1, "QDOT16": False, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
+    "int8": {"KV_QUANT": 1, "QDOT16": True, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
     "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1, "V_SCALE_ON_P": True},
     "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2, "V_SCALE_ON_P": True},
 }
-for _flags in KV_FLAGS.values():  # the 4-bit formats' switches of the split kernel: off here
-    _flags.update(INT4=False, K_PER_CHANNEL=False, F16=False)
+for _flags in KV_FLAGS.values():  # the split kernel's: 8-bit codes into fp16 dots, as QDOT16
+    _flags.update(INT4=False, K_PER_CHANNEL=False, F16=_flags["QDOT16"])
 
 
 def loop_stats(sass: str, min_len: int = 64) -> dict:

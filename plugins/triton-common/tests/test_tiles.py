@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import triton
 import triton.language as tl
-from paged_triton_common.tiles import int4_f16, tanh
+from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2, codes8_f16, int4_f16, tanh
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,3 +76,37 @@ def _int4_f16_kernel(x_ptr, y_ptr, ASM: tl.constexpr):
     x = tl.load(x_ptr + r[:, None] * 16 + r[None, :])
     c = tl.arange(0, 32)
     tl.store(y_ptr + r[:, None] * 32 + c[None, :], int4_f16(x, ASM))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("staged", [False, True])
+def test_codes8_f16_converts_every_code_exactly(fmt, staged):
+    """Every 8-bit code becomes its exact fp16 value (PTX on the GPU, Triton's conversion under
+    the interpreter), staged in the load layout or not; NaN codes stay NaN."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    if fmt == "int8":
+        want = codes.view(torch.int8).to(torch.float16)
+        src, fp8 = codes.view(torch.int8), 0
+    else:
+        dtype = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+        want = codes.view(dtype).to(torch.float16)
+        src, fp8 = codes, FP8_E4M3 if fmt == "fp8_e4m3" else FP8_E5M2
+    got = torch.empty(16, 16, dtype=torch.float16, device=DEVICE)
+    _codes8_f16_kernel[(1,)](src.to(DEVICE), got, FP8=fp8, ASM=DEVICE == "cuda", STAGED=staged)
+    got = got.cpu()
+    if DEVICE == "cpu":
+        # Triton 3.9's interpreter converts fp8 with numpy: e4m3's NaN codes read +-480 and
+        # e5m2's subnormals flush to zero there. The GPU run checks every code.
+        skip = {"int8": [], "fp8_e4m3": [0x7F, 0xFF], "fp8_e5m2": [1, 2, 3, 0x81, 0x82, 0x83]}[fmt]
+        keep = ~torch.isin(codes.to(torch.int32), torch.tensor(skip, dtype=torch.int32))
+        got, want = got[keep], want[keep]
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+
+
+@triton.jit
+def _codes8_f16_kernel(x_ptr, y_ptr, FP8: tl.constexpr, ASM: tl.constexpr, STAGED: tl.constexpr):
+    r = tl.arange(0, 16)
+    x = tl.load(x_ptr + r[:, None] * 16 + r[None, :])
+    tl.store(y_ptr + r[:, None] * 16 + r[None, :], codes8_f16(x, FP8, ASM, STAGED))

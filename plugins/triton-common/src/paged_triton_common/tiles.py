@@ -11,12 +11,13 @@ seen no visible key has ``m == -inf`` and ``l == 0``; its output is zeros and it
   key is ``-inf``, not ``cap * tanh(-inf)``).
 * Sinks (:func:`fold_sink`): a per-head natural-log logit without a value, in the denominator
   once, after every key; it never makes a row without keys seen.
-* Quantized caches (:func:`codes_to`, :func:`int4_codes`, :func:`int4_f16`): int8 codes, or fp8
-  codes (e4m3 or e5m2) that travel as ``uint8`` (the CPU interpreter has no float8 pointers) and
-  are bitcast here; int4 codes come two to a byte. Codes convert exactly to fp16 (and 8-bit ones
-  to bf16), so a dot on raw codes loses nothing; scales are applied by the caller to scores or
-  probabilities. On the GPU int4 codes unpack to fp16 in a few integer instructions per eight
-  (inline PTX); :func:`q_f16` brings a 16-bit ``q`` into fp16's range for such dots.
+* Quantized caches (:func:`codes_to`, :func:`codes8_f16`, :func:`int4_codes`, :func:`int4_f16`):
+  int8 codes, or fp8 codes (e4m3 or e5m2) that travel as ``uint8`` (the CPU interpreter has no
+  float8 pointers) and are bitcast here; int4 codes come two to a byte. Codes convert exactly to
+  fp16 (and 8-bit ones to bf16), so a dot on raw codes loses nothing; scales are applied by the
+  caller to scores or probabilities. On the GPU codes become fp16 in a few integer instructions
+  per four (8-bit) or eight (int4) codes (inline PTX); :func:`q_f16` brings a 16-bit ``q`` into
+  fp16's range for such dots.
 * The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile.
 * The interpreter switch (:func:`upcast`): the interpreter of Triton 3.9 stores bfloat16 as raw
   16-bit integers and silently computes garbage on any bf16 value not first converted with
@@ -32,6 +33,7 @@ __all__ = [
     "LN2",
     "LOG2E",
     "block_ok",
+    "codes8_f16",
     "codes_to",
     "fold_sink",
     "int4_codes",
@@ -145,6 +147,70 @@ def int4_f16(x, ASM: tl.constexpr):
         lo = ((b << 4) >> 4).to(tl.float16)  # arithmetic shifts sign-extend each nibble
         hi = (b >> 4).to(tl.float16)
     return tl.reshape(tl.join(lo, hi), (x.shape[0], 2 * x.shape[1]))
+
+
+# Four 8-bit codes (one 32-bit register) -> four fp16 (two registers), exact:
+# int8: with u = code + 128 (each sign bit flipped), 0x6400 | u is 1024 + u, minus 1152;
+# e4m3: the native two-code conversion, twice; e5m2: each code is the upper byte of its fp16.
+_INT8X4_F16 = tl.constexpr("""{
+    .reg .b32 t, m;
+    xor.b32 t, $2, 0x80808080;
+    prmt.b32 $0, t, 0x64646464, 0x4140;
+    prmt.b32 $1, t, 0x64646464, 0x4342;
+    mov.b32 m, 0x64806480;
+    sub.f16x2 $0, $0, m;
+    sub.f16x2 $1, $1, m;
+    }""")
+_E4M3X4_F16 = tl.constexpr("""{
+    .reg .b16 a, b;
+    mov.b32 {a, b}, $2;
+    cvt.rn.f16x2.e4m3x2 $0, a;
+    cvt.rn.f16x2.e4m3x2 $1, b;
+    }""")
+_E5M2X4_F16 = tl.constexpr("""{
+    prmt.b32 $0, $2, 0, 0x1404;
+    prmt.b32 $1, $2, 0, 0x3424;
+    }""")
+
+
+@triton.jit
+def codes8_f16(x, FP8: tl.constexpr, ASM: tl.constexpr, STAGED: tl.constexpr):
+    """8-bit codes (int8, or fp8 as uint8 with ``FP8`` as in :func:`codes_to`) as exact fp16.
+
+    ``ASM`` (the GPU): inline PTX, four codes per block. ``STAGED`` keeps the conversion in the
+    layout the tile was loaded in (the asm is declared impure, so Triton cannot move the MMA
+    operand's layout change above it onto the codes): for V, whose reduction dim (keys) is not
+    contiguous in memory, the fp16 values then reach the MMA through shared memory with one
+    transposing ``ldmatrix`` per 16 bytes instead of one shared-memory load per code
+    (triton-splitkv's int8 decode step at 64 keys: 1,473 instructions, 947 staged; sm_90a,
+    Triton 3.9). K's reduction dim (its head dim) is contiguous: unstaged, its codes reach the
+    MMA layout with ``ldmatrix`` and convert there. Without ``ASM`` Triton converts (fp8 to
+    fp16 is one native instruction per two codes; int8 to fp16 a slow I2F each).
+    """
+    if ASM:
+        b = x.to(tl.uint8, bitcast=True)
+        if FP8 == 2:
+            y = _codes8x4_f16(b, _E5M2X4_F16, STAGED)
+        elif FP8:
+            y = _codes8x4_f16(b, _E4M3X4_F16, STAGED)
+        else:
+            y = _codes8x4_f16(b, _INT8X4_F16, STAGED)
+    else:
+        y = codes_to(x, tl.float16, FP8)
+    return y
+
+
+@triton.jit
+def _codes8x4_f16(b, ASM_TEXT: tl.constexpr, STAGED: tl.constexpr):
+    # The second operand is a dummy, as in _int4x8_f16.
+    return tl.inline_asm_elementwise(
+        asm=ASM_TEXT,
+        constraints="=r,=r,r,r",
+        args=[b, tl.zeros_like(b)],
+        dtype=tl.float16,
+        is_pure=not STAGED,
+        pack=4,
+    )
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from paged_triton_common.runtime import AUTOTUNE, INTERPRET
 from paged_triton_common.tiles import (
     LOG2E,
     block_ok,
+    codes8_f16,
     codes_to,
     fold_sink,
     int4_codes,
@@ -95,8 +96,8 @@ def _attend_tile(
     HEAD_DIM_V: tl.constexpr = 0,
     HEAD_DIM_V_PAD: tl.constexpr = 0,
     K_PER_CHANNEL: tl.constexpr = False,  # kivi4: key scales per (block, KV head, channel)
-    F16: tl.constexpr = False,  # int4 codes into fp16 dots (q already in fp16: tiles.q_f16)
-    ASM: tl.constexpr = False,  # int4 unpacking in PTX (the GPU; not the interpreter)
+    F16: tl.constexpr = False,  # codes into fp16 dots (q already in fp16: tiles.q_f16)
+    ASM: tl.constexpr = False,  # code conversion in PTX (the GPU; not the interpreter)
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
@@ -128,6 +129,8 @@ def _attend_tile(
             k_scale_ptr + ks_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_mask[:, None], other=0.0
         )
         kt = (kt.to(tl.float32) * k_sc).to(q.dtype)
+    elif F16 and not INT4:
+        kt = codes8_f16(kt, FP8, ASM, STAGED=False)
     elif not F16:  # (int4_f16's codes are fp16 already)
         kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
@@ -160,6 +163,8 @@ def _attend_tile(
             mask=key_ok[:, None] & dv_mask[None, :],
             other=0,
         )  # [BLOCK_N, HEAD_DIM_V_PAD]
+        if F16:
+            v = codes8_f16(v, FP8, ASM, STAGED=True)
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
@@ -405,7 +410,7 @@ def split_kv_attention_kernel(
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
-    F16: tl.constexpr,  # int4/kivi4 cache with 16-bit q: both dots in fp16 (tiles.int4_f16)
+    F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -745,7 +750,7 @@ def cascade_prefix_kernel(
     FP8: tl.constexpr,
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
-    F16: tl.constexpr,  # int4/kivi4 cache with 16-bit q: both dots in fp16 (tiles.int4_f16)
+    F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
     V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,

@@ -173,9 +173,9 @@ def _kv_args(
         FP8=fp8,
         INT4=int4,
         K_PER_CHANNEL=quant and cast(torch.Tensor, k_scale).dim() == 4,
-        # int4 codes with 16-bit q run both dots in fp16 (tiles.int4_f16); fp32 q keeps its own
-        # dtype (fp16 operands would round it).
-        F16=int4 and q.dtype in (torch.float16, torch.bfloat16),
+        # Quantized codes with 16-bit q run both dots in fp16 (tiles.codes8_f16, int4_f16); fp32
+        # q keeps its own dtype (fp16 operands would round it).
+        F16=quant and q.dtype in (torch.float16, torch.bfloat16),
         # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
         # subnormals for small scales, so fp16 dequantizes V itself.
         V_SCALE_ON_P=quant and q.dtype != torch.float16,

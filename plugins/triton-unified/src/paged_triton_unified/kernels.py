@@ -29,6 +29,7 @@ from paged_triton_common.runtime import AUTOTUNE, INTERPRET
 from paged_triton_common.tiles import (
     LOG2E,
     block_ok,
+    codes8_f16,
     codes_to,
     fold_sink,
     int4_codes,
@@ -143,7 +144,7 @@ def _attend_step(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    QDOT16: tl.constexpr,  # fp8 or 4-bit cache with 16-bit q: fp16 dots, V scale per tile
+    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: fp16 dots, V scale per tile
     ASM: tl.constexpr,  # int4 unpacking in PTX (the GPU; not the interpreter)
     FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see unified_attention_kernel)
     BLOCK_SIZE: tl.constexpr,
@@ -205,6 +206,8 @@ def _attend_step(
         ks_offs = block * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
         k_sc = tl.load(k_scale_ptr + ks_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
         k = (k.to(tl.float32) * k_sc).to(q.dtype)
+    elif QDOT16 and not INT4:
+        k = codes8_f16(k, FP8, ASM, STAGED=False)
     elif not (INT4 and QDOT16):
         # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
         # [BLOCK_M, BLOCK_N] scores instead of to every element of K. (int4_f16: already fp16.)
@@ -253,7 +256,10 @@ def _attend_step(
             v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :], mask=v_mask, other=0)
         else:
             v = tl.load(v_cache_ptr + v_offs[:, None] + offs_dv[None, :])
-        v = codes_to(v, q.dtype, FP8)
+        if QDOT16:
+            v = codes8_f16(v, FP8, ASM, STAGED=True)
+        else:
+            v = codes_to(v, q.dtype, FP8)
     acc = acc * alpha[:, None]
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
@@ -359,8 +365,8 @@ def _tile_program(
     else:
         qk_scale = scale * LOG2E
     if QDOT16:
-        # fp8 and 4-bit caches run their dots in fp16: their codes convert to fp16 natively or in
-        # a few integer instructions (to bf16 they do not); q is brought into fp16's range exactly.
+        # Quantized caches run their dots in fp16: their codes convert to fp16 in a few integer
+        # instructions (to bf16 they do not); q is brought into fp16's range exactly.
         q, q_factor = q_f16(q)
         qk_scale = qk_scale * q_factor
 
@@ -672,7 +678,7 @@ def unified_attention_kernel(
     FUSED: tl.constexpr,  # both size classes (see the tilings above); False: tile r is request r
     KV_QUANT: tl.constexpr,  # 0: cache in q's dtype, 1: int8 codes, 2/3: fp8 e4m3/e5m2 codes (as uint8),
     # 4: int4 codes, 5: kivi4 (int4 codes, key scales per block and channel: k_scale [.., head_dim])
-    QDOT16: tl.constexpr,  # fp8 or 4-bit cache with 16-bit q: both dots in fp16 (tiles.q_f16)
+    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.q_f16)
     FOLD_SCALE: tl.constexpr,  # scale > 0: qk_scale folded into the exp2 FFMA (see _attend_step)
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,

@@ -407,9 +407,8 @@ def unified_attention(
         BLOCK_N_SMALL=config.block_n or FUSED_BLOCK_N_SMALL,
         FUSED=fused,
         KV_QUANT=kv_quant,
-        # fp8 and 4-bit codes with 16-bit q: fp32 q keeps its own dtype (fp16 operands would round
-        # it), and int8 is faster converted to q's dtype (LaunchConfig's docstring).
-        QDOT16=kv_quant >= 2 and q.dtype in (torch.float16, torch.bfloat16),
+        # Quantized codes with 16-bit q: fp32 q keeps its own dtype (fp16 operands would round it).
+        QDOT16=kv_quant >= 1 and q.dtype in (torch.float16, torch.bfloat16),
         # Folding the scale into the exponent needs max(s * c) == max(s) * c, i.e. c > 0.
         FOLD_SCALE=scale > 0,
         USE_WINDOW=window > 0,
