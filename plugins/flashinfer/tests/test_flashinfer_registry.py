@@ -112,12 +112,11 @@ def test_constructor_is_cheap_and_checks_options():
         (dict(device="cpu"), "device 'cpu'"),
         (dict(dtype=torch.float32), "dtype float32"),
         (dict(head_dim=96), "head_dim 96"),
-        (dict(kv_dtype="int8"), "kv_dtype 'int8'"),
-        (dict(kv_dtype="fp8"), "kv_dtype 'fp8'"),
-        (dict(kv_dtype="fp8_e5m2"), "kv_dtype 'fp8_e5m2' is not supported (accepted: auto)"),
+        (dict(kv_dtype="int8"), "kv_dtype 'int8' is not supported (accepted: auto, fp8, fp8_e5m2)"),
+        (dict(kv_dtype="kivi4"), "kv_dtype 'kivi4'"),
         (dict(sinks=True), "sinks"),
     ],
-    ids=["cpu", "float32", "head_dim_96", "int8", "fp8", "fp8_e5m2", "sinks"],
+    ids=["cpu", "float32", "head_dim_96", "int8", "kivi4", "sinks"],
 )
 def test_declared_capabilities_refuse_what_flashinfer_cannot_do(change, words):
     base = dict(
@@ -410,3 +409,60 @@ def test_mla_prefill_wrappers_use_fa2(monkeypatch):
     (reason,) = FlashInferBackend(prefill_backend="fa3").extra_reasons(spec)
     assert "needs prefill_backend 'auto' or 'fa2'" in reason
     assert FlashInferBackend(prefill_backend="fa2").extra_reasons(spec) == []
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_scales", ["per_slot", "per_head", "per_tensor"])
+def test_fp8_caches_are_claimed_through_fa2_only(kv_dtype, kv_scales):
+    spec = AttentionSpec(
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        kv_dtype=kv_dtype,
+        kv_scales=kv_scales,
+    )
+    assert FlashInferBackend.capabilities.reasons(spec) == []
+    assert FlashInferBackend().extra_reasons(spec) == []
+    (reason,) = FlashInferBackend(decode_backend="fa3", prefill_backend="fa3").extra_reasons(spec)
+    assert f"kv_dtype '{kv_dtype}' runs FlashInfer's FA2 kernels only" in reason
+    assert "decode_backend='fa3' and prefill_backend='fa3'" in reason
+    assert FlashInferBackend(prefill_backend="fa3").extra_reasons(dataclasses.replace(spec, kv_dtype="auto")) == []
+
+
+def test_fp8_plans_read_codes_with_per_slot_scales(monkeypatch):
+    # use_token_head_sf and the codes' dtype reach every planner; mixed batches and prefills
+    # take the prefill wrapper on FA2 (BatchAttention reads no per-slot scales).
+    monkeypatch.setattr(FlashInferBackend, "_prewarm", staticmethod(lambda p, device: None))
+    b = FlashInferBackend()
+    fp8 = _mla_params(num_kv_heads=4, head_dim=128, head_dim_vo=0, kv_dtype=torch.float8_e5m2)
+    assert fp8.fp8 and not _mla_params().fp8
+    mixed = prepare_plan(BatchMeta.build([5, 1], [40, 70], block_size=16))
+    decode = prepare_plan(BatchMeta.build([1, 1], [40, 70], block_size=16))
+    assert b._path(mixed, fp8) == "prefill" and b._path(decode, fp8) == "decode"
+    assert b._prefill_kernel(fp8) == "fa2"
+    for path, plan in (("prefill", mixed), ("decode", decode)):
+        wrapper = _Recorder()
+        b._plan_into(fib._Slot(path, wrapper), plan, fp8)
+        kwargs = wrapper.calls[0][1]
+        assert kwargs["use_token_head_sf"] is True
+        assert kwargs["kv_data_type"] == torch.float8_e5m2 and kwargs["q_data_type"] == torch.bfloat16
+    wrapper = _Recorder()
+    b._plan_into(fib._Slot("decode", wrapper), decode, dataclasses.replace(fp8, kv_dtype=None))
+    assert "use_token_head_sf" not in wrapper.calls[0][1]
+
+
+def test_fp8_plan_keyword_reaches_the_params(monkeypatch):
+    seen = []
+    monkeypatch.setattr(FlashInferBackend, "_load", lambda self, plan, params, device: seen.append(params))
+    monkeypatch.setattr(fib, "prepare_plan", lambda meta, prefix_blocks=0: None)
+    monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
+    meta = BatchMeta.build([1], [9], block_size=16)
+    monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
+    for kv_dtype, want in (("fp8", torch.float8_e4m3fn), ("auto", torch.bfloat16)):
+        FlashInferBackend()._plan(
+            meta, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, kv_dtype=kv_dtype
+        )
+        assert seen[-1].kv_dtype == want

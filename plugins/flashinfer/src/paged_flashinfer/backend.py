@@ -27,6 +27,12 @@ shared prefix     with ``cascade=True``: FlashInfer's two-level cascade (the lev
                   ``merge_state_in_place``)
 ================  =====================================================================
 
+fp8 caches (``kv_dtype="fp8"`` or ``"fp8_e5m2"``, scales per slot or static) run FlashInfer's
+FA2 kernels with ``use_token_head_sf=True``: the codes are read as they are and the float32
+scales through ``kv_cache_sf``, one per (slot, KV head) as paged-core stores them (a static
+scale is the same view with strides 0). Mixed batches then take the prefill wrapper
+(``BatchAttention`` has no such scales).
+
 Everything FlashInfer's planners need on the host comes from ``BatchMeta``'s host mirrors
 (``query_start_loc_cpu``, ``seq_lens_cpu``); the device-side metadata comes from
 :func:`paged_core.to_flashinfer_pages`. No device-to-host copy happens when the mirrors exist
@@ -77,6 +83,9 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 _DECODE_BACKENDS = ("fa2", "fa3", "auto")
 _PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 _MIXED = ("batch_attention", "prefill")
+#: paged-core's fp8 formats and the code dtypes FlashInfer reads them as.
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_CODES = frozenset(_FP8.values())
 _tokens = itertools.count(1)
 
 
@@ -104,10 +113,19 @@ class _Params:
     scale: float
     #: V's and the output's head dim (``head_dim`` except in MLA-shaped layers).
     head_dim_vo: int = 0
+    #: The cache's element dtype: ``dtype``, or the fp8 codes' (scales through ``kv_cache_sf``).
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim_vo:
             object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+
+    @property
+    def fp8(self) -> bool:
+        """fp8 codes with one float32 scale per (slot, KV head): FlashInfer's ``use_token_head_sf``."""
+        return self.kv_dtype in _FP8_CODES
 
     @property
     def window_left(self) -> int:
@@ -334,11 +352,14 @@ class FlashInferBackend(Backend):
         # FA2/FA3 kernels take half-precision Q/K/V only (prefill.py/decode.py: q_data_type
         # "float16" default; fp8 paths need fp8 Q or special scales). No float32.
         dtypes=frozenset({torch.float16, torch.bfloat16}),
-        # FlashInfer's fp8 KV takes one scale per tensor (run(k_scale=, v_scale=) floats), not
-        # our per-(slot, head) scales; its use_token_head_sf fa2 path reads float32
-        # [num_pages, page_size, num_kv_heads] scales but is not offered here until proven
-        # exact on the H200. int8 KV has no FlashInfer kernel.
-        kv_dtypes=frozenset({"auto"}),
+        # fp8 e4m3/e5m2 codes with float32 scales of shape [num_pages, page_size, num_kv_heads]
+        # (NHD): plan(use_token_head_sf=True) and run(kv_cache_sf=(k_sf, v_sf)) of the decode
+        # and prefill wrappers (decode.py/prefill.py: "The tensors may be non-contiguous
+        # views"), FA2 only. The kernel indexes them with their own page/slot/head strides
+        # (prefill.cuh page_produce_kv_token_head_sf), so static scales (strides 0) read as
+        # well. int8 and 4-bit KV have no FlashInfer kernel.
+        kv_dtypes=frozenset({"auto", *_FP8}),
+        kv_scales=frozenset({"per_slot", "per_head", "per_tensor"}),
         devices=frozenset({"cuda"}),
         # window_left in decode.py/prefill.py plan(); BatchAttention.plan has none, so
         # windowed mixed batches go to the prefill wrapper (see _path).
@@ -411,13 +432,25 @@ class FlashInferBackend(Backend):
         return reasons
 
     def extra_reasons(self, spec: AttentionSpec) -> list[str]:
+        out = []
         if spec.head_dim_v != spec.head_dim and self.prefill_backend == "fa3":
-            return [
+            out.append(
                 f"head_dim_v {spec.head_dim_v} other than head_dim {spec.head_dim} needs prefill_backend "
                 "'auto' or 'fa2': FA3's paged prefill reads K and V with one page stride, and K and V "
                 "pages of two head dims have two"
+            )
+        if spec.kv_dtype in _FP8:
+            fa3 = [
+                f"{opt}='fa3'"
+                for opt, val in (("decode_backend", self.decode_backend), ("prefill_backend", self.prefill_backend))
+                if val == "fa3"
             ]
-        return []
+            if fa3:
+                out.append(
+                    f"kv_dtype {spec.kv_dtype!r} runs FlashInfer's FA2 kernels only (per-slot fp8 scales: "
+                    f"use_token_head_sf), not {' and '.join(fa3)}; accepted: 'fa2' or 'auto'"
+                )
+        return out
 
     # ----------------------------------------------------------------------------- plan
     def _plan(
@@ -433,6 +466,7 @@ class FlashInferBackend(Backend):
         scale: float | None = None,
         shared_prefix_blocks: int | None = None,
         head_dim_v: int | None = None,
+        kv_dtype: str = "auto",
     ) -> FlashInferPlan:
         """Plan one step's batch; pass the result to every layer's ``forward``.
 
@@ -471,6 +505,7 @@ class FlashInferBackend(Backend):
                 float(softcap),
                 float(scale),
                 int(head_dim_v or head_dim),
+                _FP8.get(kv_dtype, dtype),
             )
             if meta.num_tokens:  # an empty batch runs nothing (forward returns at once)
                 self._load(plan, params, meta.device)
@@ -534,6 +569,8 @@ class FlashInferBackend(Backend):
             return "prefill"
         if plan.batch_class == "decode":
             return "decode"
+        if params.fp8:
+            return "prefill"  # BatchAttention reads no per-slot scales
         # BatchAttention has no sliding window; and with one query head per KV head (MHA) it
         # failed the conformance case mixed_prefill_and_decode-g1 on the H200 (FlashInfer 0.7.4,
         # 2026-11-29; g4 and g3 passed), so MHA mixed batches take the prefill wrapper.
@@ -558,6 +595,8 @@ class FlashInferBackend(Backend):
 
     def _prefill_kernel(self, p: _Params) -> str:
         """The prefill wrapper's ``backend`` for layers of these parameters."""
+        if p.fp8:
+            return "fa2"  # use_token_head_sf is FA2's (prefill.py plan)
         if p.head_dim_vo != p.head_dim and self.prefill_backend == "auto":
             # FA3's paged prefill needs one page stride and one token stride for K and V
             # (batch_prefill_sm90.cu: "K and V must have same page stride for sparse attention");
@@ -642,7 +681,9 @@ class FlashInferBackend(Backend):
         self._prewarm(p, plan.meta.device)
         if pages.indptr_cpu is None or pages.last_page_len_cpu is None:  # prepare_plan sets them
             raise InputError("internal: the plan has no host page metadata")
-        common = dict(q_data_type=p.dtype, kv_data_type=p.dtype, sm_scale=p.scale)
+        common = dict(q_data_type=p.dtype, kv_data_type=p.kv_dtype, sm_scale=p.scale)
+        if p.fp8:
+            common["use_token_head_sf"] = True
         if slot.path == "decode":
             # decode.py _plan_impl: indptr/last_page_len are read with .to("cpu") (no-op for CPU
             # tensors: no sync); indices stay on the device (copied into the fixed buffer in
@@ -770,8 +811,12 @@ class FlashInferBackend(Backend):
     ) -> None:
         if q.shape[0] == 0:
             return
-        if cache.quantized:  # capabilities refuse it; a direct _forward call must not misread codes
-            raise InputError(f"kv_dtype {cache.kv_dtype!r} is not supported by the flashinfer backend")
+        if cache.quantized and cache.kv_dtype not in _FP8:
+            # Capabilities refuse it; a direct _forward call must not misread codes.
+            raise InputError(
+                f"kv_dtype {cache.kv_dtype!r} is not supported by the flashinfer backend (accepted: "
+                f"'auto', {', '.join(map(repr, _FP8))})"
+            )
         p = self._plan_for(plan)
         params = _Params(
             int(q.shape[1]),
@@ -782,26 +827,29 @@ class FlashInferBackend(Backend):
             float(softcap),
             float(scale),
             cache.head_dim_v,
+            cache.k.dtype,
         )
         slot = self._load(p, params, q.device)
 
         qc = q if q.is_contiguous() else q.contiguous()
         o = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         kv = (cache.k, cache.v)
+        # fp8: the scales as FlashInfer's use_token_head_sf reads them, [pages, page_size, heads].
+        sf = {"kv_cache_sf": (cache.k_scale, cache.v_scale)} if params.fp8 else {}
         if slot.path == "cascade":
             prefix_level, suffix_level = slot.wrapper
             lse_s = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-            suffix_level.run(qc, kv, out=o, lse=lse_s, return_lse=True)
-            o_p, lse_p = prefix_level.run(qc, kv, return_lse=True)
+            suffix_level.run(qc, kv, out=o, lse=lse_s, return_lse=True, **sf)
+            o_p, lse_p = prefix_level.run(qc, kv, return_lse=True, **sf)
             _flashinfer().merge_state_in_place(o, lse_s, o_p, lse_p)  # both LSEs base 2
         elif slot.path == "batch_attention":
             # BatchAttention.run always computes the LSE; soft-cap must be repeated at run time
             # (_core.py: "Must be consistent with the logits_soft_cap passed to plan()").
             slot.wrapper.run(qc, kv, out=o, lse=lse, logits_soft_cap=params.softcap)
         elif lse is not None:
-            slot.wrapper.run(qc, kv, out=o, lse=lse, return_lse=True)
+            slot.wrapper.run(qc, kv, out=o, lse=lse, return_lse=True, **sf)
         else:
-            slot.wrapper.run(qc, kv, out=o)
+            slot.wrapper.run(qc, kv, out=o, **sf)
         if lse is not None:
             lse.mul_(LN2)
         pad_rows = slot.pad_rows if slot.graph else p.pad_rows
