@@ -466,3 +466,20 @@ def test_fp8_plan_keyword_reaches_the_params(monkeypatch):
             meta, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, kv_dtype=kv_dtype
         )
         assert seen[-1].kv_dtype == want
+
+
+def test_fp8_with_mla_shaped_heads_is_refused():
+    spec = AttentionSpec(
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=192,
+        head_dim_v=128,
+        block_size=16,
+        device="cuda",
+        dtype=torch.bfloat16,
+        kv_dtype="fp8",
+    )
+    assert FlashInferBackend.capabilities.reasons(spec) == []
+    (reason,) = FlashInferBackend().extra_reasons(spec)
+    assert "kv_dtype 'fp8' with head_dim_v 128 other than head_dim 192" in reason
+    assert FlashInferBackend().extra_reasons(dataclasses.replace(spec, kv_dtype="auto")) == []

@@ -109,10 +109,10 @@ class LaunchConfig:
     ``large_*`` override them for a launch with large tiles (``None``: the same as the small
     ones), whose small tiles step ``block_n`` keys (``None``: ``FUSED_BLOCK_N_SMALL``).
 
-    Quantized caches: fp8 codes with fp16/bf16 q run both dots in fp16 (native e4m3 -> f16
-    conversion); int8 codes convert to q's dtype. Measured on the NVIDIA H200 (64 x 4,096 decode,
-    CUDA graph; docs/benchmarks.md): fp8 0.281 ms this way vs 0.306 converting to bf16; int8
-    0.271 ms converting to bf16 vs 0.301 with fp16 dots.
+    Quantized caches with fp16/bf16 q run both dots in fp16 (``tiles.codes8_f16``,
+    ``tiles.int4_f16``): NVIDIA H100, 64 x 4,096 decode, CUDA graph, 2026-12-07
+    (docs/quantization.md): fp8 0.2280 ms this way vs 0.2470 with its codes converted to bf16 in
+    the MMA operand layout; int8 0.2348 vs 0.2333.
     """
 
     block_q_small: int
