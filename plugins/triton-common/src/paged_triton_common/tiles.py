@@ -183,9 +183,10 @@ def codes8_f16(x, FP8: tl.constexpr, ASM: tl.constexpr, STAGED: tl.constexpr):
     contiguous in memory, the fp16 values then reach the MMA through shared memory with one
     transposing ``ldmatrix`` per 16 bytes instead of one shared-memory load per code
     (triton-splitkv's int8 decode step at 64 keys: 1,473 instructions converted to bf16 in the
-    MMA layout, 970 this way; sm_90a, Triton 3.9). K's reduction dim (its head dim) is contiguous: unstaged, its codes reach the
-    MMA layout with ``ldmatrix`` and convert there. Without ``ASM`` Triton converts (fp8 to
-    fp16 is one native instruction per two codes; int8 to fp16 a slow I2F each).
+    MMA layout, 970 this way; sm_90a, Triton 3.9). K's reduction dim (its head dim) is
+    contiguous: unstaged, its codes reach the MMA layout with ``ldmatrix`` and convert there.
+    Without ``ASM`` Triton converts (fp8 to fp16 is one native instruction per two codes; int8
+    to fp16 a slow I2F each).
     """
     if ASM:
         b = x.to(tl.uint8, bitcast=True)
