@@ -8,7 +8,7 @@ does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py --head-dim 192 --head-dim-v 128 --group 1   # DeepSeek-V3's MLA shape
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
     python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
-    python scripts/kernel_resources.py --kv bf16,int8,fp8 --configs 128/4/2   # quantized caches, bf16 q
+    python scripts/kernel_resources.py --kv bf16,int8,fp8,int4,kivi4 --configs 128/4/2   # quantized caches, bf16 q
 
 Loop columns: the SASS instructions of each of the kernel's loops (one BLOCK_N-key step of the
 attention each), in address order. triton-unified's key ranges compile a loop each: per tile
@@ -62,7 +62,8 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
         raise SystemExit(f"kernel_resources.py does not set the kernel's constexprs {missing}: add them to `base`")
     skip = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     sig, attrs = {}, {}
-    cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8", "fp8_e5m2": "*u8"}[kv]  # fp8 codes travel as uint8
+    # fp8 codes travel as uint8; 4-bit codes two to a uint8
+    cache = {"bf16": "*bf16", "int8": "*i8", "fp8": "*u8", "fp8_e5m2": "*u8", "int4": "*u8", "kivi4": "*u8"}[kv]
     for i, name in enumerate(names):
         if name.startswith("stride") and name.endswith("d"):  # a last-dim stride: 1, specialised
             constexprs[name] = 1
@@ -102,6 +103,10 @@ KV_FLAGS = {
 }
 for _flags in KV_FLAGS.values():  # the split kernel's: 8-bit codes into fp16 dots, as QDOT16
     _flags.update(INT4=False, K_PER_CHANNEL=False, F16=_flags["QDOT16"])
+# 4-bit codes (two per byte): int4 with per-slot scales, kivi4 with key scales per channel.
+KV_FLAGS["int4"] = {"KV_QUANT": 4, "QDOT16": True, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True}
+KV_FLAGS["int4"].update(INT4=True, K_PER_CHANNEL=False, F16=True)
+KV_FLAGS["kivi4"] = {**KV_FLAGS["int4"], "KV_QUANT": 5, "K_PER_CHANNEL": True}
 
 
 def loop_stats(sass: str, min_len: int = 64) -> dict:
@@ -232,7 +237,7 @@ def main() -> None:
         default="",
         help="BLOCK_N/warps/stages[/maxnreg],... (default: the search space, register caps included)",
     )
-    ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8,fp8_e5m2 (q is bf16)")
+    ap.add_argument("--kv", default="bf16", help="cache formats, of bf16,int8,fp8,fp8_e5m2,int4,kivi4 (q is bf16)")
     args = ap.parse_args()
     try:
         only = {_config(c) for c in args.configs.split(",") if c}
