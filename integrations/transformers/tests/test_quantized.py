@@ -44,12 +44,18 @@ def test_quantized_pools(kv_dtype, monkeypatch):
         return entry
 
     monkeypatch.setattr(_attention.PagedAttention, "_quantized_pool", record)
+    # Plans describe the pool the layers read (FlashInfer plans its fp8 kernels from it).
+    backend = _attention._ENABLED[name].backend
+    planned = []
+    original_plan = backend.plan
+    monkeypatch.setattr(backend, "plan", lambda meta, **layer: planned.append(layer) or original_plan(meta, **layer))
     run = generate(model, name, prompts, max_new_tokens=3, **cb)
     if transformers.__version__.startswith("5.18"):
         assert all(f"kv_dtype='{kv_dtype}' on transformers 5.18" in e for e in run.errors.values()), run.errors
         return
     assert run.errors == {r: None for r in run.errors}, run.errors
     assert len(caches) == model.config.num_hidden_layers
+    assert planned and all(p["kv_dtype"] == kv_dtype and p["kv_scales"] == "per_slot" for p in planned), planned[:1]
     for kv in caches:
         assert kv.kv_dtype == kv_dtype and kv.k.element_size() == 1 and kv.k_scale.dtype == torch.float32
         # Written: some scale is set, and every code is inside the format's range.

@@ -339,6 +339,8 @@ class PagedAttention:
                 head_dim=kv.head_dim,
                 head_dim_v=kv.head_dim_v,
                 dtype=query.dtype,
+                kv_dtype=kv.kv_dtype,
+                kv_scales=kv.kv_scales,
                 scale=scaling,
             )
             step.plans[0], step.rows = plan, k.shape[0]
@@ -410,6 +412,8 @@ class PagedAttention:
                 num_kv_heads=kv.num_kv_heads,
                 head_dim=kv.head_dim,
                 dtype=query.dtype,
+                kv_dtype=kv.kv_dtype,
+                kv_scales=kv.kv_scales,
                 scale=scaling,
             )
             step.plans[group] = plan
