@@ -10,7 +10,10 @@
 # that file in the wheels folder and later runs unpack it instead of rebuilding.
 # Knobs (environment):
 #   SESSIONS    ";"-separated "name|backends|workers|pytest -k expression" (default: one session of
-#               every backend, `-n auto` workers); an empty workers field runs without xdist.
+#               every backend); an empty workers field runs without xdist, "auto" as many workers
+#               as fit: one per 5 GiB of GPU memory, shared by the sessions, at most one per CPU
+#               (each worker holds 1-4 GiB: two sessions of 16 workers ran an 80 GB H100 out of
+#               memory on 2026-12-07).
 #   CONF_S      optional: seconds after which every session is interrupted (SIGINT); each still
 #               writes the matrix of what ran, and a later run can fill in the rest (--merge).
 #   TEST_S      optional: pytest-timeout's limit per test (needs pytest-timeout).
@@ -35,6 +38,10 @@ paged list > "$OUT/list.txt" 2>&1; cat "$OUT/list.txt"
 
 XDIST=auto
 python3 -c "import xdist" 2>/dev/null || { XDIST=; echo "pytest-xdist not installed: one worker per session"; }
+IFS=';' read -ra specs <<< "${SESSIONS:-all|reference,triton-unified,triton-splitkv,flashinfer,flash-attn2|$XDIST|}"
+gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+fit=$(( gib / 5 / ${#specs[@]} )); cpus=$(nproc)
+fit=$(( fit < 1 ? 1 : (fit > cpus ? cpus : fit) ))
 session() {  # session NAME BACKENDS WORKERS [K-EXPRESSION]
   PAGED_AUTOTUNE=0 MAX_JOBS=${SESSION_JOBS:-4} bounded INT "${CONF_S:-}" python3 -m pytest \
     --pyargs paged_conformance -p no:cacheprovider ${3:+-n "$3"} ${TEST_S:+--timeout "$TEST_S"} \
@@ -42,10 +49,10 @@ session() {  # session NAME BACKENDS WORKERS [K-EXPRESSION]
     --paged-report "$OUT/conformance-$1" > "$OUT/conformance-$1.txt" 2>&1
   echo "conformance $1 rc=$?: $(tail -1 "$OUT/conformance-$1.txt")"
 }
-IFS=';' read -ra specs <<< "${SESSIONS:-all|reference,triton-unified,triton-splitkv,flashinfer,flash-attn2|$XDIST|}"
 for spec in "${specs[@]}"; do
   IFS='|' read -r name backends workers kexpr <<< "$spec"
   [ -z "$XDIST" ] && workers=
+  [ "$workers" = auto ] && workers=$fit
   session "$name" "$backends" "$workers" "$kexpr" &
 done
 wait
