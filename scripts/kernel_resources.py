@@ -96,15 +96,15 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
 
 # The kernels' constexprs for each cache format, with bf16 q: what the launchers pass.
 KV_FLAGS = {
-    "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False, "V_SCALE_ON_P": False},
-    "int8": {"KV_QUANT": 1, "QDOT16": True, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True},
-    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1, "V_SCALE_ON_P": True},
-    "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2, "V_SCALE_ON_P": True},
+    "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False},
+    "int8": {"KV_QUANT": 1, "QDOT16": True, "QUANT": True, "FP8": False},
+    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1},
+    "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2},
 }
 for _flags in KV_FLAGS.values():  # the split kernel's: 8-bit codes into fp16 dots, as QDOT16
     _flags.update(INT4=False, K_PER_CHANNEL=False, F16=_flags["QDOT16"])
 # 4-bit codes (two per byte): int4 with per-slot scales, kivi4 with key scales per channel.
-KV_FLAGS["int4"] = {"KV_QUANT": 4, "QDOT16": True, "QUANT": True, "FP8": False, "V_SCALE_ON_P": True}
+KV_FLAGS["int4"] = {"KV_QUANT": 4, "QDOT16": True, "QUANT": True, "FP8": False}
 KV_FLAGS["int4"].update(INT4=True, K_PER_CHANNEL=False, F16=True)
 KV_FLAGS["kivi4"] = {**KV_FLAGS["int4"], "KV_QUANT": 5, "K_PER_CHANNEL": True}
 

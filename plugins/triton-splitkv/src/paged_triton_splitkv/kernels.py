@@ -87,7 +87,6 @@ def _attend_tile(
     stride_vs_h,
     QUANT: tl.constexpr,
     FP8: tl.constexpr,
-    V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INT4: tl.constexpr = False,  # int4 codes two per byte: the cache's last dimension is half of
@@ -177,19 +176,12 @@ def _attend_tile(
         pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(tl.float16), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv * vs_max
     else:
+        pv = p
         if QUANT:
-            if V_SCALE_ON_P:
-                # p @ (codes * s) == (p * s) @ codes: scale BLOCK_M x BLOCK_N probabilities
-                # instead of BLOCK_N x HEAD_DIM values. Not for fp16, where p * s can fall into
-                # subnormals.
-                pv = p * v_sc[None, :]
-                v = codes_to(v, q.dtype, FP8)
-            else:
-                pv = p
-                v = (codes_to(v, tl.float32, FP8) * v_sc[:, None]).to(q.dtype)
-        else:
-            pv = p
-            v = codes_to(v, q.dtype, FP8)
+            # fp32 q (16-bit q takes F16): p @ (codes * s) == (p * s) @ codes, BLOCK_M x BLOCK_N
+            # multiplies instead of BLOCK_N x HEAD_DIM.
+            pv = p * v_sc[None, :]
+        v = codes_to(v, q.dtype, FP8)
         acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -411,7 +403,6 @@ def split_kv_attention_kernel(
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
     F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
-    V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -567,7 +558,6 @@ def split_kv_attention_kernel(
             stride_vs_h,
             QUANT,
             FP8,
-            V_SCALE_ON_P,
             USE_SOFTCAP,
             DOT_PRECISION,
             INT4=INT4,
@@ -751,7 +741,6 @@ def cascade_prefix_kernel(
     INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
     K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
     F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
-    V_SCALE_ON_P: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -863,7 +852,6 @@ def cascade_prefix_kernel(
             stride_vs_h,
             QUANT,
             FP8,
-            V_SCALE_ON_P,
             USE_SOFTCAP,
             DOT_PRECISION,
             INT4=INT4,

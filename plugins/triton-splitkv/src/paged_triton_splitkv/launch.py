@@ -176,9 +176,6 @@ def _kv_args(
         # Quantized codes with 16-bit q run both dots in fp16 (tiles.codes8_f16, int4_f16); fp32
         # q keeps its own dtype (fp16 operands would round it).
         F16=quant and q.dtype in (torch.float16, torch.bfloat16),
-        # (p * scale) @ codes is exact enough in bf16/fp32; fp16 would push p * scale into
-        # subnormals for small scales, so fp16 dequantizes V itself.
-        V_SCALE_ON_P=quant and q.dtype != torch.float16,
         UPCAST=INTERPRET,
         # fp32 q must not silently become TF32 on tensor cores (1e-3 error); 16-bit ignores it.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

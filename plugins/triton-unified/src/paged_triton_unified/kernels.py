@@ -145,7 +145,7 @@ def _attend_step(
     USE_SOFTCAP: tl.constexpr,
     KV_QUANT: tl.constexpr,
     QDOT16: tl.constexpr,  # quantized cache with 16-bit q: fp16 dots, V scale per tile
-    ASM: tl.constexpr,  # int4 unpacking in PTX (the GPU; not the interpreter)
+    ASM: tl.constexpr,  # code conversion in PTX (the GPU; not the interpreter)
     FOLD_SCALE: tl.constexpr,  # fewer multiplies per score (see unified_attention_kernel)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
