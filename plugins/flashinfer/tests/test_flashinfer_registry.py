@@ -119,19 +119,9 @@ def test_constructor_is_cheap_and_checks_options():
     ids=["cpu", "float32", "head_dim_96", "int8", "kivi4", "sinks"],
 )
 def test_declared_capabilities_refuse_what_flashinfer_cannot_do(change, words):
-    base = dict(
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-        window=128,
-        softcap=30.0,
-        return_lse=True,
-    )
-    assert FlashInferBackend.capabilities.reasons(AttentionSpec(**base)) == []
-    reasons = FlashInferBackend.capabilities.reasons(AttentionSpec(**{**base, **change}))
+    base = dict(window=128, softcap=30.0, return_lse=True)
+    assert FlashInferBackend.capabilities.reasons(_spec(**base)) == []
+    reasons = FlashInferBackend.capabilities.reasons(_spec(**{**base, **change}))
     assert any(words in r for r in reasons), reasons
 
 
@@ -309,6 +299,29 @@ class _Recorder:
         self.calls.append((args, kwargs))
 
 
+def _spec(**kw):
+    """A CUDA layer spec: Qwen3-8B's attention (32/8/128, bf16, 16-token blocks) unless changed."""
+    base = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    return AttentionSpec(**{**base, **kw})
+
+
+#: DeepSeek-style MLA heads expanded to 16 query and KV heads: QK 192, V 128.
+MLA = dict(num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128)
+
+
+def _planned_params(monkeypatch, **layer):
+    """The _Params an explicit plan(meta, **layer) of a one-request CUDA batch loads."""
+    seen = []
+    monkeypatch.setattr(FlashInferBackend, "_load", lambda self, plan, params, device: seen.append(params))
+    monkeypatch.setattr(fib, "prepare_plan", lambda meta, prefix_blocks=0: None)
+    monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
+    meta = BatchMeta.build([1], [9], block_size=16)
+    monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
+    FlashInferBackend()._plan(meta, **layer)
+    (params,) = seen
+    return params
+
+
 def _mla_params(**kw):
     base = dict(
         num_heads=16,
@@ -325,9 +338,7 @@ def _mla_params(**kw):
 
 def test_mla_claim_is_the_deepseek_pair_only():
     caps = FlashInferBackend.capabilities
-    spec = AttentionSpec(
-        num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16, device="cuda", dtype=torch.bfloat16
-    )
+    spec = _spec(**MLA)
     assert caps.reasons(spec) == []
     assert caps.reasons(dataclasses.replace(spec, head_dim=96, head_dim_v=64)) == [
         "head_dim 96 is not supported (accepted: 64, 128, 256)",
@@ -376,14 +387,8 @@ def test_mla_plan_passes_head_dim_vo(monkeypatch):
 
 
 def test_mla_plan_keyword_reaches_the_params(monkeypatch):
-    seen = []
-    monkeypatch.setattr(FlashInferBackend, "_load", lambda self, plan, params, device: seen.append(params))
-    monkeypatch.setattr(fib, "prepare_plan", lambda meta, prefix_blocks=0: None)
-    monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
-    meta = BatchMeta.build([1], [9], block_size=16)
-    monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
-    FlashInferBackend()._plan(meta, num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, dtype=torch.bfloat16)
-    assert seen[0].head_dim_vo == 128 and seen[0].head_dim == 192
+    params = _planned_params(monkeypatch, **MLA, dtype=torch.bfloat16)
+    assert params.head_dim_vo == 128 and params.head_dim == 192
 
 
 def test_mla_prefill_wrappers_use_fa2(monkeypatch):
@@ -403,9 +408,7 @@ def test_mla_prefill_wrappers_use_fa2(monkeypatch):
         b._new_slot(path, False, plan, _mla_params(), torch.device("cpu"))
         b._new_slot(path, False, plan, _mla_params(head_dim=128, head_dim_vo=0), torch.device("cpu"))
     assert made == ["fa2", "auto", "fa2", "fa2", "auto", "auto"]
-    spec = AttentionSpec(
-        num_heads=16, num_kv_heads=16, head_dim=192, head_dim_v=128, block_size=16, device="cuda", dtype=torch.bfloat16
-    )
+    spec = _spec(**MLA)
     (reason,) = FlashInferBackend(prefill_backend="fa3").extra_reasons(spec)
     assert "needs prefill_backend 'auto' or 'fa2'" in reason
     assert FlashInferBackend(prefill_backend="fa2").extra_reasons(spec) == []
@@ -414,16 +417,7 @@ def test_mla_prefill_wrappers_use_fa2(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("kv_scales", ["per_slot", "per_head", "per_tensor"])
 def test_fp8_caches_are_claimed_through_fa2_only(kv_dtype, kv_scales):
-    spec = AttentionSpec(
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-        kv_dtype=kv_dtype,
-        kv_scales=kv_scales,
-    )
+    spec = _spec(kv_dtype=kv_dtype, kv_scales=kv_scales)
     assert FlashInferBackend.capabilities.reasons(spec) == []
     assert FlashInferBackend().extra_reasons(spec) == []
     (reason,) = FlashInferBackend(decode_backend="fa3", prefill_backend="fa3").extra_reasons(spec)
@@ -454,31 +448,14 @@ def test_fp8_plans_read_codes_with_per_slot_scales(monkeypatch):
     assert "use_token_head_sf" not in wrapper.calls[0][1]
 
 
-def test_fp8_plan_keyword_reaches_the_params(monkeypatch):
-    seen = []
-    monkeypatch.setattr(FlashInferBackend, "_load", lambda self, plan, params, device: seen.append(params))
-    monkeypatch.setattr(fib, "prepare_plan", lambda meta, prefix_blocks=0: None)
-    monkeypatch.setattr(FlashInferBackend, "_prefix_of", lambda self, meta, declared: 0)
-    meta = BatchMeta.build([1], [9], block_size=16)
-    monkeypatch.setattr(type(meta), "device", property(lambda self: torch.device("cuda")))
-    for kv_dtype, want in (("fp8", torch.float8_e4m3fn), ("auto", torch.bfloat16)):
-        FlashInferBackend()._plan(
-            meta, num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, kv_dtype=kv_dtype
-        )
-        assert seen[-1].kv_dtype == want
+@pytest.mark.parametrize(("kv_dtype", "want"), [("fp8", torch.float8_e4m3fn), ("auto", torch.bfloat16)])
+def test_fp8_plan_keyword_reaches_the_params(monkeypatch, kv_dtype, want):
+    layer = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    assert _planned_params(monkeypatch, **layer).kv_dtype == want
 
 
 def test_fp8_with_mla_shaped_heads_is_refused():
-    spec = AttentionSpec(
-        num_heads=16,
-        num_kv_heads=16,
-        head_dim=192,
-        head_dim_v=128,
-        block_size=16,
-        device="cuda",
-        dtype=torch.bfloat16,
-        kv_dtype="fp8",
-    )
+    spec = _spec(**MLA, kv_dtype="fp8")
     assert FlashInferBackend.capabilities.reasons(spec) == []
     (reason,) = FlashInferBackend().extra_reasons(spec)
     assert "kv_dtype 'fp8' with head_dim_v 128 other than head_dim 192" in reason

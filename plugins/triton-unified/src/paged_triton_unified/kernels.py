@@ -208,7 +208,7 @@ def _attend_step(
         k = (k.to(tl.float32) * k_sc).to(q.dtype)
     elif QDOT16 and not INT4:
         k = codes8_f16(k, FP8, ASM, STAGED=False)
-    elif not (INT4 and QDOT16):
+    elif not QDOT16:
         # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
         # [BLOCK_M, BLOCK_N] scores instead of to every element of K. (int4_f16: already fp16.)
         k = codes_to(k, q.dtype, FP8)
