@@ -181,6 +181,31 @@ def _assert_padding_zero(out: torch.Tensor, wl: Workload, name: str, what: str =
     )
 
 
+def _against_reference(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    wl: Workload,
+    case: Case,
+    name: str,
+    *,
+    what: str = "output",
+    tolerance: Tolerance | None = None,
+) -> float:
+    """:func:`assert_close_to_reference` over the workload's real rows (padding left out), with
+    the case's output tolerance unless given; returns the max abs error."""
+    return assert_close_to_reference(
+        out,
+        ref,
+        backend=name,
+        case=case.id,
+        what=what,
+        tolerance=output_tolerance(case.dtype, case.kv_dtype) if tolerance is None else tolerance,
+        rows=~wl.padding_rows,
+        query_start_loc=wl.query_start_loc,
+        seq_lens=wl.seq_lens,
+    )
+
+
 def _assert_rows_written(out: torch.Tensor, wl: Workload, name: str) -> None:
     """No NaN left from the poisoned ``out=`` (or computed) in a real request's rows."""
     real = ~wl.padding_rows.to(out.device)
@@ -209,16 +234,7 @@ def check_matches_reference(backend: Backend, case: Case, device: torch.device) 
         )
     _assert_padding_zero(out, wl, backend.name)
     _assert_rows_written(out, wl, backend.name)
-    err = assert_close_to_reference(
-        out,
-        wl.ref_out,
-        backend=backend.name,
-        case=case.id,
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
-    )
+    err = _against_reference(out, wl.ref_out, wl, case, backend.name)
     return CheckResult(max_error=err)
 
 
@@ -245,17 +261,7 @@ def check_lse_matches_reference(backend: Backend, case: Case, device: torch.devi
     )
     # The output must not change when the LSE is asked for.
     _assert_padding_zero(out, wl, backend.name)
-    assert_close_to_reference(
-        out,
-        wl.ref_out,
-        backend=backend.name,
-        case=case.id,
-        what="output (with return_lse=True)",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
-    )
+    _against_reference(out, wl.ref_out, wl, case, backend.name, what="output (with return_lse=True)")
     return CheckResult(max_error=err)
 
 
@@ -264,16 +270,14 @@ def check_close_to_full_precision(backend: Backend, case: Case, device: torch.de
     wl = build_workload(case, device)
     full = build_workload(dataclasses.replace(case, kv_dtype="auto", kv_scales="per_slot"), device)
     out = _forward(backend, wl, _step(backend, wl))
-    err = assert_close_to_reference(
+    err = _against_reference(
         out,
         full.ref_out,
-        backend=backend.name,
-        case=case.id,
+        wl,
+        case,
+        backend.name,
         what=f"output on the {case.kv_dtype} cache (vs full-precision K/V)",
         tolerance=_quantization_bound(case, wl, full),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
@@ -484,16 +488,7 @@ def check_non_finite_stays_in_its_slot(backend: Backend, case: Case, device: tor
         )
     clean = out.clone()
     clean[expect.to(out.device)] = wl.ref_out[expect.to(out.device)].to(out.dtype)
-    err = assert_close_to_reference(
-        clean,
-        wl.ref_out,
-        backend=backend.name,
-        case=case.id,
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
-    )
+    err = _against_reference(clean, wl.ref_out, wl, case, backend.name)
     return CheckResult(max_error=err, note="NaN exactly in the rows reading the slot")
 
 
@@ -641,16 +636,7 @@ def check_layers_share_a_plan(backend: Backend, case: Case, device: torch.device
             )
         worst = max(
             worst,
-            assert_close_to_reference(
-                out,
-                ref,
-                backend=name,
-                case=case.id,
-                tolerance=output_tolerance(case.dtype, case.kv_dtype),
-                rows=~wl.padding_rows,
-                query_start_loc=wl.query_start_loc,
-                seq_lens=wl.seq_lens,
-            ),
+            _against_reference(out, ref, wl, case, name),
         )
     return CheckResult(max_error=worst, note=f"{NUM_LAYERS} layers, one plan")
 
@@ -687,16 +673,7 @@ def check_false_plan_declaration(backend: Backend, case: Case, device: torch.dev
     )
     name = f"{backend.name}, planned with a false shared_prefix_blocks=1 under validation"
     _assert_rows_written(out, wl, name)
-    worst = assert_close_to_reference(
-        out,
-        wl.ref_out,
-        backend=name,
-        case=case.id,
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
-    )
+    worst = _against_reference(out, wl.ref_out, wl, case, name)
     return CheckResult(max_error=worst, note="a false shared_prefix_blocks=1 is accepted and changes nothing")
 
 
@@ -904,16 +881,8 @@ def check_cuda_graph_replay(backend: Backend, case: Case, device: torch.device) 
     eager = backend.forward(static_q.clone(), cache, backend.plan(wl.meta), **kw)
     _assert_padding_zero(static_out, wl, backend.name, "replayed output")
     _assert_rows_written(static_out, wl, backend.name)
-    err = assert_close_to_reference(
-        static_out,
-        eager.double(),
-        backend=backend.name,
-        case=case.id,
-        what="CUDA-graph replay on new q (vs an eager call)",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
+    err = _against_reference(
+        static_out, eager.double(), wl, case, backend.name, what="CUDA-graph replay on new q (vs an eager call)"
     )
     return CheckResult(max_error=err)
 
@@ -975,16 +944,13 @@ def check_plan_captured_with_forward(backend: Backend, case: Case, device: torch
     torch.cuda.synchronize(device)
     _assert_padding_zero(static_out, wl, backend.name, "replayed output")
     _assert_rows_written(static_out, wl, backend.name)
-    err = assert_close_to_reference(
+    err = _against_reference(
         static_out,
         wl.ref_out,
-        backend=backend.name,
-        case=case.id,
+        wl,
+        case,
+        backend.name,
         what="plan + forward captured on another batch, replayed on this one",
-        tolerance=output_tolerance(case.dtype, case.kv_dtype),
-        rows=~wl.padding_rows,
-        query_start_loc=wl.query_start_loc,
-        seq_lens=wl.seq_lens,
     )
     return CheckResult(max_error=err)
 
