@@ -517,6 +517,17 @@ TABLE: tuple[Row, ...] = (
         kv_dtype="kivi4",
     ),
     Row("kv_kivi4-decode_only", "decode", "kivi4 cache, decode only (each write rescales a block)", kv_dtype="kivi4"),
+    *(
+        Row(
+            f"kv_kivi4-block_size_{b}",
+            "mixed",
+            f"kivi4 cache in {b}-token blocks (a key step spans several blocks, or part of one)",
+            kv_dtype="kivi4",
+            block_size=b,
+            block_size_fixed=True,
+        )
+        for b in (8, 64)
+    ),
     Row("kv_fp8_e5m2", "mixed", "fp8 E5M2 cache with per-token, per-head scales", kv_dtype="fp8_e5m2"),
     Row("kv_fp8_e5m2-decode_only", "decode", "fp8 E5M2 cache, decode only", kv_dtype="fp8_e5m2"),
     Row(

@@ -38,6 +38,7 @@ __all__ = [
     "fold_sink",
     "int4_codes",
     "int4_f16",
+    "kivi4_keys",
     "natural_lse",
     "q_f16",
     "sink_weight",
@@ -147,6 +148,39 @@ def int4_f16(x, ASM: tl.constexpr):
         lo = ((b << 4) >> 4).to(tl.float16)  # arithmetic shifts sign-extend each nibble
         hi = (b >> 4).to(tl.float16)
     return tl.reshape(tl.join(lo, hi), (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def kivi4_keys(kp, k_scale_ptr, blk, kv_head, stride_ks_b, stride_ks_h, offs_d, d_mask, F16: tl.constexpr,
+               ASM: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """kivi4 keys ``[BLOCK_N, HEAD_DIM_PAD]`` from packed codes ``kp`` (``[BLOCK_N, HEAD_DIM_PAD //
+    2]``, :func:`int4_codes`'s order) times their block's channel scales (``k_scale_ptr``:
+    float32 ``[num_blocks, num_kv_heads, head_dim]`` via the two strides; ``blk``: each key's
+    block id, 0 where masked). fp16 with ``F16`` (the product rounded once), else float32.
+
+    The step's first key must be a multiple of ``min(BLOCK_N, BLOCK_SIZE)``: each run of that
+    many keys then lies in one cache block, whose scale row is loaded once (``BLOCK_N /
+    BLOCK_SIZE`` rows per step, not one per key and channel).
+    """
+    BLOCK_N: tl.constexpr = kp.shape[0]
+    HEAD_DIM_PAD: tl.constexpr = 2 * kp.shape[1]
+    RUN: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_SIZE else BLOCK_SIZE
+    NB: tl.constexpr = BLOCK_N // RUN
+    ids = tl.max(tl.reshape(blk, (NB, RUN)), 1)  # [NB] the run's block (its keys share one id)
+    sc = tl.load(
+        k_scale_ptr + ids[:, None] * stride_ks_b + kv_head * stride_ks_h + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )  # [NB, HEAD_DIM_PAD]
+    if F16:
+        codes = int4_f16(kp, ASM).to(tl.float32)
+    else:
+        codes = int4_codes(kp).to(tl.float32)
+    k = tl.reshape(codes, (NB, RUN, HEAD_DIM_PAD)) * sc[:, None, :]
+    k = tl.reshape(k, (BLOCK_N, HEAD_DIM_PAD))
+    if F16:
+        k = k.to(tl.float16)
+    return k
 
 
 # Four 8-bit codes (one 32-bit register) -> four fp16 (two registers), exact:

@@ -32,6 +32,7 @@ from paged_triton_common.tiles import (
     fold_sink,
     int4_codes,
     int4_f16,
+    kivi4_keys,
     natural_lse,
     q_f16,
     sink_weight,
@@ -95,6 +96,7 @@ def _attend_tile(
     HEAD_DIM_V: tl.constexpr = 0,
     HEAD_DIM_V_PAD: tl.constexpr = 0,
     K_PER_CHANNEL: tl.constexpr = False,  # kivi4: key scales per (block, KV head, channel)
+    BLOCK_SIZE: tl.constexpr = 0,  # tokens per cache block (read only for K_PER_CHANNEL)
     F16: tl.constexpr = False,  # codes into fp16 dots (q already in fp16: tiles.q_f16)
     ASM: tl.constexpr = False,  # code conversion in PTX (the GPU; not the interpreter)
 ):
@@ -108,7 +110,12 @@ def _attend_tile(
             mask=key_ok[:, None] & (offs_h < HEAD_DIM // 2)[None, :],
             other=0,
         )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
-        if F16:
+        if K_PER_CHANNEL:
+            kt = kivi4_keys(
+                kp, k_scale_ptr, blk, kv_head, stride_ks_b, stride_ks_h, offs_d, d_mask, F16, ASM, BLOCK_SIZE
+            )
+            kt = tl.trans(kt.to(q.dtype))
+        elif F16:
             kt = tl.trans(int4_f16(kp, ASM))
         else:
             kt = tl.trans(int4_codes(kp))
@@ -121,14 +128,9 @@ def _attend_tile(
     # int8 and fp8 codes are exact in fp16/bf16, so the dot on raw codes loses nothing; the
     # per-key scale is applied to the score column afterwards (one multiply per score instead of
     # one per K element).
-    if K_PER_CHANNEL:
-        # One scale per (block, channel): K is dequantized element by element before the dot.
-        ks_off = blk * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
-        k_sc = tl.load(
-            k_scale_ptr + ks_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_mask[:, None], other=0.0
-        )
-        kt = (kt.to(tl.float32) * k_sc).to(q.dtype)
-    elif F16 and not INT4:
+    if INT4:
+        pass  # converted above (kivi4: dequantized there, one scale per block and channel)
+    elif F16:
         kt = codes8_f16(kt, FP8, ASM, STAGED=False)
     elif not F16:  # (int4_f16's codes are fp16 already)
         kt = codes_to(kt, q.dtype, FP8)
@@ -566,6 +568,7 @@ def split_kv_attention_kernel(
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
             K_PER_CHANNEL=K_PER_CHANNEL,
+            BLOCK_SIZE=BLOCK_SIZE,
             F16=F16,
             ASM=not UPCAST,
         )
@@ -860,6 +863,7 @@ def cascade_prefix_kernel(
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
             K_PER_CHANNEL=K_PER_CHANNEL,
+            BLOCK_SIZE=BLOCK_SIZE,
             F16=F16,
             ASM=not UPCAST,
         )

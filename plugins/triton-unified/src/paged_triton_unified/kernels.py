@@ -34,6 +34,7 @@ from paged_triton_common.tiles import (
     fold_sink,
     int4_codes,
     int4_f16,
+    kivi4_keys,
     natural_lse,
     q_f16,
     soft_cap,
@@ -193,7 +194,12 @@ def _attend_step(
         kp = tl.load(
             k_cache_ptr + k_offs[:, None] + offs_h[None, :], mask=(offs_h < HEAD_DIM // 2)[None, :], other=0
         )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
-        if QDOT16 and not K_PER_CHANNEL:
+        if K_PER_CHANNEL:
+            k = kivi4_keys(
+                kp, k_scale_ptr, block, kv_head, stride_ks_b, stride_ks_h, offs_d, d_mask, QDOT16, ASM, BLOCK_SIZE
+            )
+            k = tl.trans(k.to(q.dtype))
+        elif QDOT16:
             k = tl.trans(int4_f16(kp, ASM))
         else:
             k = tl.trans(int4_codes(kp))
@@ -201,12 +207,9 @@ def _attend_step(
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0)
     else:
         k = tl.load(k_cache_ptr + k_offs[None, :] + offs_d[:, None])
-    if K_PER_CHANNEL:
-        # One scale per (block, channel): K is dequantized element by element before the dot.
-        ks_offs = block * stride_ks_b + kv_head * stride_ks_h  # [BLOCK_N]
-        k_sc = tl.load(k_scale_ptr + ks_offs[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-        k = (k.to(tl.float32) * k_sc).to(q.dtype)
-    elif QDOT16 and not INT4:
+    if INT4:
+        pass  # converted above (kivi4: dequantized there, one scale per block and channel)
+    elif QDOT16:
         k = codes8_f16(k, FP8, ASM, STAGED=False)
     elif not QDOT16:
         # Quantized codes are exact in the dot dtype; their per-key scale is applied to the
