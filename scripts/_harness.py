@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import torch.utils._python_dispatch  # noqa: E402
 from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
 from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
-from paged_triton_splitkv.launch import split_decode_attention  # noqa: E402
 from paged_triton_unified.launch import LaunchConfig, unified_attention  # noqa: E402
+from paged_triton_unified.split_launch import split_decode_attention  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 BW = 4.55e12  # read floor measured on the NVIDIA H200 (streaming-read kernel)

@@ -66,7 +66,7 @@ def child(backend_name: str, batch: str, head_dim: str) -> int:
     seconds = time.perf_counter() - t0
     # Each timed config of the attention kernels, fastest first (ms; what --timings prints).
     timings = {}
-    for mod in ("paged_triton_unified.kernels", "paged_triton_splitkv.kernels"):
+    for mod in ("paged_triton_unified.kernels", "paged_triton_unified.split_kernels"):
         kernels = sys.modules.get(mod)
         for name in ("unified_attention_kernel", "split_kv_attention_kernel"):
             tuner = getattr(kernels, name, None) if kernels else None

@@ -52,7 +52,7 @@ def build(case: str):
     """The call to profile, as a closure over its batch."""
     import _harness as H  # a sibling module: a script's own folder is first on sys.path
     import torch
-    from paged_triton_splitkv.launch import choose_num_splits
+    from paged_triton_unified.split_launch import choose_num_splits
 
     def split_call(b, n):  # the harness's split call at the split count the backend chooses
         c = H.make_case([1] * b, [n] * b, check_reqs=[0])

@@ -24,8 +24,8 @@ import _harness as H  # first: with --smoke it sets TRITON_INTERPRET before Trit
 import torch
 import triton
 from _harness import BS, DEV, HKV, SCALE, SMOKE, cfg, graph_ms, make_case, report, split_call, tag, unified
-from paged_triton_splitkv.launch import choose_num_splits, split_decode_attention
 from paged_triton_unified.launch import LaunchConfig
+from paged_triton_unified.split_launch import choose_num_splits, split_decode_attention
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -348,7 +348,7 @@ def section_chunk() -> None:
 def section_cascade() -> None:
     """64 decodes sharing 4,000 tokens (the same blocks) + 100 of their own: the cascade prefix
     pass with its keys split (auto) or not, against the unified kernel reading the prefix 64 x."""
-    from paged_triton_splitkv.launch import cascade_attention, merge_states
+    from paged_triton_unified.split_launch import cascade_attention, merge_states
 
     n_prefix, n_own, b = (64, 24, 3) if SMOKE else (4000, 100, 64)
     prefix_blocks = n_prefix // BS

@@ -7,7 +7,7 @@ does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py --head-dim 256 --group 8
     python scripts/kernel_resources.py --head-dim 192 --head-dim-v 128 --group 1   # DeepSeek-V3's MLA shape
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
-    python scripts/kernel_resources.py --tiles split   # triton-splitkv's split kernel
+    python scripts/kernel_resources.py --tiles split   # triton-unified's split-KV kernel
     python scripts/kernel_resources.py --kv bf16,int8,fp8,int4,kivi4 --configs 128/4/2   # quantized caches, bf16 q
 
 Loop columns: the SASS instructions of each of the kernel's loops (one BLOCK_N-key step of the
@@ -40,14 +40,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET")
 
 import triton
-from paged_triton_unified import kernels
+from paged_triton_unified import kernels, split_kernels, split_launch
 from paged_triton_unified.launch import FUSED_BLOCK_N_SMALL
-
-try:  # triton-splitkv is optional here
-    from paged_triton_splitkv import kernels as split_kernels
-    from paged_triton_splitkv import launch as split_launch
-except ImportError:
-    split_kernels = split_launch = None
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -230,7 +224,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
     ap.add_argument(
-        "--tiles", default="decode,fused", help="which of decode,fused (triton-unified) and split (triton-splitkv)"
+        "--tiles", default="decode,fused", help="which of decode,fused and split (triton-unified's split-KV kernel)"
     )
     ap.add_argument(
         "--configs",
@@ -277,33 +271,30 @@ def main() -> None:
             _uncapped(kernels._PREFILL_CONFIGS) | kernels._PREFILL_CAPPED,
         ),
     }
-    if split_kernels is not None:
-        split_base = dict(
-            GROUP=args.group,
-            GROUP_PAD=group_pad,
-            BLOCK_Q=1,
-            BLOCK_M=max(16, group_pad),
-            HEAD_DIM=args.head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            HEAD_DIM_V=head_dim_v,
-            HEAD_DIM_V_PAD=head_dim_v_pad,
-            BLOCK_SIZE=args.block_size,
-            HAS_QSL=False,
-            FIXED_SPLITS=False,
-            USE_SOFTCAP=False,
-            USE_WINDOW=False,
-            UPCAST=False,
-            DOT_PRECISION="tf32",
-            DIRECT_OUT=False,
-            FUSED_MERGE=True,
-            HAS_SINKS=False,
-            STORE_LSE=False,
-            MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK,
-        )
-        split_configs = {
-            (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in split_kernels._SPLIT_CONFIGS
-        }
-        tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
+    split_base = dict(
+        GROUP=args.group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=1,
+        BLOCK_M=max(16, group_pad),
+        HEAD_DIM=args.head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=head_dim_v_pad,
+        BLOCK_SIZE=args.block_size,
+        HAS_QSL=False,
+        FIXED_SPLITS=False,
+        USE_SOFTCAP=False,
+        USE_WINDOW=False,
+        UPCAST=False,
+        DOT_PRECISION="tf32",
+        DIRECT_OUT=False,
+        FUSED_MERGE=True,
+        HAS_SINKS=False,
+        STORE_LSE=False,
+        MERGE_PARTS_CHUNK=split_launch._MERGE_PARTS_CHUNK,
+    )
+    split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in split_kernels._SPLIT_CONFIGS}
+    tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")

@@ -235,7 +235,7 @@ def attention_cases(kv_dtype: str, full: bool, dv: int = D) -> None:
 
 def cascade_split_case(kv_dtype: str, meta: BatchMeta, cache: KVCache, prefix: int, *, gen, compare=True):
     """cascade_attention with its prefix pass split along the keys (3 ranges of 128 keys)."""
-    from paged_triton_splitkv.launch import cascade_attention
+    from paged_triton_unified.split_launch import cascade_attention
 
     q = torch.randn(meta.num_tokens, HQ, D, generator=gen).to(DTYPE).to(DEV)
     out = torch.empty_like(q)

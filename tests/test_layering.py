@@ -84,7 +84,7 @@ def test_the_walker_sees_every_kind_of_import():
         "from . import _merge\n"
         "def f():\n"
         "    try:\n"
-        "        from paged_triton_splitkv.launch import merge_states\n"
+        "        from paged_triton_unified.split_launch import merge_states\n"
         "    except ImportError:\n"
         "        pass\n"
         "    importlib.import_module('paged_conformance.runner')\n"
@@ -92,7 +92,7 @@ def test_the_walker_sees_every_kind_of_import():
     assert imported_modules(source) == [
         (1, "os"),
         (1, "paged_flashinfer.backend"),
-        (5, "paged_triton_splitkv.launch"),
+        (5, "paged_triton_unified.split_launch"),
         (8, "paged_conformance.runner"),
     ]
 

@@ -774,7 +774,7 @@ def test_merge_states_checks_its_lists():
 
 
 def test_triton_merge_states_checks_its_lists():
-    launch = pytest.importorskip("paged_triton_splitkv.launch")
+    launch = pytest.importorskip("paged_triton_unified.split_launch")
     with pytest.raises(InputError, match="outputs is an empty list"):
         launch.merge_states([], [])
     with pytest.raises(InputError, match=r"outputs: the parts differ in shape \(\[3, 4, 8\], \[2, 4, 8\]\)"):

@@ -6,7 +6,7 @@ log-sum-exp of its logits, attention over the union is ``Î£_s exp(lse_s - lse) Â
 passes and context-parallel ranks. Convention: natural log, float32, ``[num_tokens, num_heads]``.
 
 This is plain PyTorch on every device, exact, and imports no plugin: on CUDA,
-``paged_triton_splitkv.merge_states`` is the same merge as one Triton launch.
+``paged_triton_unified.merge_states`` is the same merge as one Triton launch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def merge_states(
     Returns ``(out, lse)`` with ``out`` in the outputs' dtype; rows where every part is empty
     give zeros and ``-inf`` (with sinks too), never NaN. A NaN log-sum-exp in any part makes that
     row's ``out`` and ``lse`` NaN: a corrupted input never turns into a finite answer. PyTorch on
-    every device; ``paged_triton_splitkv.merge_states`` is the Triton kernel of the same merge.
+    every device; ``paged_triton_unified.merge_states`` is the Triton kernel of the same merge.
 
     >>> o = torch.ones(2, 1, 1, 2); l = torch.tensor([[[0.0]], [[float("-inf")]]])
     >>> out, lse = merge_states(o, l)

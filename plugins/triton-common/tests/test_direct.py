@@ -200,8 +200,8 @@ def test_tritons_path_gives_the_same_output(backend, monkeypatch):
     from paged_core import BatchMeta, registry
     from paged_triton_common import direct
     from paged_triton_common import write as write_module
-    from paged_triton_splitkv import launch as split_launch
     from paged_triton_unified import launch as unified_launch
+    from paged_triton_unified import split_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b = registry.get(backend)
@@ -240,7 +240,7 @@ _COMPILED_KERNELS = """
 import triton
 from paged_triton_common import write
 from paged_triton_unified import launch
-from paged_triton_splitkv import launch as split
+from paged_triton_unified import split_launch as split
 from paged_triton_common.direct import DirectKernel
 kernels = {n: getattr(m, n) for m in (launch, write, split) for n in dir(m)
            if isinstance(getattr(m, n), DirectKernel)}

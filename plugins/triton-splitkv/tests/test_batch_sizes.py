@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import paged_triton_splitkv.launch as split_launch
 import paged_triton_unified.launch as unified_launch
+import paged_triton_unified.split_launch as split_launch
 from paged_core import BatchMeta, ReferenceBackend, allocate_kv_cache
 from paged_triton_common.direct import DirectKernel
 from paged_triton_splitkv.backend import TritonSplitKVBackend

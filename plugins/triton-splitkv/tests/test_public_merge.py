@@ -1,4 +1,4 @@
-"""``paged_triton_splitkv.merge_states``: the public Triton merge, beside core's PyTorch one."""
+"""``paged_triton_unified.merge_states``: the public Triton merge, beside core's PyTorch one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import paged_triton_splitkv
+import paged_triton_unified
 from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
 from paged_core import merge_states as merge_states_torch
 
@@ -21,12 +21,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_exported_from_the_package_and_imported_on_first_use():
-    from paged_triton_splitkv import launch
+    from paged_triton_unified import split_launch
 
-    assert paged_triton_splitkv.merge_states is launch.merge_states
-    assert "merge_states" in paged_triton_splitkv.__all__
+    assert paged_triton_unified.merge_states is split_launch.merge_states
+    assert "merge_states" in paged_triton_unified.__all__
     # Loading the plugin (what `paged list` does) must not define the kernels yet.
-    code = "import sys, paged_triton_splitkv; print('paged_triton_splitkv.launch' in sys.modules)"
+    code = "import sys, paged_triton_unified; print('paged_triton_unified.split_launch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
@@ -42,7 +42,7 @@ def test_nan_lse_gives_nan_in_both_merges(with_sinks):
     sinks = torch.tensor([0.5, -1.0]) if with_sinks else None
     want_out, want_lse = merge_states_torch(outs, lses, sinks=sinks)
     # Poisoned with a value the merge never produces: every row must be written.
-    out, lse = paged_triton_splitkv.merge_states(
+    out, lse = paged_triton_unified.merge_states(
         outs.to(DEVICE),
         lses.to(DEVICE),
         torch.full((4, 2, 16), 123.0, device=DEVICE),
@@ -57,14 +57,14 @@ def test_nan_lse_gives_nan_in_both_merges(with_sinks):
     assert_close_to_reference(
         out[real],
         want_out[real].double(),
-        backend="triton-splitkv",
+        backend="triton-unified",
         case="merge",
         tolerance=output_tolerance(torch.float32),
     )
     assert_close_to_reference(
         lse[real],
         want_lse[real].double(),
-        backend="triton-splitkv",
+        backend="triton-unified",
         case="merge",
         what="lse",
         tolerance=lse_tolerance(torch.float32),

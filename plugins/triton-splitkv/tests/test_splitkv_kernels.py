@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paged_conformance.tolerances import assert_close_to_reference, lse_tolerance, output_tolerance
 from paged_core import InputError
 from paged_core import merge_states as merge_states_torch
-from paged_triton_splitkv import launch as split_launch
-from paged_triton_splitkv.launch import (
+from paged_triton_unified import split_launch as split_launch
+from paged_triton_unified.split_launch import (
     cascade_attention,
     choose_num_splits,
     merge_states,
@@ -790,7 +790,7 @@ def test_cascade_prefix_split_along_its_keys(prefix_splits):
 
 
 def test_cascade_prefix_split_sizes():
-    from paged_triton_splitkv.launch import _prefix_split
+    from paged_triton_unified.split_launch import _prefix_split
 
     cpu = torch.device("cpu")
     assert _prefix_split(0, None, row_tiles=4, num_kv_heads=8, device=cpu) == (0, 0)
@@ -800,7 +800,7 @@ def test_cascade_prefix_split_sizes():
 
 
 def test_cascade_prefix_split_count_on_a_gpu(monkeypatch):
-    from paged_triton_splitkv.launch import _prefix_split
+    from paged_triton_unified.split_launch import _prefix_split
 
     monkeypatch.setattr(split_launch, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
@@ -954,10 +954,10 @@ def test_every_autotuner_times_configs_as_graph_replays():
     """A small decode's split kernel runs faster than Triton's launch path: timed eagerly, every
     config measured the host (paged_triton_common.tuning)."""
     from paged_triton_common.tuning import replay_bench
-    from paged_triton_splitkv import kernels
+    from paged_triton_unified import split_kernels
     from triton.runtime.autotuner import Autotuner
 
-    tuners = {name: obj for name, obj in vars(kernels).items() if isinstance(obj, Autotuner)}
+    tuners = {name: obj for name, obj in vars(split_kernels).items() if isinstance(obj, Autotuner)}
     assert {"split_kv_attention_kernel", "cascade_prefix_kernel"} <= set(tuners)
     for name, tuner in tuners.items():
         assert tuner._do_bench is replay_bench, f"{name} times its configs through Triton's launch path"

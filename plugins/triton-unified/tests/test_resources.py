@@ -53,11 +53,9 @@ def test_reports_registers_and_shared_memory_per_config():
     # A register cap (a Config's maxnreg) reaches the compiler: the same tile in fewer registers.
     assert rows["128/4/2/80"][0] <= 80 < rows["128/4/2"][0]
 
-    # triton-splitkv's split kernel, when it is installed beside this plugin: it loads each
-    # tile's block ids a tile ahead so that the pipeliner buffers the gathered K/V num_stages
-    # deep, i.e. its third stage holds a third 64-key K/V buffer (2 x 16 KB) more than two.
-    split_src = ROOT / "plugins" / "triton-splitkv" / "src"
-    env["PYTHONPATH"] = os.pathsep.join([str(split_src), env["PYTHONPATH"]])
+    # The split-KV kernel loads each tile's block ids a tile ahead so that the pipeliner buffers
+    # the gathered K/V num_stages deep, i.e. its third stage holds a third 64-key K/V buffer
+    # (2 x 16 KB) more than two.
     out = subprocess.run(
         [sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
         capture_output=True,

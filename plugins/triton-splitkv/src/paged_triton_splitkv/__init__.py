@@ -1,30 +1,27 @@
 """paged-triton-splitkv: Flash-Decoding for long contexts, the LSE merge, cascade attention.
 
 Registers the backend ``triton-splitkv``; the class lives in :mod:`paged_triton_splitkv.backend`
-and is imported only when used. :func:`merge_states` is the Triton kernel of
-``paged_core.merge_states`` (same arguments and result, plus ``out=`` / ``out_lse=``): call it on
-CUDA tensors where the merge is on the hot path. Like the backend it is imported on first use,
-so that loading this plugin (``paged list``) compiles nothing and ``TRITON_INTERPRET`` can still
-be set before the kernels are defined.
+and is imported only when used. :func:`merge_states` is ``paged_triton_unified.merge_states``,
+the Triton kernel of ``paged_core.merge_states``, where its kernels now live. Like the backend it
+is imported on first use, so that loading this plugin (``paged list``) compiles nothing.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from paged_core.hookspecs import hookimpl, pip_install
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"merge_states": "launch"}
-
 __all__ = ["merge_states"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    if name == "merge_states":
+        from paged_triton_unified import merge_states
+
+        return merge_states
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

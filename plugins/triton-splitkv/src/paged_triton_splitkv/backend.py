@@ -11,8 +11,12 @@ from paged_core import BatchMeta, InputError
 from paged_triton_common.backend import TritonBackend, TritonPlan, kernel_k_scale
 from paged_triton_unified.backend import TritonUnifiedBackend
 from paged_triton_unified.launch import unified_attention
-
-from .launch import cascade_attention, choose_num_splits, shared_prefix_blocks, split_decode_attention
+from paged_triton_unified.split_launch import (
+    cascade_attention,
+    choose_num_splits,
+    shared_prefix_blocks,
+    split_decode_attention,
+)
 
 __all__ = ["TritonSplitKVBackend", "SplitKVPlan", "MAX_NUM_SPLITS"]
 

@@ -27,7 +27,7 @@ from paged_triton_common.direct import DirectKernel
 from paged_triton_common.runtime import INTERPRET, head_dim_of, occupancy_class, sm_count
 from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2
 
-from .kernels import (
+from .split_kernels import (
     PREFIX_DEFAULT_CONFIG,
     SPLIT_DEFAULT_CONFIG,
     cascade_prefix_kernel,
