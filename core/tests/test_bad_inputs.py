@@ -574,14 +574,14 @@ def test_plan_of_something_that_is_not_a_batch():
             registry.get(name).plan({})
 
 
-def test_triton_splitkv_plan_of_a_dict():
-    pytest.importorskip("paged_triton_splitkv")
-    from paged_triton_splitkv.backend import TritonSplitKVBackend
+def test_triton_unified_plan_of_a_dict():
+    pytest.importorskip("paged_triton_unified")
+    from paged_triton_unified.backend import TritonUnifiedBackend
 
     with pytest.raises(InputError, match="meta is a dict"):
-        TritonSplitKVBackend().plan({})
+        TritonUnifiedBackend().plan({})
     meta = BatchMeta.build([1], [5], block_size=16)
-    assert TritonSplitKVBackend().plan(meta, shared_prefix_blocks=0, num_heads=4).meta is meta
+    assert TritonUnifiedBackend().plan(meta, shared_prefix_blocks=0, num_heads=4).meta is meta
 
 
 def test_flashinfer_plan_refuses_before_flashinfer_is_called(monkeypatch):
@@ -613,7 +613,7 @@ def tiny(validate=None, **kw):
 
 
 def backends_here() -> list[str]:
-    return [n for n in ("reference", "triton-unified", "triton-splitkv") if n in registry.available()]
+    return [n for n in ("reference", "triton-unified") if n in registry.available()]
 
 
 def strided(t: torch.Tensor, fill: int) -> torch.Tensor:
@@ -628,7 +628,7 @@ def strided(t: torch.Tensor, fill: int) -> torch.Tensor:
     "field",
     ["query_start_loc", "seq_lens", "slot_mapping", "block_table", "query_start_loc_cpu", "seq_lens_cpu", "all"],
 )
-@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified"])
 def test_metadata_as_strided_views_of_persistent_buffers(name, field):
     # A stride-2 seq_lens gave a relative error of 0.735 on both Triton backends; a stride-2
     # query_start_loc left rows unwritten. The contract makes such views contiguous.
@@ -653,7 +653,7 @@ def test_metadata_as_strided_views_of_persistent_buffers(name, field):
     assert all(not getattr(views, f).is_contiguous() for f in names)
 
 
-@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified"])
 def test_expanded_seq_lens_and_query_start_loc(name):
     # seq_lens = tensor([9]).expand(3) gave wrong rows 1-2 on the Triton backends.
     if name not in registry.available():
@@ -678,7 +678,7 @@ def test_a_contiguous_batch_is_used_as_it_is():
     assert dense.block_table is views.block_table  # the kernels read the table through its strides
 
 
-@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified"])
 def test_sinks_of_plus_infinity_give_zeros(name):
     # The limit of a sink that absorbs all the mass: exact zeros for that head, the other heads
     # unchanged. The reference gave zeros, both Triton backends NaN.
@@ -699,7 +699,7 @@ def test_nan_sinks_are_refused_with_validation_on():
         ReferenceBackend(validate=True).forward(q, cache, meta, sinks=torch.tensor([0.0, math.nan, 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified"])
 def test_outputs_whose_rows_overlap_are_refused(name):
     # out=torch.empty(1, 4, 32).expand(6, 4, 32) was accepted by the Triton backends (every row
     # held the last row written) and a raw RuntimeError in the reference.
@@ -719,7 +719,7 @@ def test_outputs_whose_rows_overlap_are_refused(name):
     b.forward(q, cache, meta, out=wide)
 
 
-@pytest.mark.parametrize("name", ["reference", "triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("name", ["reference", "triton-unified"])
 def test_outputs_inside_the_cache_are_refused(name):
     if name not in registry.available():
         pytest.skip(f"{name} cannot run here: {registry.unavailable(name)}")

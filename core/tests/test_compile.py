@@ -33,7 +33,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 4, 2, 32, 16, 12
 #: Physical blocks per request: a prefill chunk, a decode, a padding request (seq_len 0).
 TABLES = [[3, 7], [5, 1, 9], []]
 WIDTH = 3
-CPU_BACKENDS = ["reference", "triton-unified", "triton-splitkv"]
+CPU_BACKENDS = ["reference", "triton-unified"]
 
 
 @pytest.fixture(autouse=True)
@@ -343,7 +343,7 @@ def test_a_handle_whose_backend_is_gone_is_an_input_error():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int8-static"])
-@pytest.mark.parametrize("name", ["triton-unified", "triton-splitkv", "flashinfer", "flash-attn2"])
+@pytest.mark.parametrize("name", ["triton-unified", "flashinfer", "flash-attn2"])
 def test_gpu_compiled_steps_equal_eager_and_the_float64_reference(name, kv_dtype):
     """Every CUDA backend, vendor calls included, compiled by inductor with fullgraph=True: a
     mixed step, then decode steps (split-KV's split path, FlashInfer's decode wrapper) with a

@@ -36,12 +36,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D, BS = 4, 2, 64, 16
 NUM_BLOCKS = 24
 
-# (id, registry name, options): the split path of triton-splitkv needs num_splits > 1 on the CPU,
-# where choose_num_splits says 1 and the backend would run the unified kernel.
+# (id, registry name, options): the split path of triton-unified needs num_splits > 1 on the CPU,
+# where choose_num_splits says 1 and the backend runs the unified kernel.
 BACKENDS = [
     ("reference", "reference", {}),
     ("triton-unified", "triton-unified", {}),
-    ("triton-splitkv", "triton-splitkv", {"num_splits": 2}),
+    ("triton-unified-split", "triton-unified", {"num_splits": 2}),
 ]
 
 
@@ -103,7 +103,7 @@ def assert_close(got, want, dtype, *, rows=None, magnitude=1.0, what=""):
     )
 
 
-# A decode batch (the split path of triton-splitkv) and a mixed one (the unified kernel).
+# A decode batch (triton-unified's split path, with num_splits) and a mixed one (the unified kernel).
 DECODE = ([1, 1, 1], [37, 20, 9])
 MIXED = ([1, 5, 3], [37, 20, 9])
 SHAPES = {"decode": DECODE, "mixed": MIXED}

@@ -153,23 +153,23 @@ def test_triton_unified_matches_transformers(models):
     assert_same_generation(run, want)
 
 
-def test_triton_splitkv_runs_decode_steps_through_its_split_kernel(models, monkeypatch):
-    _skip_unless_available("triton-splitkv")
-    import paged_triton_splitkv.backend as splitkv
+def test_triton_unified_runs_decode_steps_through_its_split_kernel(models, monkeypatch):
+    _skip_unless_available("triton-unified")
+    import paged_triton_unified.backend as backend_module
 
     split_calls = []
-    real = splitkv.split_decode_attention
+    real = backend_module.split_decode_attention
 
     def counted(*args, **kwargs):
         split_calls.append(kwargs["seq_lens"].shape[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(splitkv, "split_decode_attention", counted)
+    monkeypatch.setattr(backend_module, "split_decode_attention", counted)
     prompts = random_prompts([3, 9])
     cb = dict(max_batch_tokens=16, max_requests_per_batch=2)
     want = generate(models["qwen3"], TRANSFORMERS_PAGED, prompts, max_new_tokens=3, **cb)
     # split_kv=True: every decode-only batch of one row per request takes the split kernel.
-    name = paged_transformers.enable("triton-splitkv", split_kv=True)
+    name = paged_transformers.enable("triton-unified", split_kv=True)
     run = generate(models["qwen3"], name, prompts, max_new_tokens=3, **cb)
     assert_same_generation(run, want)
     # Two decode steps of both requests (the third token), once per layer: transformers' decode

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA graphs and bf16 kernels"),
 ]
 
-GRAPH_BACKENDS = ["triton-unified", "triton-splitkv", "flashinfer", "flash-attn2"]
+GRAPH_BACKENDS = ["triton-unified", "flashinfer", "flash-attn2"]
 
 
 @pytest.fixture

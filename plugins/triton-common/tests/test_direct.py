@@ -193,8 +193,11 @@ def test_once_a_direct_launch_worked_a_type_error_is_the_callers(monkeypatch):
     assert direct.direct_launch_supported()
 
 
-@pytest.mark.parametrize("backend", ["triton-unified", "triton-splitkv"])
-def test_tritons_path_gives_the_same_output(backend, monkeypatch):
+# A mixed batch (the unified kernel) and a decode batch split three ways (the split kernel).
+@pytest.mark.parametrize(
+    ("options", "query_lens"), [({}, [5, 1, 1]), ({"num_splits": 3}, [1, 1, 1])], ids=["unified", "split"]
+)
+def test_tritons_path_gives_the_same_output(options, query_lens, monkeypatch):
     """The fallback (every DirectKernel on ``kernel[grid](...)``) against the launches of this
     run (direct on a GPU, the interpreter on a CPU): bitwise the same cache and output."""
     from paged_core import BatchMeta, registry
@@ -204,11 +207,11 @@ def test_tritons_path_gives_the_same_output(backend, monkeypatch):
     from paged_triton_unified import split_launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    b = registry.get(backend)
+    b = registry.get("triton-unified", **options)
 
     def run():
         torch.manual_seed(0)
-        meta = BatchMeta.build([5, 1, 1], [37, 20, 60], block_size=16, num_blocks=16, device=device, seed=1)
+        meta = BatchMeta.build(query_lens, [37, 20, 60], block_size=16, num_blocks=16, device=device, seed=1)
         cache = b.allocate(16, 16, 2, 32, dtype=torch.float16, device=device)
         k = torch.randn(meta.num_tokens, 2, 32, dtype=torch.float16, device=device)
         b.write(cache, k, -k, meta)
@@ -298,8 +301,7 @@ def test_first_call_is_capture_safe(case, autotune, tmp_path):
 FIRST_CALL = HOST_COST.with_name("first_call.py")
 
 
-@pytest.mark.parametrize("backend", ["triton-unified", "triton-splitkv"])
-def test_a_later_process_does_not_tune_again(backend, tmp_path):
+def test_a_later_process_does_not_tune_again(tmp_path):
     """Tuned choices persist next to the compiled kernels: the second process times no config."""
     if not torch.cuda.is_available():
         pytest.skip("autotuning times kernels on a CUDA device")
@@ -310,7 +312,7 @@ def test_a_later_process_does_not_tune_again(backend, tmp_path):
     timed = []
     for _ in range(2):
         proc = subprocess.run(
-            [sys.executable, str(FIRST_CALL), "child", backend, "decode 64 x 4096", "128"],
+            [sys.executable, str(FIRST_CALL), "child", "triton-unified", "decode 64 x 4096", "128"],
             env=env,
             capture_output=True,
             text=True,

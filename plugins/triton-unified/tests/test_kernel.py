@@ -354,14 +354,13 @@ def test_default_config():
     assert config.block_q_large * 4 == 128
 
 
-def test_the_backends_claim_the_cache_formats_the_kernels_read():
+def test_the_backend_claims_the_cache_formats_the_kernels_read():
     from paged_core import QUANT_FORMATS, registry
     from paged_triton_unified.launch import SUPPORTED_KV_DTYPES
 
     read = {name for name, (code, _) in QUANT_FORMATS.items() if code in SUPPORTED_KV_DTYPES}
     assert read == {"int8", "fp8", "fp8_e5m2", "int4", "kivi4"}
-    for name in ("triton-unified", "triton-splitkv"):
-        assert registry.get(name).capabilities.kv_dtypes == {"auto", *read}, name
+    assert registry.get("triton-unified").capabilities.kv_dtypes == {"auto", *read}
 
 
 def test_checks_what_the_kernel_needs_beyond_the_contract():

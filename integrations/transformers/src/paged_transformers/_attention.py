@@ -368,7 +368,7 @@ class PagedAttention:
                     [
                         f"running inside a CUDA-graph capture, {why}; accepted: "
                         "ContinuousBatchingConfig(use_cuda_graph=False), or a backend that claims CUDA graphs "
-                        "and plans on the device (triton-unified, triton-splitkv)"
+                        "and plans on the device (triton-unified without cascade=True)"
                     ],
                 )
             step = self._step = _Step(step_key)

@@ -1,16 +1,17 @@
-"""paged-triton-splitkv: Flash-Decoding for long contexts, the LSE merge, cascade attention.
+"""paged-triton-splitkv: the former name of the ``triton-unified`` backend, kept as a deprecated alias.
 
-Registers the backend ``triton-splitkv``; the class lives in :mod:`paged_triton_splitkv.backend`
-and is imported only when used. :func:`merge_states` is ``paged_triton_unified.merge_states``,
-the Triton kernel of ``paged_core.merge_states``, where its kernels now live. Like the backend it
-is imported on first use, so that loading this plugin (``paged list``) compiles nothing.
+Split-KV decoding, cascade attention and the batch-invariant mode are options of
+``triton-unified`` (paged-triton-unified), with the same names and defaults. This plugin registers
+``triton-splitkv`` as that backend under its former name, ranked below it, and warns when one is
+constructed. :func:`merge_states` is ``paged_triton_unified.merge_states``, imported on first use
+so that loading this plugin (``paged list``) compiles nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from paged_core.hookspecs import hookimpl, pip_install
+from paged_core.hookspecs import Register, hookimpl, pip_install
 
 __version__ = "0.1.0"
 
@@ -26,10 +27,11 @@ def __getattr__(name: str) -> Any:
 
 
 @hookimpl
-def register_backends(register):
+def register_backends(register: Register) -> None:
+    # Below triton-unified (25): select() ranks the current name first.
     register(
         "triton-splitkv",
         "paged_triton_splitkv.backend:TritonSplitKVBackend",
-        priority=25,
+        priority=20,
         install=pip_install("'paged-core[triton]'"),
     )

@@ -1,9 +1,11 @@
-"""paged-triton-unified: one Triton kernel launch per layer for any mixed batch.
+"""paged-triton-unified: paged attention in Triton for any mixed batch, Flash-Decoding where it pays.
 
 Registers the backend ``triton-unified``; the class lives in :mod:`paged_triton_unified.backend`
 and is imported only when used, so that loading the plugin to list backends imports neither
-torch nor Triton. The launcher is :func:`paged_triton_unified.launch.unified_attention`; what
-both Triton backends share is in the ``paged_triton_common`` distribution.
+torch nor Triton. The launchers are :func:`paged_triton_unified.launch.unified_attention` (one
+launch per layer for the whole batch) and, in :mod:`paged_triton_unified.split_launch`, the
+split-KV decode and cascade attention; the Triton runtime they build on is the
+``paged_triton_common`` distribution.
 
 :func:`merge_states` is the Triton kernel of ``paged_core.merge_states`` (same arguments and
 result, plus ``out=`` / ``out_lse=``): call it on CUDA tensors where the merge is on the hot path.
@@ -33,9 +35,10 @@ def __getattr__(name: str) -> Any:
 
 @hookimpl
 def register_backends(register):
+    # Above the deprecated alias triton-splitkv (the same class), below flashinfer.
     register(
         "triton-unified",
         "paged_triton_unified.backend:TritonUnifiedBackend",
-        priority=20,
+        priority=25,
         install=pip_install("'paged-core[triton]'"),
     )

@@ -15,7 +15,7 @@ Query ``i`` of a request sits at position ``context_len + i`` and sees keys ``0 
 (and with a window ``w > 0`` only keys ``> position - w``). Logical key ``j`` lives in physical
 slot ``block_table[r, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE`` of the cache.
 
-Stride names, here and in triton-splitkv: ``stride_<tensor>_<dim>`` with tensors ``q``, ``k``/``v``
+Stride names, here and in split_kernels.py: ``stride_<tensor>_<dim>`` with tensors ``q``, ``k``/``v``
 (the caches), ``ks``/``vs`` (their scales), ``o`` (out), ``lse``, ``bt`` (block table), ``po``/``pl``
 (partial outputs / LSEs) and dims ``t`` (token), ``h`` (head), ``d`` (head dim), ``b`` (cache
 block, or block-table column), ``s`` (slot in a block, or split), ``r`` (request).
@@ -597,8 +597,8 @@ def capture_config(named_args):
     # the occupancy class (1, 2, 4 or 8+ programs per SM): 2 warps per program win when every SM
     # has 4 programs and lose a third when it has 1. "Decode-only" is not either: BLOCK_Q
     # already separates decode-shaped tiles from prefill tiles. (So a request's result may
-    # differ in rounding between batches of different classes: triton-unified does not claim
-    # batch invariance; triton-splitkv's batch_invariant mode does.)
+    # differ in rounding between batches of different classes: this kernel does not claim batch
+    # invariance; the split kernel's batch_invariant mode (split_kernels.py) does.)
     key=[
         "BLOCK_Q",
         "BLOCK_Q_LARGE",

@@ -1,11 +1,11 @@
-"""Triton kernels of the split-KV (Flash-Decoding) backend.
+"""Triton kernels of triton-unified's split-KV (Flash-Decoding) path, its merge and cascade attention.
 
 Only ``@triton.jit`` code and the autotune configs of the kernel right below them live here;
-launchers (argument checks, workspaces, grids) are in ``launch.py``.
+launchers (argument checks, workspaces, grids) are in ``split_launch.py``.
 
 Conventions shared by every kernel of this file (the rules of masking, soft-cap, sinks, 8-bit
 codes, the online-softmax step and the interpreter's float32 switch are the helpers of
-:mod:`paged_triton_common.tiles`, which triton-unified's kernel calls too):
+:mod:`paged_triton_common.tiles`, which the unified kernel calls too):
 
 * Scores are kept in the log2 domain inside the loops (``exp2`` is one MUFU instruction);
   every log-sum-exp that leaves a kernel is converted back to the natural log.
@@ -18,7 +18,7 @@ codes, the online-softmax step and the interpreter's float32 switch are the help
 * float8 codes arrive as ``uint8`` (the launcher views the cache) and are bitcast in
   :func:`~paged_triton_common.tiles.codes_to` (``FP8``: 0, or which fp8 format): the
   interpreter cannot load float8 tensors, the GPU does not care.
-* Stride names follow triton-unified's (``stride_<tensor>_<dim>``, see its ``kernels.py``).
+* Stride names follow the unified kernel's (``stride_<tensor>_<dim>``, see ``kernels.py``).
 """
 
 import triton
@@ -303,13 +303,13 @@ else:
 # The key holds the keys one program walks (keys_per_program, a power of two): the best config
 # follows the loop's length (NVIDIA H200, Triton 3.6, 2026-12-01: a choice tuned on 1 x 512 ran
 # 4 x 32,768 58 % slower than the best config), and how many programs each SM gets (occupancy,
-# 1, 2, 4 or 8+, as triton-unified's key): 1 x 4,096 and 2 x 4,096 both walk 256 keys a program,
+# 1, 2, 4 or 8+, as the unified kernel's key): 1 x 4,096 and 2 x 4,096 both walk 256 keys a program,
 # on 128 and 256 programs, and need different configs. It leaves out every other batch-dependent
 # value (num_reqs, num_splits): batch-invariant mode needs the same config for a request alone
 # and in any batch, so there a split's length is fixed (blocks_per_split) and occupancy is 0.
 # DIRECT_OUT (one split) is in it, but the launcher never uses it in that mode.
 # Triton adds the dtypes of tensor arguments (q, KV cache) to the key by itself.
-# Tuned choices persist in TRITON_CACHE_DIR (as triton-unified's kernel).
+# Tuned choices persist in TRITON_CACHE_DIR (as the unified kernel's).
 @triton.autotune(
     configs=_SPLIT_CONFIGS,
     key=[

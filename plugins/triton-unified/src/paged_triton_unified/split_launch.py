@@ -91,7 +91,7 @@ _MERGE_PARTS_CHUNK = 8
 
 
 def _fail(what: str, found: object, accepted: str, fix: str) -> NoReturn:
-    raise InputError(f"{what} is {found}; triton-splitkv accepts {accepted}; {fix}")
+    raise InputError(f"{what} is {found}; triton-unified accepts {accepted}; {fix}")
 
 
 def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> None:
@@ -307,7 +307,7 @@ def split_decode_attention(
             "q.shape[0] (num_tokens)",
             num_tokens,
             f"num_reqs = {num_reqs}: one query per request",
-            "use cascade_attention or triton-unified's unified_attention for longer queries",
+            "use cascade_attention or unified_attention (paged_triton_unified.launch) for longer queries",
         )
     _check_count("blocks_per_split", blocks_per_split, minimum=1, none_ok=True)
     if blocks_per_split is not None:
@@ -542,7 +542,7 @@ def _stacked(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.T
         p.dtype != parts[0].dtype or p.device != parts[0].device for p in parts
     ):
         raise InputError(
-            f"{name}: the parts differ in shape ({', '.join(map(str, shapes))}), dtype or device; triton-splitkv "
+            f"{name}: the parts differ in shape ({', '.join(map(str, shapes))}), dtype or device; triton-unified "
             "accepts parts of one shape, dtype and device; pass outputs [num_tokens, num_heads, head_dim] and "
             "lses [num_tokens, num_heads] per part"
         )
@@ -729,7 +729,7 @@ def cascade_attention(
             "window",
             window,
             "0: cascade attention has no sliding window",
-            "run windowed layers with split_decode_attention or triton-unified's unified_attention",
+            "run windowed layers with split_decode_attention or unified_attention (paged_triton_unified.launch)",
         )
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape

@@ -132,7 +132,7 @@ def decode_qsl(n):
 
 def assert_close(out, ref, dtype, what="", kv="auto"):
     """The conformance suite's comparison and tolerance (NaN counts as an infinite error)."""
-    assert_close_to_reference(out, ref, backend="triton-splitkv", case=what, tolerance=output_tolerance(dtype, kv))
+    assert_close_to_reference(out, ref, backend="triton-unified", case=what, tolerance=output_tolerance(dtype, kv))
 
 
 def assert_lse_close(lse, ref_lse, dtype=torch.float32, kv="auto"):
@@ -140,7 +140,7 @@ def assert_lse_close(lse, ref_lse, dtype=torch.float32, kv="auto"):
     lse = lse.double().cpu()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf pattern differs"
     assert_close_to_reference(
-        lse, ref_lse, backend="triton-splitkv", case="lse", what="lse", tolerance=lse_tolerance(dtype, kv)
+        lse, ref_lse, backend="triton-unified", case="lse", what="lse", tolerance=lse_tolerance(dtype, kv)
     )
 
 
@@ -626,7 +626,7 @@ def test_cascade_reads_the_prefix_through_a_request_that_holds_it():
     """Row 0 is a padding request whose table holds other (valid) ids: the prefix is found and
     read through the first request with keys, by the detection and by the backend's plan."""
     from paged_core import BatchMeta
-    from paged_triton_splitkv.backend import TritonSplitKVBackend
+    from paged_triton_unified.backend import TritonUnifiedBackend
 
     seq_lens = [0, 130, 97, 180, 111]
     q, kc, vc, _, _, qsl, sl, bt = cascade_case([1] * 5, seq_lens, 6, hq=6, hkv=2)
@@ -641,8 +641,8 @@ def test_cascade_reads_the_prefix_through_a_request_that_holds_it():
     rows = [bt[0, :9].tolist()] + [bt[r, : -(-n // 16)].tolist() for r, n in enumerate(seq_lens) if r]
     meta = BatchMeta.from_lists([1] * 5, seq_lens, rows, block_size=16, device=DEVICE)
     for backend, kw in [
-        (TritonSplitKVBackend(cascade=True, min_prefix_tokens=16), {}),
-        (TritonSplitKVBackend(min_prefix_tokens=16), {"shared_prefix_blocks": 6}),
+        (TritonUnifiedBackend(cascade=True, min_prefix_tokens=16), {}),
+        (TritonUnifiedBackend(min_prefix_tokens=16), {"shared_prefix_blocks": 6}),
     ]:
         plan = backend.plan(meta, **kw)
         assert (plan.prefix_blocks, plan.prefix_row) == (6, 1)
@@ -656,7 +656,7 @@ def test_the_cascade_path_is_recorded_once_per_step(monkeypatch):
     launcher is faked: under the interpreter nothing launches directly, so nothing records."""
     from paged_core import BatchMeta
     from paged_triton_common import direct
-    from paged_triton_splitkv import backend as split_backend
+    from paged_triton_unified import backend as backend_module
 
     class Binary:
         function, packed_metadata = "fn", "md"
@@ -675,9 +675,9 @@ def test_the_cascade_path_is_recorded_once_per_step(monkeypatch):
         if recording is not None:
             recording.add(binary, (4, 2), [q, k_cache, v_cache, out, kw["block_table"]], 0)
 
-    monkeypatch.setattr(split_backend, "cascade_attention", fake_cascade)
+    monkeypatch.setattr(backend_module, "cascade_attention", fake_cascade)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
-    backend = split_backend.TritonSplitKVBackend(min_prefix_tokens=16)
+    backend = backend_module.TritonUnifiedBackend(min_prefix_tokens=16)
     meta = BatchMeta.build([1, 1, 1], [100, 90, 120], block_size=16, device=DEVICE)
     plan = backend.plan(meta, shared_prefix_blocks=4)
     layers = []
@@ -831,18 +831,17 @@ def test_shared_prefix_blocks_ignores_padding_rows_and_caps_by_length():
 
 
 # --------------------------------------------------------------------------------------------
-# The backend: plans across backends
+# The backend: plans across instances and backends
 # --------------------------------------------------------------------------------------------
 
 
-def test_plans_are_interchangeable_between_the_triton_backends():
-    # forward() takes a BatchMeta or a plan of it. triton-unified used to fail on a SplitKVPlan
-    # ('SplitKVPlan' object has no attribute 'query_start_loc') and triton-splitkv on any plan
-    # object that is not its own.
+def test_plans_are_interchangeable_between_instances_and_backends():
+    # forward() takes a BatchMeta or a plan of it. The unsplit backend used to fail on a split
+    # one's plan ('SplitKVPlan' object has no attribute 'query_start_loc') and the split one on
+    # any plan object that is not its own.
     import dataclasses
 
     from paged_core import BatchMeta
-    from paged_triton_splitkv.backend import TritonSplitKVBackend
     from paged_triton_unified.backend import TritonUnifiedBackend
 
     @dataclasses.dataclass
@@ -850,7 +849,7 @@ def test_plans_are_interchangeable_between_the_triton_backends():
         meta: BatchMeta
 
     meta = BatchMeta.build([3, 1, 1], [10, 40, 20], block_size=16, device=DEVICE)
-    unified, split = TritonUnifiedBackend(), TritonSplitKVBackend(num_splits=3)
+    unified, split = TritonUnifiedBackend(split_kv=False), TritonUnifiedBackend(num_splits=3)
     cache = unified.allocate(8, 16, num_kv_heads=1, head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
     kv = [torch.randn(5, 1, HEAD_DIM, generator=gen).to(DEVICE) for _ in range(2)]
@@ -862,16 +861,15 @@ def test_plans_are_interchangeable_between_the_triton_backends():
             torch.testing.assert_close(backend.forward(q, cache, plan), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"num_splits": 3}], ids=["triton-unified", "triton-splitkv"])
+@pytest.mark.parametrize("options", [{"split_kv": False}, {"num_splits": 3}], ids=["unsplit", "split"])
 def test_a_plan_made_before_copy_computes_the_copied_batch(options):
     """What a captured CUDA graph relies on: a Triton plan reads the batch's tensors, so after
     ``static.copy_(step)`` the plan made from ``static`` computes ``step`` (new lengths, new
     blocks, a padding request), equal to a fresh plan of ``step``."""
     from paged_core import BatchMeta
-    from paged_triton_splitkv.backend import TritonSplitKVBackend
     from paged_triton_unified.backend import TritonUnifiedBackend
 
-    backend = TritonSplitKVBackend(**options) if options else TritonUnifiedBackend()
+    backend = TritonUnifiedBackend(**options)
     static = BatchMeta.build([1, 1, 1], [40, 7, 0], block_size=16, num_blocks=24, table_width=6, seed=1, device=DEVICE)
     cache = backend.allocate(24, 16, num_kv_heads=1, head_dim=HEAD_DIM, dtype=torch.float32, device=DEVICE)
     gen = torch.Generator().manual_seed(0)

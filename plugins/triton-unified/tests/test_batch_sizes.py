@@ -30,7 +30,6 @@ import paged_triton_unified.launch as unified_launch
 import paged_triton_unified.split_launch as split_launch
 from paged_core import BatchMeta, ReferenceBackend, allocate_kv_cache
 from paged_triton_common.direct import DirectKernel
-from paged_triton_splitkv.backend import TritonSplitKVBackend
 from paged_triton_unified.backend import TritonUnifiedBackend
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counts keys under the CPU interpreter")
@@ -110,8 +109,8 @@ def _run(backend, query_lens, seed=0):
     torch.testing.assert_close(out, ReferenceBackend().forward(q, cache, meta), atol=1e-4, rtol=1e-4)
 
 
-def test_splitkv_new_decode_sizes_compile_once(launches):
-    backend = TritonSplitKVBackend()
+def test_new_decode_sizes_compile_once(launches):
+    backend = TritonUnifiedBackend()
     for size in SIZES:
         _run(backend, [1] * size)
     counts = _counts(launches)
@@ -125,8 +124,8 @@ def test_splitkv_new_decode_sizes_compile_once(launches):
     assert counts == {"split_kv_attention_kernel": (3, 1), "unified_attention_kernel": (4, 1)}
 
 
-def test_unified_new_decode_sizes_compile_once(launches):
-    backend = TritonUnifiedBackend()
+def test_new_decode_sizes_compile_once_unsplit(launches):
+    backend = TritonUnifiedBackend(split_kv=False)
     for size in SIZES:
         _run(backend, [1] * size)
     # The four occupancy classes (1, 2, 4, 8+ programs per SM), one binary.

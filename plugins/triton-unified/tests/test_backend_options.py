@@ -1,4 +1,4 @@
-"""triton-splitkv's options and plan keywords: every bad value a PagedError that says what is
+"""triton-unified's options and plan keywords: every bad value a PagedError that says what is
 accepted, no option silently overriding another, and a declared shared prefix checked against
 the block table when validation is on.
 
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from paged_core import BatchMeta, InputError, ReferenceBackend, allocate_kv_cache
-from paged_triton_splitkv.backend import TritonSplitKVBackend
+from paged_triton_unified.backend import TritonUnifiedBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,7 +49,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 )
 def test_bad_options_are_refused(options, needle):
     with pytest.raises(InputError) as exc:
-        TritonSplitKVBackend(**options)
+        TritonUnifiedBackend(**options)
     assert needle in str(exc.value)
 
 
@@ -65,7 +65,7 @@ def test_bad_options_are_refused(options, needle):
 def test_bad_declared_prefixes_are_refused(declared, needle):
     meta = BatchMeta.build([1, 1], [13, 16], block_size=4)
     with pytest.raises(InputError) as exc:
-        TritonSplitKVBackend(cascade=True).plan(meta, shared_prefix_blocks=declared)
+        TritonUnifiedBackend(cascade=True).plan(meta, shared_prefix_blocks=declared)
     assert needle in str(exc.value)
 
 
@@ -85,7 +85,7 @@ def test_a_declared_prefix_the_table_does_not_hold_is_refused_with_validation_on
     # plan(meta, shared_prefix_blocks=k) with validate=True accepted a prefix the requests did
     # not share; requests 1-2 came out wrong (relative error 1.22).
     q, cache, meta = _shared_batch()
-    b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4, validate=True)
+    b = TritonUnifiedBackend(cascade=True, min_prefix_tokens=4, validate=True)
     with pytest.raises(
         InputError,
         match=r"shared_prefix_blocks=2 but request 2 holds blocks \[1, 9\] in its "
@@ -100,7 +100,7 @@ def test_a_declared_prefix_the_table_does_not_hold_is_refused_with_validation_on
 
 def test_a_declared_prefix_is_the_callers_promise_with_validation_off():
     q, cache, meta = _shared_batch()
-    b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4, validate=False)
+    b = TritonUnifiedBackend(cascade=True, min_prefix_tokens=4, validate=False)
     assert b.plan(meta, shared_prefix_blocks=2).prefix_blocks == 2  # read as declared, unchecked
 
 
@@ -108,7 +108,7 @@ def test_a_declared_prefix_is_the_callers_promise_with_validation_off():
 def test_the_cascade_pass_reads_no_quantized_mla_shaped_cache(monkeypatch, kv_dtype):
     # On the H200 the prefix pass gave wrong rows on int8 codes with head dims 64/32: such a
     # batch runs as a normal batch, and still matches the reference.
-    import paged_triton_splitkv.backend as backend_module
+    import paged_triton_unified.backend as backend_module
     from paged_core import write_kv
 
     calls = []
@@ -123,18 +123,9 @@ def test_the_cascade_pass_reads_no_quantized_mla_shaped_cache(monkeypatch, kv_dt
     tables = [[1, 2, 3], [1, 2, 5], [1, 2, 7]]
     meta = BatchMeta.from_lists([1, 2, 1], [10, 11, 9], tables, block_size=4, device=DEVICE)
     q = torch.randn(4, 4, 64, generator=g).to(DEVICE)
-    b = TritonSplitKVBackend(cascade=True, min_prefix_tokens=4)
+    b = TritonUnifiedBackend(cascade=True, min_prefix_tokens=4)
     plan = b.plan(meta, shared_prefix_blocks=2)
     torch.testing.assert_close(
         b.forward(q, cache, plan), ReferenceBackend().forward(q, cache, meta), atol=2e-4, rtol=2e-4
     )
     assert calls == ([1] if kv_dtype == "auto" else [])
-
-
-def test_the_registry_ranks_splitkv_above_unified():
-    # README's pick: triton-unified never splits a decode's keys (H200, 1 x 131,072: 2.072 ms
-    # against 0.158 ms), so select() must reach triton-splitkv first.
-    from paged_core import registry
-
-    ranked = [n for n in registry.names() if n in ("triton-splitkv", "triton-unified")]
-    assert ranked == ["triton-splitkv", "triton-unified"]
