@@ -1,5 +1,5 @@
 """The harness of ``gpu_tune.py``, ``prefill_ceiling.py`` and ``gpu_profile.py``: a batch on random
-data, a fixed-config call of triton-unified's or triton-splitkv's launcher on it, its CUDA-graph
+data, a fixed-config call of triton-unified's unified or split-KV launcher on it, its CUDA-graph
 replay time and its check against the reference, one printed line per variant.
 
 Not a script: the scripts beside it import it (``import _harness as H``; Python puts a script's
@@ -236,7 +236,7 @@ def tag(small=None, large=None, bq_large=None) -> str:
 
 
 def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, int]):
-    """triton-splitkv's split decode at a fixed split count and kernel config (any cache format)."""
+    """triton-unified's split decode at a fixed split count and kernel config (any cache format)."""
     c = case.cache
     kcfg = {"BLOCK_N": kc[0], "num_warps": kc[1], "num_stages": kc[2]}
     max_seq_len = case.meta.max_seq_len  # a host int: the call is captured, where a sync is an error

@@ -8,7 +8,7 @@
 # this...; an empty Triton cache per run means each tunes its own configs, as a new process on a
 # new machine would (the spread between rounds of one version is the noise to compare against).
 # Writes $OUT/ab-{other,this}-N.{txt,json} and prints ms per row, one column per run.
-# Example: bash scripts/bench_ab.sh /tmp/main 2 --backend triton-splitkv --cases sweep --no-baselines
+# Example: bash scripts/bench_ab.sh /tmp/main 2 --backend triton-unified --cases sweep --no-baselines
 set -uo pipefail
 other=$(cd "$1" && pwd); rounds=$2; shift 2
 OUT=${OUT:-/tmp/paged-out}; mkdir -p "$OUT"

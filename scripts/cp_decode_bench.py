@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=None, help=f"REQUESTSxTOKENS, comma-separated (default {CASES})")
     parser.add_argument(
-        "--backend", default=None, help="registry name (default: triton-splitkv on GPUs, reference on the CPU)"
+        "--backend", default=None, help="registry name (default: triton-unified on GPUs, reference on the CPU)"
     )
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="contiguous, interleaved or both")
     parser.add_argument("--iters", type=int, default=None, help="timed steps per measurement (default 20)")
@@ -135,7 +135,7 @@ def main() -> None:
         cases = _cases(args.cases or (SMOKE_CASES if args.smoke else CASES))
         iters = args.iters or (2 if args.smoke else 20)
         warmup = min(args.warmup, 1) if args.smoke else args.warmup
-        name = args.backend or ("triton-splitkv" if cuda else "reference")
+        name = args.backend or ("triton-unified" if cuda else "reference")
         backend = registry.get(name)
         dtype = torch.bfloat16
         rows = []

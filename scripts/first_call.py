@@ -1,6 +1,6 @@
 """First-call latency: what a new shape class costs in compile + autotune, cold and cached.
 
-    python scripts/first_call.py [--backends triton-unified,triton-splitkv]
+    python scripts/first_call.py [--backends triton-unified,flashinfer]
     python scripts/first_call.py --timings --batches "prefill 8 x 2048"   # each config's time too
     python scripts/first_call.py child BACKEND BATCH HEAD_DIM     # one measurement (JSON line)
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["child"]:
         return child(*argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backends", default="triton-unified,triton-splitkv", help="comma-separated backend names")
+    p.add_argument("--backends", default="triton-unified", help="comma-separated backend names")
     p.add_argument(
         "--batches", default=",".join(DEFAULT_BATCHES), help=f"comma-separated batch names, of: {', '.join(BATCHES)}"
     )

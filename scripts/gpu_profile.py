@@ -41,8 +41,8 @@ CASES = {
     "decode-fp8": "the same batch, fp8 cache",
     "decode-int8-w8": "int8 cache at 128 keys / 8 warps / 2 stages",
     "decode-int8-static": "int8 cache with one static scale per tensor (no per-key scale gather)",
-    "split-small": "triton-splitkv decode 4 x 4,096, its split count, 64 keys / 4 warps / 3 stages",
-    "split-long": "triton-splitkv decode 4 x 32,768, its split count, 64 keys / 4 warps / 3 stages",
+    "split-small": "triton-unified split decode 4 x 4,096, its split count, 64 keys / 4 warps / 3 stages",
+    "split-long": "triton-unified split decode 4 x 32,768, its split count, 64 keys / 4 warps / 3 stages",
     "prefill": "triton-unified prefill 8 x 2,048 causal, 128-row tiles, 64 keys / 8 warps / 2 stages",
     "mixed": "triton-unified, the bench's mixed batch (2 chunks of 512 + 30 decodes), fixed configs",
 }

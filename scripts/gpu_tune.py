@@ -240,7 +240,7 @@ def section_bench_mixed() -> None:
 def section_mixed_parts() -> None:
     """The bench's mixed batch and its two halves, each alone and one after the other: its 2
     prefill chunks (through the unified kernel, 64- and 128-row tiles) and its 30 decodes
-    (through the unified kernel, and split along their keys by triton-splitkv). Says whether the
+    (through the unified kernel, and split along their keys by the split kernel). Says whether the
     fused launch loses to its own parts run back to back, and which part is the time."""
     g = torch.Generator().manual_seed(0)
     dec = [2000 + int(x) for x in torch.randint(-100, 101, (30,), generator=g)]

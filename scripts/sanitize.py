@@ -117,10 +117,10 @@ def random_requests(gen, *, decode: bool, n: int = 4):
 # ------------------------------------------------------------------------------ attention
 PATHS = {
     # name: (registry name, options, decode batches?)
-    "unified": ("triton-unified", {}, False),
-    "unified-decode": ("triton-unified", {}, True),
-    "split": ("triton-splitkv", {"num_splits": 3}, True),
-    "cascade": ("triton-splitkv", {"cascade": True, "min_prefix_tokens": 0}, False),
+    "unified": ("triton-unified", {"split_kv": False}, False),
+    "unified-decode": ("triton-unified", {"split_kv": False}, True),
+    "split": ("triton-unified", {"num_splits": 3}, True),
+    "cascade": ("triton-unified", {"cascade": True, "min_prefix_tokens": 0}, False),
 }
 
 
@@ -258,7 +258,7 @@ def cascade_split_case(kv_dtype: str, meta: BatchMeta, cache: KVCache, prefix: i
     if not compare:
         return f"finite={bool(torch.isfinite(out).all())}"
     want = reference_attention(q, cache, meta, compute_dtype=torch.float64)
-    return _compare(out, want, "triton-splitkv", kv_dtype, meta)
+    return _compare(out, want, "triton-unified", kv_dtype, meta)
 
 
 def cascade_split_cases(kv_dtype: str) -> None:
@@ -326,11 +326,10 @@ def main() -> int:
         f"PYTORCH_NO_CUDA_MEMORY_CACHING={os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING')}",
         flush=True,
     )
-    for name in ("triton-unified", "triton-splitkv"):
-        reasons = registry.unavailable(name)
-        if reasons:
-            print(f"FAIL {name} unavailable: {'; '.join(reasons)}")
-            return 1
+    reasons = registry.unavailable("triton-unified")
+    if reasons:
+        print(f"FAIL triton-unified unavailable: {'; '.join(reasons)}")
+        return 1
     write_cases()
     attention_cases("auto", full=True)
     attention_cases("int8", full=False)

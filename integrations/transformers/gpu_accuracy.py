@@ -6,8 +6,7 @@ oracle is transformers' own paged path in **fp32**; every other row runs the bf1
 reports the max and mean absolute error of its first-step logits (the lm_head rows of the
 prompts' last tokens, fp32 vocabulary logits) against it:
 
-- each paged backend (``reference``, ``triton-unified``, ``triton-splitkv``, ``flashinfer``, or
-  ``--backends``) through ``generate_batch``;
+- each paged backend (``reference``, ``triton-unified``, ``flashinfer``, or ``--backends``) through ``generate_batch``;
 - transformers' own bf16 paths: its paged SDPA path through ``generate_batch``, and plain
   ``sdpa`` and ``eager`` forwards of each prompt alone (no continuous batching).
 
@@ -39,7 +38,7 @@ PROMPT_LENGTHS = [5, 17, 64, 130, 257, 511, 1, 40]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--backends", default="reference,triton-unified,triton-splitkv,flashinfer")
+    p.add_argument("--backends", default="reference,triton-unified,flashinfer")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared eager vs CUDA graphs")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--json", default="", help="also write the rows to this file")

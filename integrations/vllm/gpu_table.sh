@@ -12,7 +12,7 @@ one() {  # backend mode dtype kv [extra args]
 }
 for set in "$@"; do case $set in
   smoke) one paged:triton-unified eager bfloat16 auto --layers 2 --prompts 8 --input-len 100 --output-len 8 ;;
-  check) for b in vllm:TRITON_ATTN paged:triton-unified paged:triton-splitkv; do one $b eager float32 auto --prompts 32; done ;;
+  check) for b in vllm:TRITON_ATTN paged:triton-unified; do one $b eager float32 auto --prompts 32; done ;;
   bf16)  for b in paged:triton-unified vllm:TRITON_ATTN vllm:FLASH_ATTN; do one $b graphs bfloat16 auto; done ;;
   8bit)  for b in paged:triton-unified vllm:TRITON_ATTN; do one $b graphs bfloat16 fp8 --prompts 128; done
          for b in paged:triton-unified vllm:TRITON_ATTN; do one $b graphs bfloat16 int8_per_token_head --prompts 128; done ;;

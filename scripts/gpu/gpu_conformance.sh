@@ -38,7 +38,7 @@ paged list > "$OUT/list.txt" 2>&1; cat "$OUT/list.txt"
 
 XDIST=auto
 python3 -c "import xdist" 2>/dev/null || { XDIST=; echo "pytest-xdist not installed: one worker per session"; }
-IFS=';' read -ra specs <<< "${SESSIONS:-all|reference,triton-unified,triton-splitkv,flashinfer,flash-attn2|$XDIST|}"
+IFS=';' read -ra specs <<< "${SESSIONS:-all|reference,triton-unified,flashinfer,flash-attn2|$XDIST|}"
 gib=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
 fit=$(( gib / 5 / ${#specs[@]} )); cpus=$(nproc)
 fit=$(( fit < 1 ? 1 : (fit > cpus ? cpus : fit) ))

@@ -70,7 +70,7 @@ class Backend:
     #: The registry key (``registry.get(name)``).
     name: ClassVar[str] = ""
     #: What the backend promises to compute exactly; conformance holds it to that. Set on the
-    #: class; an instance may narrow it for its options (triton-splitkv's ``cascade``).
+    #: class; an instance may narrow it for its options (triton-unified's ``cascade``).
     capabilities: Capabilities = Capabilities()
 
     def __init__(self, *, validate: bool | None = None) -> None:

@@ -128,8 +128,9 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
     """vLLM's full-CUDA-graph level for ``backend``: ``UNIFORM_SINGLE_TOKEN_DECODE`` (graphs of
     decode batches) when its capabilities claim CUDA graphs and it writes K/V with its own
     kernel, else ``NEVER``. Not ``ALWAYS``: a capture fixes what the backend chose from the
-    captured batch's host ints (the Triton backends' tile classes from ``max_query_len``), which
-    holds for every batch of the captured shape only when that shape is "one token per request".
+    captured batch's host ints (triton-unified's tile classes from ``max_query_len``, its split
+    count from ``max_seq_len``), which holds for every batch of the captured shape only when that
+    shape is "one token per request".
 
     The write counts because vLLM's pool has no block past its last one: ``paged_core.write_kv``
     (the default ``Backend._write``) then filters the padding slots on the host, a sync that a

@@ -79,7 +79,7 @@ class TritonPlan:
     """
 
     meta: BatchMeta
-    #: Leading logical blocks shared by every request (triton-splitkv's cascade; 0: none).
+    #: Leading logical blocks shared by every request (triton-unified's cascade; 0: none).
     prefix_blocks: int = 0
     #: The block-table row the shared prefix is read through: a request that holds it.
     prefix_row: int = 0

@@ -513,7 +513,7 @@ class Recording:
     Work other than DirectKernel launches (torch ops such as a copy or a fill) is not recorded:
     record only code that launches nothing else (allocating is fine). Launches made on another
     stream are recorded too and replayed, in the order they were made, on the current stream
-    (triton-splitkv's cascade forks its prefix pass that way). ``replay`` needs tensors of the
+    (triton-unified's cascade forks its prefix pass that way). ``replay`` needs tensors of the
     recorded dtypes, shapes, strides and 16-byte alignment: key recordings on them.
     """
 

@@ -1,5 +1,5 @@
-"""The rules every paged attention tile applies, once: ``@triton.jit`` helpers that both Triton
-backends' kernels call (Triton inlines them, so a helper costs nothing over writing it out).
+"""The rules every paged attention tile applies, once: ``@triton.jit`` helpers that the unified and
+the split-KV kernels call (Triton inlines them, so a helper costs nothing over writing it out).
 
 Scores are kept in log2 units inside the loops (``exp2`` is one MUFU instruction); every
 log-sum-exp that leaves a kernel is in natural-log units (:func:`natural_lse`). A row that has
@@ -216,7 +216,7 @@ def codes8_f16(x, FP8: tl.constexpr, ASM: tl.constexpr, STAGED: tl.constexpr):
     operand's layout change above it onto the codes): for V, whose reduction dim (keys) is not
     contiguous in memory, the fp16 values then reach the MMA through shared memory with one
     transposing ``ldmatrix`` per 16 bytes instead of one shared-memory load per code
-    (triton-splitkv's int8 decode step at 64 keys: 1,473 instructions converted to bf16 in the
+    (the split kernel's int8 decode step at 64 keys: 1,473 instructions converted to bf16 in the
     MMA layout, 970 this way; sm_90a, Triton 3.9). K's reduction dim (its head dim) is
     contiguous: unstaged, its codes reach the MMA layout with ``ldmatrix`` and convert there.
     Without ``ASM`` Triton converts (fp8 to fp16 is one native instruction per two codes; int8

@@ -3,7 +3,7 @@
 Triton's default timing (``triton.testing.do_bench``) launches the config through
 ``JITFunction.run``, about 100 us of host work a call, after queueing an L2 flush that takes the
 GPU less time than that. A kernel shorter than ~50 us is then timed at the host's pace, not its
-own: on an NVIDIA H200 (Triton 3.6, 2026-12-02) every config of triton-splitkv's split kernel at
+own: on an NVIDIA H200 (Triton 3.6, 2026-12-02) every config of the split-KV kernel at
 256 and 512 keys per program timed 0.053-0.065 ms, though the chosen ones replay in 0.025 and
 0.037-0.041 ms, so the choice among them was noise (the same bench row moved 0.0222-0.0250 ms
 between processes). Engines run decode attention from CUDA graphs, and so does the timing here:

@@ -1,7 +1,7 @@
-"""Triton kernels of the triton-unified backend: one launch per layer for a whole mixed batch.
+"""Triton kernels of triton-unified's unified path: one launch per layer for a whole mixed batch.
 
 Only ``@triton.jit`` code lives here, plus the autotuning configs of the kernel right below them;
-the rules both Triton backends' tiles apply (masks, soft-cap, sinks, 8-bit codes, the
+the rules its tiles share with ``split_kernels.py`` (masks, soft-cap, sinks, 8-bit codes, the
 online-softmax step) are :mod:`paged_triton_common.tiles`, and the launcher that checks
 arguments and sizes the grid is ``launch.py``.
 
