@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Protocol, cast
 
 import torch
 
-from ._batch import BatchMeta
+from ._batch import BatchMeta, _is_int
 from ._cache import KVCache, byte_span
 from ._errors import InputError, UnsupportedSpecError
 from ._spec import INT32_LIMIT, KV_DTYPES, KV_SCALES, AttentionSpec, Capabilities, KVDtype, check_dtype, dtype_name
@@ -139,10 +139,6 @@ def _described(x: Any) -> str:
         return f"a {type(x).__name__}"
     shape, dtype, device, _ = tensor_facts(x)
     return f"{dtype_name(dtype)} {list(shape)} on {device}"
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 # ------------------------------------------------------------------------------------- write

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ._batch import BatchMeta
+from ._batch import BatchMeta, _is_int
 from ._cache import KVCache, allocate_kv_cache
 from ._errors import InputError
 from ._merge import merge_states
@@ -302,10 +302,6 @@ def _per_request(meta: BatchMeta, owned: Sequence[range]) -> Iterator[tuple[list
         ids = [table[r][j] for j in blocks]
         tokens = sum(min(bs, s - j * bs) for j in blocks)
         yield ids, tokens, n > 0 and (n - 1) in blocks
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _desc(t: object) -> str:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-__all__ = ["AUTOTUNE", "INTERPRET", "head_dim_of", "occupancy_class", "sm_count"]
+__all__ = ["AUTOTUNE", "INTERPRET", "cdiv", "head_dim_of", "next_power_of_2", "occupancy_class", "sm_count"]
 
 # Triton picks interpreter or compiler when a kernel is defined (the kernel modules import this
 # one first), not when it runs. Under TRITON_INTERPRET=1 the launchers run one fixed config:
@@ -18,6 +18,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # PAGED_AUTOTUNE=0 runs one fixed GPU config per shape class: for test runs, where tuning every
 # tiny shape would cost minutes of compiles and the chosen config never changes the result.
 AUTOTUNE = os.environ.get("PAGED_AUTOTUNE", "1") != "0"
+
+
+# Host arithmetic in plain ints: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# (Triton 3.9: ~5 us a call, unwrapping their arguments), too slow for a launcher's hot path.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host ints, ``b > 0``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.cache

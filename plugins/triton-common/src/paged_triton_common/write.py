@@ -48,7 +48,7 @@ from paged_core import KVCache, check_write_inputs
 from paged_core import write_kv as torch_write_kv
 
 from .direct import DirectKernel, _hooks_empty
-from .runtime import INTERPRET
+from .runtime import INTERPRET, next_power_of_2
 
 __all__ = ["write_kv", "write_kv_kernel"]
 
@@ -239,10 +239,6 @@ _QUANT = {"auto": (0, 1.0), "int8": (1, 127.0), "fp8": (2, 448.0), "fp8_e5m2": (
 _SEEN_MAX = 4096
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class _Plan:
     """What a write needs beyond ``k``, ``v`` and ``slot_mapping`` for one cache and one input
     signature (strides, dtypes, alignment), whatever the number of tokens. Holds no tensor (a
@@ -263,9 +259,9 @@ class _Plan:
         if kv_quant:
             ks_strides, vs_strides = (t.stride() for t in cache._scales())
         heads, head_dim, head_dim_v = cache.num_kv_heads, cache.head_dim, cache.head_dim_v
-        head_dim_pad = _next_power_of_2(head_dim)
-        head_dim_v_pad = _next_power_of_2(head_dim_v)
-        block_h = min(_next_power_of_2(heads), max(1, _TILE_ELEMS // max(head_dim_pad, head_dim_v_pad)))
+        head_dim_pad = next_power_of_2(head_dim)
+        head_dim_v_pad = next_power_of_2(head_dim_v)
+        block_h = min(next_power_of_2(heads), max(1, _TILE_ELEMS // max(head_dim_pad, head_dim_v_pad)))
         tile = block_h * max(head_dim_pad, head_dim_v_pad)
         self.head_blocks = -(-heads // block_h)
         self.num_warps = 4 if tile >= 1024 else 2 if tile >= 256 else 1

@@ -13,7 +13,7 @@ from typing import NoReturn, cast
 import torch
 from paged_core import InputError
 from paged_triton_common.direct import DirectKernel
-from paged_triton_common.runtime import INTERPRET, head_dim_of, occupancy_class, sm_count
+from paged_triton_common.runtime import INTERPRET, head_dim_of, next_power_of_2, occupancy_class, sm_count
 
 from .kernels import INTERPRET_CONFIG, capture_config, tile_plan_kernel, unified_attention_kernel
 
@@ -125,18 +125,14 @@ class LaunchConfig:
     large_num_stages: int | None = None
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> LaunchConfig:
     """The launcher's default tiling for a model shape (independent of the batch).
 
     >>> default_config(num_q_heads=32, num_kv_heads=8, head_dim=128).block_q_small
     4
     """
-    group_pad = _next_power_of_2(num_q_heads // num_kv_heads)
-    large_rows = BLOCK_M_LARGE if _next_power_of_2(head_dim) <= 128 else BLOCK_M_LARGE_WIDE_HEAD
+    group_pad = next_power_of_2(num_q_heads // num_kv_heads)
+    large_rows = BLOCK_M_LARGE if next_power_of_2(head_dim) <= 128 else BLOCK_M_LARGE_WIDE_HEAD
     fixed = INTERPRET_CONFIG if INTERPRET else {}
     return LaunchConfig(
         block_q_small=max(1, BLOCK_M_SMALL // group_pad),
@@ -161,7 +157,7 @@ def _batch_config(
                 num_tokens=num_tokens,
                 num_kv_heads=num_kv_heads,
                 block_q_large=config.block_q_large,
-                group_pad=_next_power_of_2(num_q_heads // num_kv_heads),
+                group_pad=next_power_of_2(num_q_heads // num_kv_heads),
                 num_sms=num_sms,
             ),
         )
@@ -282,10 +278,10 @@ def unified_attention(
         return out
 
     group = num_q_heads // num_kv_heads
-    group_pad = _next_power_of_2(group)
-    head_dim_pad = max(16, _next_power_of_2(head_dim))
+    group_pad = next_power_of_2(group)
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     head_dim_v = head_dim_of(v_cache)
-    head_dim_v_pad = head_dim_pad if head_dim_v == head_dim else max(16, _next_power_of_2(head_dim_v))
+    head_dim_v_pad = head_dim_pad if head_dim_v == head_dim else max(16, next_power_of_2(head_dim_v))
     num_sms = sm_count(q.device)
     if config is None:
         # The wider of the K and V tiles sizes the tiling (V's head dim may differ).

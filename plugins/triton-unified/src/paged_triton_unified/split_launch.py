@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import cast
 
 import torch
 from paged_core import InputError, shared_prefix_blocks
 from paged_triton_common.direct import DirectKernel
-from paged_triton_common.runtime import INTERPRET, head_dim_of, occupancy_class, sm_count
+from paged_triton_common.runtime import INTERPRET, cdiv, head_dim_of, next_power_of_2, occupancy_class, sm_count
 from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2
 
+from .launch import _fail
 from .split_kernels import (
     PREFIX_DEFAULT_CONFIG,
     SPLIT_DEFAULT_CONFIG,
@@ -90,10 +91,6 @@ _MERGE_PARTS_CHUNK = 8
 # --------------------------------------------------------------------------------------------
 
 
-def _fail(what: str, found: object, accepted: str, fix: str) -> NoReturn:
-    raise InputError(f"{what} is {found}; triton-unified accepts {accepted}; {fix}")
-
-
 def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> None:
     """A host int option of a launcher (split counts, block counts): ``>= minimum``, or None."""
     if value is None and none_ok:
@@ -107,19 +104,8 @@ def _check_count(name: str, value: object, *, minimum: int, none_ok: bool) -> No
         )
 
 
-# Host arithmetic in plain ints: triton.cdiv and triton.next_power_of_2 are constexpr functions
-# (Triton 3.9: ~5 us a call, unwrapping their arguments), and a cascade forward made eleven of
-# those calls on every layer while its launches were not recorded (they are now: one per step).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, _next_power_of_2(x))
+    return max(floor, next_power_of_2(x))
 
 
 def _kv_args(
@@ -241,12 +227,12 @@ def _prefix_split(
         prefix_splits = 1
         sms = sm_count(device)
         if sms is not None:
-            by_occupancy = _cdiv(_PROGRAMS_PER_SM * sms, max(1, row_tiles * num_kv_heads))
+            by_occupancy = cdiv(_PROGRAMS_PER_SM * sms, max(1, row_tiles * num_kv_heads))
             by_length = max(1, prefix_tokens // _MIN_TOKENS_PER_SPLIT)
             prefix_splits = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
     quantum = _PREFIX_KEY_QUANTUM
-    keys_per_split = _cdiv(_cdiv(prefix_tokens, prefix_splits), quantum) * quantum
-    return keys_per_split, _cdiv(prefix_tokens, keys_per_split)
+    keys_per_split = cdiv(cdiv(prefix_tokens, prefix_splits), quantum) * quantum
+    return keys_per_split, cdiv(prefix_tokens, keys_per_split)
 
 
 def split_decode_attention(
@@ -312,7 +298,7 @@ def split_decode_attention(
     _check_count("blocks_per_split", blocks_per_split, minimum=1, none_ok=True)
     if blocks_per_split is not None:
         tokens_per_split = blocks_per_split * block_size
-        needed = max(1, _cdiv(max_seq_len, tokens_per_split))
+        needed = max(1, cdiv(max_seq_len, tokens_per_split))
         if num_splits is None:
             num_splits = needed
         _check_count("num_splits", num_splits, minimum=needed, none_ok=False)
@@ -388,7 +374,7 @@ def _partials(
     num_tokens, num_q_heads]``, views of ones with the token count rounded up to 16: a part's
     stride is then a multiple of 16 for every batch size, so Triton specialises the kernels on it
     one way (aligned) instead of compiling a binary per batch-size residue."""
-    rows = _cdiv(num_tokens, 16) * 16
+    rows = cdiv(num_tokens, 16) * 16
     part_out = torch.empty((num_parts, rows, num_q_heads, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((num_parts, rows, num_q_heads), dtype=torch.float32, device=device)
     return part_out[:, :num_tokens], part_lse[:, :num_tokens]
@@ -427,14 +413,14 @@ def _launch_split(
     num_kv_heads = k_cache.shape[2]
     num_reqs = block_table.shape[0]
     group = num_q_heads // num_kv_heads
-    group_pad = _next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     if max_query_len <= 1:
         block_q = 1
     else:
         # Up to 64 rows per tile for multi-token queries: enough to amortize each K/V tile
         # over several queries without spilling the fp32 accumulator at head_dim 256.
-        block_q = min(_next_power_of_2(max_query_len), max(1, 64 // group_pad))
-    num_q_tiles = _cdiv(max(max_query_len, 1), block_q)
+        block_q = min(next_power_of_2(max_query_len), max(1, 64 // group_pad))
+    num_q_tiles = cdiv(max(max_query_len, 1), block_q)
     grid = (num_reqs * num_q_tiles, num_kv_heads, num_splits)
     direct = final is not None and part_out is None
     fused = final is not None and part_out is not None
@@ -472,7 +458,7 @@ def _launch_split(
         # At least 256: the loop lengths below share one tuned choice, and the int never drops
         # under 16, where Triton would specialise (and compile) the kernel on its value.
         keys_per_program=max(
-            256, _next_power_of_2(tokens_per_split if tokens_per_split > 0 else max(1, _cdiv(max_keys, num_splits)))
+            256, next_power_of_2(tokens_per_split if tokens_per_split > 0 else max(1, cdiv(max_keys, num_splits)))
         ),
         # Fixed splits (batch-invariant mode) keep one class: a request's config must not follow
         # the batch it is in.
@@ -760,7 +746,7 @@ def cascade_attention(
     keys_per_split, prefix_splits = _prefix_split(
         prefix_tokens,
         prefix_splits,
-        row_tiles=_cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
+        row_tiles=cdiv(num_tokens * group, _PREFIX_BLOCK_M_MIN),
         num_kv_heads=num_kv_heads,
         device=q.device,
     )
@@ -799,7 +785,7 @@ def cascade_attention(
         if prefix_splits > 0:
             po, pl = part_out[num_splits:], part_lse[num_splits:]
             grid = lambda meta: (  # noqa: E731
-                _cdiv(num_tokens * group, meta["BLOCK_M"]),
+                cdiv(num_tokens * group, meta["BLOCK_M"]),
                 num_kv_heads,
                 prefix_splits,
             )
