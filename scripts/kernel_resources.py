@@ -88,19 +88,12 @@ def _signature(fn, constexprs: dict, kv: str = "bf16") -> tuple[dict, dict]:
     return sig, attrs
 
 
-# The kernels' constexprs for each cache format, with bf16 q: what the launchers pass.
+# Both kernels' cache-format constexprs, with bf16 q (quantized codes take fp16 dots): what the
+# launchers pass.
 KV_FLAGS = {
-    "bf16": {"KV_QUANT": 0, "QDOT16": False, "QUANT": False, "FP8": False},
-    "int8": {"KV_QUANT": 1, "QDOT16": True, "QUANT": True, "FP8": False},
-    "fp8": {"KV_QUANT": 2, "QDOT16": True, "QUANT": True, "FP8": 1},
-    "fp8_e5m2": {"KV_QUANT": 3, "QDOT16": True, "QUANT": True, "FP8": 2},
+    kv: {"KV_QUANT": code, "QDOT16": code != 0}
+    for kv, code in (("bf16", 0), ("int8", 1), ("fp8", 2), ("fp8_e5m2", 3), ("int4", 4), ("kivi4", 5))
 }
-for _flags in KV_FLAGS.values():  # the split kernel's: 8-bit codes into fp16 dots, as QDOT16
-    _flags.update(INT4=False, K_PER_CHANNEL=False, F16=_flags["QDOT16"])
-# 4-bit codes (two per byte): int4 with per-slot scales, kivi4 with key scales per channel.
-KV_FLAGS["int4"] = {"KV_QUANT": 4, "QDOT16": True, "QUANT": True, "FP8": False}
-KV_FLAGS["int4"].update(INT4=True, K_PER_CHANNEL=False, F16=True)
-KV_FLAGS["kivi4"] = {**KV_FLAGS["int4"], "KV_QUANT": 5, "K_PER_CHANNEL": True}
 
 
 def loop_stats(sass: str, min_len: int = 64) -> dict:

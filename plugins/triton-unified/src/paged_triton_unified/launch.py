@@ -39,6 +39,17 @@ SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch
 # codes two per uint8 (the cache's last dimension is half the head dim).
 _KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.uint8: 4}
 
+
+def kv_quant_of(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> int:
+    """The kernels' ``KV_QUANT`` of a cache: 0 values in q's dtype, 1 int8, 2 fp8 e4m3, 3 fp8
+    e5m2, 4 int4 (``uint8``, two codes a byte), 5 kivi4 (int4 whose key scale is a 4-D
+    ``[num_blocks, block_size (stride 0), heads, head_dim]`` view: one per channel)."""
+    kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
+    if kv_quant == 4 and k_scale is not None and k_scale.dim() == 4:
+        kv_quant = 5
+    return kv_quant
+
+
 # Rows per tile (BLOCK_Q query tokens x GROUP_PAD heads). 16 is the smallest tl.dot M, enough
 # for one decode token of a small group. Prefill wants the 64/128-row MMAs of Hopper: 16-row
 # tiles re-read the causal prefix once per few queries (NVIDIA H200, Triton 3.6: 61-71 TFLOP/s
@@ -290,9 +301,7 @@ def unified_attention(
         _check(q, k_cache, v_cache, out, config, group_pad)
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
-    kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
-    if kv_quant == 4 and k_scale is not None and k_scale.dim() == 4:
-        kv_quant = 5  # kivi4: key scales per channel, a [num_blocks, block_size (stride 0), heads, head_dim] view
+    kv_quant = kv_quant_of(k_cache, k_scale)
     if kv_quant >= 2:
         # Codes travel as bytes and are bit-cast in the kernel: the CPU interpreter has no
         # float8 pointers, and on the GPU the reinterpretation is free.

@@ -86,21 +86,23 @@ def _attend_tile(
     stride_vs_b,
     stride_vs_s,
     stride_vs_h,
-    QUANT: tl.constexpr,
-    FP8: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # the cache format, as the unified kernel's KV_QUANT
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    INT4: tl.constexpr = False,  # int4 codes two per byte: the cache's last dimension is half of
-    HEAD_DIM: tl.constexpr = 0,  # these head dims (read only for INT4)
+    HEAD_DIM: tl.constexpr = 0,  # read only for int4 codes (two per byte: the cache's last
+    # dimension is half of these head dims)
     HEAD_DIM_PAD: tl.constexpr = 0,
     HEAD_DIM_V: tl.constexpr = 0,
     HEAD_DIM_V_PAD: tl.constexpr = 0,
-    K_PER_CHANNEL: tl.constexpr = False,  # kivi4: key scales per (block, KV head, channel)
-    BLOCK_SIZE: tl.constexpr = 0,  # tokens per cache block (read only for K_PER_CHANNEL)
-    F16: tl.constexpr = False,  # codes into fp16 dots (q already in fp16: tiles.q_f16)
+    BLOCK_SIZE: tl.constexpr = 0,  # tokens per cache block (read only for kivi4)
+    QDOT16: tl.constexpr = False,  # codes into fp16 dots (q already in fp16: tiles.q_f16)
     ASM: tl.constexpr = False,  # code conversion in PTX (the GPU; not the interpreter)
 ):
     """One online-softmax step: fold BLOCK_N gathered keys into (m_i, l_i, acc)."""
+    QUANT: tl.constexpr = KV_QUANT != 0
+    FP8: tl.constexpr = 1 if KV_QUANT == 2 else (2 if KV_QUANT == 3 else 0)  # codes_to's format
+    INT4: tl.constexpr = KV_QUANT >= 4  # int4 codes, two per byte
+    K_PER_CHANNEL: tl.constexpr = KV_QUANT == 5  # kivi4: key scales per (block, KV head, channel)
     k_off = blk * stride_k_b + offs_in_blk * stride_k_s + kv_head * stride_k_h  # [BLOCK_N] int64
     # K is loaded already transposed so the score tile is a plain q @ kt.
     if INT4:
@@ -112,10 +114,10 @@ def _attend_tile(
         )  # [BLOCK_N, HEAD_DIM_PAD // 2] bytes
         if K_PER_CHANNEL:
             kt = kivi4_keys(
-                kp, k_scale_ptr, blk, kv_head, stride_ks_b, stride_ks_h, offs_d, d_mask, F16, ASM, BLOCK_SIZE
+                kp, k_scale_ptr, blk, kv_head, stride_ks_b, stride_ks_h, offs_d, d_mask, QDOT16, ASM, BLOCK_SIZE
             )
             kt = tl.trans(kt.to(q.dtype))
-        elif F16:
+        elif QDOT16:
             kt = tl.trans(int4_f16(kp, ASM))
         else:
             kt = tl.trans(int4_codes(kp))
@@ -130,9 +132,9 @@ def _attend_tile(
     # one per K element).
     if INT4:
         pass  # converted above (kivi4: dequantized there, one scale per block and channel)
-    elif F16:
+    elif QDOT16:
         kt = codes8_f16(kt, FP8, ASM, STAGED=False)
-    elif not F16:  # (int4_f16's codes are fp16 already)
+    elif not QDOT16:  # (int4_f16's codes are fp16 already)
         kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
     if QUANT and not K_PER_CHANNEL:
@@ -154,7 +156,7 @@ def _attend_tile(
             mask=key_ok[:, None] & (offs_hv < HEAD_DIM_V // 2)[None, :],
             other=0,
         )  # [BLOCK_N, HEAD_DIM_V_PAD // 2] bytes
-        if F16:
+        if QDOT16:
             v = int4_f16(v, ASM)
         else:
             v = int4_codes(v)
@@ -164,12 +166,12 @@ def _attend_tile(
             mask=key_ok[:, None] & dv_mask[None, :],
             other=0,
         )  # [BLOCK_N, HEAD_DIM_V_PAD]
-        if F16:
+        if QDOT16:
             v = codes8_f16(v, FP8, ASM, STAGED=True)
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-    if F16:
+    if QDOT16:
         # p @ (codes * s) == (p * s) @ codes; p * s in fp16 could sink into subnormals for small
         # scales, so p * s / s_max (in [0, 1], like plain probabilities) goes into the dot and
         # s_max multiplies its [BLOCK_M, HEAD_DIM_V] product.
@@ -180,7 +182,7 @@ def _attend_tile(
     else:
         pv = p
         if QUANT:
-            # fp32 q (16-bit q takes F16): p @ (codes * s) == (p * s) @ codes, BLOCK_M x BLOCK_N
+            # fp32 q (16-bit q takes QDOT16): p @ (codes * s) == (p * s) @ codes, BLOCK_M x BLOCK_N
             # multiplies instead of BLOCK_N x HEAD_DIM.
             pv = p * v_sc[None, :]
         v = codes_to(v, q.dtype, FP8)
@@ -400,11 +402,8 @@ def split_kv_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HAS_QSL: tl.constexpr,
     FIXED_SPLITS: tl.constexpr,
-    QUANT: tl.constexpr,
-    FP8: tl.constexpr,
-    INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
-    K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
-    F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
+    KV_QUANT: tl.constexpr,  # the cache format, as the unified kernel's KV_QUANT
+    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -475,7 +474,7 @@ def split_kv_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
-    if F16:
+    if QDOT16:
         q, q_factor = q_f16(q)
         scale = scale * q_factor
 
@@ -558,18 +557,15 @@ def split_kv_attention_kernel(
             stride_vs_b,
             stride_vs_s,
             stride_vs_h,
-            QUANT,
-            FP8,
+            KV_QUANT,
             USE_SOFTCAP,
             DOT_PRECISION,
-            INT4=INT4,
             HEAD_DIM=HEAD_DIM,
             HEAD_DIM_PAD=HEAD_DIM_PAD,
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
-            K_PER_CHANNEL=K_PER_CHANNEL,
             BLOCK_SIZE=BLOCK_SIZE,
-            F16=F16,
+            QDOT16=QDOT16,
             ASM=not UPCAST,
         )
 
@@ -739,11 +735,8 @@ def cascade_prefix_kernel(
     HEAD_DIM_V: tl.constexpr,  # V's and the output's head dim
     HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    QUANT: tl.constexpr,
-    FP8: tl.constexpr,
-    INT4: tl.constexpr,  # int4 codes, two per byte (QUANT too)
-    K_PER_CHANNEL: tl.constexpr,  # kivi4: key scales per (block, KV head, channel) (INT4 too)
-    F16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
+    KV_QUANT: tl.constexpr,  # the cache format, as the unified kernel's KV_QUANT
+    QDOT16: tl.constexpr,  # quantized cache with 16-bit q: both dots in fp16 (tiles.codes8_f16, int4_f16)
     USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -800,7 +793,7 @@ def cascade_prefix_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
-    if F16:
+    if QDOT16:
         q, q_factor = q_f16(q)
         scale = scale * q_factor
 
@@ -853,18 +846,15 @@ def cascade_prefix_kernel(
             stride_vs_b,
             stride_vs_s,
             stride_vs_h,
-            QUANT,
-            FP8,
+            KV_QUANT,
             USE_SOFTCAP,
             DOT_PRECISION,
-            INT4=INT4,
             HEAD_DIM=HEAD_DIM,
             HEAD_DIM_PAD=HEAD_DIM_PAD,
             HEAD_DIM_V=HEAD_DIM_V,
             HEAD_DIM_V_PAD=HEAD_DIM_V_PAD,
-            K_PER_CHANNEL=K_PER_CHANNEL,
             BLOCK_SIZE=BLOCK_SIZE,
-            F16=F16,
+            QDOT16=QDOT16,
             ASM=not UPCAST,
         )
 

@@ -25,9 +25,8 @@ import torch
 from paged_core import InputError, shared_prefix_blocks
 from paged_triton_common.direct import DirectKernel
 from paged_triton_common.runtime import INTERPRET, cdiv, head_dim_of, next_power_of_2, occupancy_class, sm_count
-from paged_triton_common.tiles import FP8_E4M3, FP8_E5M2
 
-from .launch import _fail
+from .launch import _fail, kv_quant_of
 from .split_kernels import (
     PREFIX_DEFAULT_CONFIG,
     SPLIT_DEFAULT_CONFIG,
@@ -52,10 +51,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# fp8 code dtypes -> the kernels' FP8 (the format codes_to bitcasts the bytes to).
-_FP8_FORMATS = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
-# uint8: int4 codes, two per byte (the cache's last dimension is half the head dim).
-_QUANT_DTYPES = (torch.int8, *_FP8_FORMATS, torch.uint8)
 
 # choose_num_splits: two programs per SM, three (as many as fit on one at the split kernel's
 # ~70 KB of shared memory) for many (request, KV head) pairs with long splits, and only for
@@ -116,11 +111,10 @@ def _kv_args(
     v_scale: torch.Tensor | None,
 ) -> dict:
     """Cache pointers, strides and dtype switches common to the attention kernels."""
-    quant = k_cache.dtype in _QUANT_DTYPES
-    fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
-    int4 = k_cache.dtype == torch.uint8  # int4 codes, two per byte
+    kv_quant = kv_quant_of(k_cache, k_scale)
+    quant = kv_quant != 0
     head_dim_v = head_dim_of(v_cache)  # before fp8 codes are viewed as bytes (uint8 is int4's dtype)
-    if fp8:
+    if kv_quant in (2, 3):
         # Bytes in, bitcast in the kernel: the interpreter cannot load float8 tensors.
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # Unused scale pointers still need a tensor; the QUANT=False kernel never touches them.
@@ -155,13 +149,10 @@ def _kv_args(
         HEAD_DIM_V=head_dim_v,
         HEAD_DIM_V_PAD=_pow2_at_least(head_dim_v, 16),
         BLOCK_SIZE=k_cache.shape[1],
-        QUANT=quant,
-        FP8=fp8,
-        INT4=int4,
-        K_PER_CHANNEL=quant and cast(torch.Tensor, k_scale).dim() == 4,
+        KV_QUANT=kv_quant,
         # Quantized codes with 16-bit q run both dots in fp16 (tiles.codes8_f16, int4_f16); fp32
         # q keeps its own dtype (fp16 operands would round it).
-        F16=quant and q.dtype in (torch.float16, torch.bfloat16),
+        QDOT16=quant and q.dtype in (torch.float16, torch.bfloat16),
         UPCAST=INTERPRET,
         # fp32 q must not silently become TF32 on tensor cores (1e-3 error); 16-bit ignores it.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
