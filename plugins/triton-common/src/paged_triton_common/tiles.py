@@ -18,7 +18,8 @@ seen no visible key has ``m == -inf`` and ``l == 0``; its output is zeros and it
   caller to scores or probabilities. On the GPU codes become fp16 in a few integer instructions
   per four (8-bit) or eight (int4) codes (inline PTX); :func:`q_f16` brings a 16-bit ``q`` into
   fp16's range for such dots.
-* The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile.
+* The online-softmax step (:func:`softmax_step`): the running max and sum after one key tile;
+  :func:`pv_step` folds the tile's probabilities times V (and V's scales) into the accumulator.
 * The interpreter switch (:func:`upcast`): the interpreter of Triton 3.9 stores bfloat16 as raw
   16-bit integers and silently computes garbage on any bf16 value not first converted with
   ``.to(tl.float32)``; on the GPU 16-bit operands go into ``tl.dot`` untouched (tensor cores).
@@ -39,7 +40,9 @@ __all__ = [
     "int4_codes",
     "int4_f16",
     "kivi4_keys",
+    "log2_scores",
     "natural_lse",
+    "pv_step",
     "q_f16",
     "sink_weight",
     "soft_cap",
@@ -287,6 +290,30 @@ def soft_cap(x, cap):
 
 
 @triton.jit
+def log2_scores(qk, k_sc, qk_scale, softcap, KEY_SCALED: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                RAW: tl.constexpr):  # fmt: skip
+    """A tile's scores in log2 units from its raw dots ``qk [rows, keys]`` (float32).
+
+    ``qk_scale`` is the softmax scale times log2(e), or with ``USE_SOFTCAP`` the scale divided by
+    the cap (times any factor the caller folded into q). ``KEY_SCALED``: each key's scale ``k_sc
+    [keys]`` joins ``qk_scale`` per column first, so a score costs one multiply. ``RAW`` (no key
+    scales, no cap): the dots are returned unscaled and :func:`softmax_step` applies ``qk_scale``
+    inside its exponent.
+    """
+    if KEY_SCALED:
+        s = qk * (k_sc * qk_scale)[None, :]
+        if USE_SOFTCAP:
+            s = soft_cap(s, softcap * LOG2E)
+    elif USE_SOFTCAP:
+        s = soft_cap(qk * qk_scale, softcap * LOG2E)
+    elif RAW:
+        s = qk
+    else:
+        s = qk * qk_scale
+    return s
+
+
+@triton.jit
 def softmax_step(s, m_i, l_i, qk_scale, MAY_BE_EMPTY: tl.constexpr, RAW: tl.constexpr):
     """Fold a tile of scores ``s [rows, keys]`` into the running max ``m_i`` and sum ``l_i``.
 
@@ -311,6 +338,31 @@ def softmax_step(s, m_i, l_i, qk_scale, MAY_BE_EMPTY: tl.constexpr, RAW: tl.cons
         p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
+
+
+@triton.jit
+def pv_step(acc, alpha, p, v, v_sc, dtype, QUANT: tl.constexpr, QDOT16: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """``acc * alpha + p @ V`` for one key tile: ``p [rows, keys]`` from :func:`softmax_step`,
+    ``v [keys, dv]`` values or codes already in the dot dtype (``dtype``, or fp16 with ``QDOT16``),
+    and with ``QUANT`` each key's V scale ``v_sc [keys]`` (float32), applied to ``p``:
+    ``p @ (codes * s) == (p * s) @ codes``, ``rows x keys`` multiplies instead of ``keys x dv``.
+
+    With ``QDOT16`` the product ``p * s`` goes into an fp16 dot, where small scales could sink it
+    into subnormals: dividing by the tile's largest scale keeps ``p * s / s_max`` in ``[0, 1]``
+    (the range, and rounding, of plain probabilities in an fp16 flash kernel), and ``s_max``
+    multiplies the ``[rows, dv]`` product once. Accumulation stays in float32.
+    """
+    if QDOT16:
+        vs_max = tl.max(tl.abs(v_sc), 0)
+        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+        pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(tl.float16), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * vs_max
+    else:
+        if QUANT:
+            p = p * v_sc[None, :]
+        acc = tl.dot(p.to(dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit

@@ -35,9 +35,10 @@ from paged_triton_common.tiles import (
     int4_codes,
     int4_f16,
     kivi4_keys,
+    log2_scores,
     natural_lse,
+    pv_step,
     q_f16,
-    soft_cap,
     softmax_step,
     upcast,
     visible,
@@ -220,19 +221,11 @@ def _attend_step(
     # RAW: the scores stay unscaled and qk_scale moves into the exponent below, where
     # s * qk_scale - m is one FFMA (instead of a multiply here plus a subtraction there).
     RAW: tl.constexpr = FOLD_SCALE and KV_QUANT == 0 and not USE_SOFTCAP
+    k_sc = 1.0  # read only for per-key scales
     if KV_QUANT != 0 and not K_PER_CHANNEL:
         ks_offs = block * stride_ks_b + in_block * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_offs)  # [BLOCK_N] float32; a masked key's score is selected out
-        # One multiply per score: the key scale and qk_scale combine per column first.
-        s = qk * (k_sc * qk_scale)[None, :]
-        if USE_SOFTCAP:
-            s = soft_cap(s, softcap * LOG2E)
-    elif USE_SOFTCAP:
-        s = soft_cap(qk * qk_scale, softcap * LOG2E)
-    elif RAW:
-        s = qk
-    else:
-        s = qk * qk_scale  # log2 units: exp2 below is exp of the natural logits
+    s = log2_scores(qk, k_sc, qk_scale, softcap, KV_QUANT != 0 and not K_PER_CHANNEL, USE_SOFTCAP, RAW)
 
     if MASKED:
         q_lim = tl.minimum(q_pos, key_end - 1)  # [BLOCK_M] the last key each row sees
@@ -263,29 +256,14 @@ def _attend_step(
             v = codes8_f16(v, FP8, ASM, STAGED=True)
         else:
             v = codes_to(v, q.dtype, FP8)
-    acc = acc * alpha[:, None]
+    v_sc = 1.0  # read only for a quantized cache
     if KV_QUANT != 0:
         vs_offs = block * stride_vs_b + in_block * stride_vs_s + kv_head * stride_vs_h
         if MASKED:
             v_sc = tl.load(v_scale_ptr + vs_offs, mask=key_ok, other=0.0)  # [BLOCK_N]
         else:
             v_sc = tl.load(v_scale_ptr + vs_offs)
-        if QDOT16:
-            # p @ (codes * s) == (p * s) @ codes, but p * s in fp16 can sink into subnormals for
-            # small scales. Dividing by the tile's largest scale keeps p * s / s_max in [0, 1]
-            # (the same range, and rounding, as plain probabilities in an fp16 flash kernel);
-            # s_max multiplies the [BLOCK_M, HEAD_DIM_V] product once.
-            vs_max = tl.max(tl.abs(v_sc), 0)
-            vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-            pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(q.dtype), v, input_precision=DOT_PRECISION)
-            acc += pv * vs_max
-        else:
-            p = p * v_sc[None, :]
-            acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
-    else:
-        # P goes into the dot in V's dtype (bf16/fp16 on the GPU) so the second product also
-        # runs on tensor cores; accumulation stays in float32.
-        acc = tl.dot(p.to(q.dtype), v, acc=acc, input_precision=DOT_PRECISION)
+    acc = pv_step(acc, alpha, p, v, v_sc, q.dtype, KV_QUANT != 0, QDOT16, DOT_PRECISION)
     return acc, l_i, m_new
 
 

@@ -33,10 +33,11 @@ from paged_triton_common.tiles import (
     int4_codes,
     int4_f16,
     kivi4_keys,
+    log2_scores,
     natural_lse,
+    pv_step,
     q_f16,
     sink_weight,
-    soft_cap,
     softmax_step,
     upcast,
     visible,
@@ -70,7 +71,7 @@ def _attend_tile(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
     v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] float32 (QUANT only)
-    scale,
+    qk_scale,  # scale * log2(e), or scale / softcap with USE_SOFTCAP (times q's pre-shift)
     softcap,
     stride_k_b,
     stride_k_s,
@@ -137,15 +138,13 @@ def _attend_tile(
     elif not QDOT16:  # (int4_f16's codes are fp16 already)
         kt = codes_to(kt, q.dtype, FP8)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    k_sc = 1.0  # read only for per-key scales
     if QUANT and not K_PER_CHANNEL:
         ks_off = blk * stride_ks_b + offs_in_blk * stride_ks_s + kv_head * stride_ks_h
         k_sc = tl.load(k_scale_ptr + ks_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-        s = s * k_sc[None, :]
-    s = s * scale
-    if USE_SOFTCAP:
-        s = soft_cap(s / softcap, softcap)
+    s = log2_scores(s, k_sc, qk_scale, softcap, QUANT and not K_PER_CHANNEL, USE_SOFTCAP, RAW=False)
     # Masking after the soft-cap: a masked key must be -inf, not cap * tanh(-inf).
-    s = tl.where(vis, s * LOG2E, float("-inf"))
+    s = tl.where(vis, s, float("-inf"))
     p, alpha, l_i, m_new = softmax_step(s, m_i, l_i, 1.0, MAY_BE_EMPTY=True, RAW=False)
 
     v_off = blk * stride_v_b + offs_in_blk * stride_v_s + kv_head * stride_v_h  # [BLOCK_N] int64
@@ -168,25 +167,13 @@ def _attend_tile(
         )  # [BLOCK_N, HEAD_DIM_V_PAD]
         if QDOT16:
             v = codes8_f16(v, FP8, ASM, STAGED=True)
+    v_sc = 1.0  # read only for a quantized cache
     if QUANT:
         vs_off = blk * stride_vs_b + offs_in_blk * stride_vs_s + kv_head * stride_vs_h
         v_sc = tl.load(v_scale_ptr + vs_off, mask=key_ok, other=0.0)  # [BLOCK_N]
-    if QDOT16:
-        # p @ (codes * s) == (p * s) @ codes; p * s in fp16 could sink into subnormals for small
-        # scales, so p * s / s_max (in [0, 1], like plain probabilities) goes into the dot and
-        # s_max multiplies its [BLOCK_M, HEAD_DIM_V] product.
-        vs_max = tl.max(tl.abs(v_sc), 0)
-        vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
-        pv = tl.dot((p * (v_sc / vs_max)[None, :]).to(tl.float16), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv * vs_max
-    else:
-        pv = p
-        if QUANT:
-            # fp32 q (16-bit q takes QDOT16): p @ (codes * s) == (p * s) @ codes, BLOCK_M x BLOCK_N
-            # multiplies instead of BLOCK_N x HEAD_DIM.
-            pv = p * v_sc[None, :]
+    if not QDOT16:
         v = codes_to(v, q.dtype, FP8)
-        acc = tl.dot(pv.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = pv_step(acc, alpha, p, v, v_sc, q.dtype, QUANT, QDOT16, DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -474,9 +461,13 @@ def split_kv_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
+    if USE_SOFTCAP:
+        qk_scale = scale / softcap
+    else:
+        qk_scale = scale * LOG2E
     if QDOT16:
         q, q_factor = q_f16(q)
-        scale = scale * q_factor
+        qk_scale = qk_scale * q_factor
 
     # Keys the tile can see: [lo, hi). Rows refine this with their own causal / window mask.
     last_q = tl.minimum(tile_q0 + BLOCK_Q, q_len) - 1
@@ -541,7 +532,7 @@ def split_kv_attention_kernel(
             v_cache_ptr,
             k_scale_ptr,
             v_scale_ptr,
-            scale,
+            qk_scale,
             softcap,
             stride_k_b,
             stride_k_s,
@@ -793,9 +784,13 @@ def cascade_prefix_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q = upcast(q, UPCAST)
+    if USE_SOFTCAP:
+        qk_scale = scale / softcap
+    else:
+        qk_scale = scale * LOG2E
     if QDOT16:
         q, q_factor = q_f16(q)
-        scale = scale * q_factor
+        qk_scale = qk_scale * q_factor
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -830,7 +825,7 @@ def cascade_prefix_kernel(
             v_cache_ptr,
             k_scale_ptr,
             v_scale_ptr,
-            scale,
+            qk_scale,
             softcap,
             stride_k_b,
             stride_k_s,
