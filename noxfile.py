@@ -156,16 +156,38 @@ def tests(session: nox.Session) -> None:
         plugins = [p for p in _entry_points() if p not in ALIAS_PLUGINS]
         for alias, backend in ALIAS_PLUGINS.items():
             session.log(f"the suite leaves out {alias}, a deprecated alias of {backend} (ALIAS_PLUGINS)")
+        env = {"PAGED_PLUGINS": os.environ.get("PAGED_PLUGINS", ",".join(plugins))}
+        # auto runs every step on the backend its tune table names, else on the registry's first:
+        # here, without a table, that would rerun triton-unified's suite under the interpreter.
+        # The suite holds auto to its claims over the reference alone (its delegation: plan,
+        # write, forward, capabilities); its choices between backends are core/tests/test_auto.py's.
+        names = session.run(
+            "python", "-c", "from paged_core import registry; print(','.join(registry.names()))", silent=True, env=env
+        )
+        env["PAGED_BACKENDS"] = ",".join(n for n in str(names).strip().split(",") if n != "auto")
         suite = _start_pytest(
             session,
             ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml", *session.posargs],
             log=pathlib.Path(reports) / "suite.log",
-            env={"PAGED_PLUGINS": os.environ.get("PAGED_PLUGINS", ",".join(plugins))},
+            env=env,
         )
+
         try:
             for n, args in enumerate(runs):
                 # Exit status 1 (some tests failed) does not stop the others: the total says it.
                 session.run("pytest", *args, f"--junitxml={reports}/{n}.xml", *session.posargs, success_codes=[0, 1])
+            session.run(
+                "pytest",
+                "--pyargs",
+                "paged_conformance",
+                "--backends",
+                "auto",
+                f"--paged-report={reports}/auto-report",
+                f"--junitxml={reports}/auto.xml",
+                *session.posargs,
+                env={"PAGED_PLUGINS": "reference"},
+                success_codes=[0, 1],
+            )
             # The transformers integration again on each later release it supports (in this
             # virtualenv: only transformers changes; about a minute each on 2 cores). The suite
             # imports no transformers, so it may change under it.

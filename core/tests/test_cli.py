@@ -17,6 +17,8 @@ REFERENCE_CAPS = (
     "kv auto,fp8,fp8_e5m2,int4,int8,kivi4 (scales per_head,per_slot,per_tensor); mixed; cpu,cuda; "
     "window, softcap, sinks, lse, device-plan, batch-invariant"
 )
+#: auto's class claims nothing of its own: an instance claims its base's (paged_core._auto).
+AUTO_CAPS = "head_dim any; block any; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"
 GOOD_CAPS = "head_dim 16; block 8,16; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"
 
 #: How every install hint for one of paged's own distributions says where its wheels come from.
@@ -58,7 +60,7 @@ def test_list_table(cli_registry, capsys):
     assert _cli.main(["list"]) == 0
     out = capsys.readouterr().out.splitlines()
     w = len("fixture-missing")
-    assert out[:15] == [
+    assert out[:17] == [
         f"{'fixture-good':<{w}}  available      paged-fixture-plugins 0.3.1",
         f"{'':<{w}}  {GOOD_CAPS}",
         f"{'fixture-missing':<{w}}  unavailable    paged-fixture-plugins 0.3.1",
@@ -67,6 +69,8 @@ def test_list_table(cli_registry, capsys):
         "(to fix: pip install paged-fixture-extra)",
         f"{'reference':<{w}}  available      paged-core 0.1.0",
         f"{'':<{w}}  {REFERENCE_CAPS}",
+        f"{'auto':<{w}}  available      paged-core 0.1.0",
+        f"{'':<{w}}  {AUTO_CAPS}",
         # The project's backends that are not installed: named, with the command that installs each.
         *(
             line
@@ -75,8 +79,8 @@ def test_list_table(cli_registry, capsys):
         ),
         "",
     ]
-    assert out[15] == "Problems (these plugins were skipped; the others work):"
-    problems = out[16:]
+    assert out[17] == "Problems (these plugins were skipped; the others work):"
+    problems = out[18:]
     assert (
         "  fixture-broken (import): ImportError: paged_fixture_broken needs libfixture.so.3, "
         "which is not installed (simulated)"
@@ -90,7 +94,7 @@ def test_list_json(cli_registry, capsys):
     assert _cli.main(["list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     backends = {b["name"]: b for b in data["backends"]}
-    assert [b["name"] for b in data["backends"]] == ["fixture-good", "fixture-missing", "reference"]
+    assert [b["name"] for b in data["backends"]] == ["fixture-good", "fixture-missing", "reference", "auto"]
     assert backends["reference"] == {
         "name": "reference",
         "distribution": "paged-core",

@@ -48,7 +48,7 @@ def test_real_plugin_is_discovered_and_loaded_lazily(fixture_plugins):
     reg = Registry()
     assert "paged_fixture_good" not in sys.modules
     # Best first: fixture-good (priority 5), fixture-missing (0), reference (-100).
-    assert reg.names() == ["fixture-good", "fixture-missing", "reference"]
+    assert reg.names() == ["fixture-good", "fixture-missing", "reference", "auto"]
     # The entry point's module is imported to call its hook; the backend modules are not.
     assert "paged_fixture_good" in sys.modules
     assert "paged_fixture_good.backend" not in sys.modules
@@ -106,7 +106,7 @@ def test_broken_plugins_are_reported_and_skipped(fixture_plugins):
     assert "raise RuntimeError" in hook.traceback
 
     # The others still work.
-    assert reg.names() == ["fixture-good", "fixture-missing", "reference"]
+    assert reg.names() == ["fixture-good", "fixture-missing", "reference", "auto"]
     assert isinstance(reg.get("reference"), ReferenceBackend)
     assert reg.get("fixture-good").name == "fixture-good"
 
@@ -134,7 +134,7 @@ def test_get_of_a_broken_backend_names_cause_and_fix(fixture_plugins):
 def test_paged_plugins_narrows_loading(fixture_plugins, monkeypatch):
     monkeypatch.setenv("PAGED_PLUGINS", "reference")
     reg = Registry()
-    assert reg.names() == ["reference"] and reg.problems() == []
+    assert reg.names() == ["reference", "auto"] and reg.problems() == []
     assert "paged_fixture_good" not in sys.modules and "paged_fixture_broken" not in sys.modules
 
     monkeypatch.setenv("PAGED_PLUGINS", " fixture-good , fixture-broken ")
@@ -151,11 +151,11 @@ def test_paged_plugins_narrows_loading(fixture_plugins, monkeypatch):
 def test_reload_rediscovers(fixture_plugins, monkeypatch):
     monkeypatch.setenv("PAGED_PLUGINS", "reference")
     reg = Registry()
-    assert reg.names() == ["reference"]
+    assert reg.names() == ["reference", "auto"]
     monkeypatch.setenv("PAGED_PLUGINS", "reference,fixture-good")
-    assert reg.names() == ["reference"]  # loaded once, cached
+    assert reg.names() == ["reference", "auto"]  # loaded once, cached
     reg.reload()
-    assert reg.names() == ["fixture-good", "fixture-missing", "reference"]
+    assert reg.names() == ["fixture-good", "fixture-missing", "reference", "auto"]
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_reload_rediscovers(fixture_plugins, monkeypatch):
         (
             "nope",
             [
-                "Unknown backend 'nope'. Installed: fixture-good, fixture-missing, reference.",
+                "Unknown backend 'nope'. Installed: fixture-good, fixture-missing, reference, auto.",
                 "Not installed: triton-unified (pip install --find-links dist 'paged-core[triton]'" + WHEELS + ")",
                 "flashinfer (pip install --find-links dist 'paged-core[flashinfer]'" + WHEELS + ")",
                 "Plugin problem: fixture-broken (import): ImportError: paged_fixture_broken needs libfixture.so.3",
@@ -228,19 +228,21 @@ def test_unknown_backend_left_out_by_paged_plugins_is_not_called_missing(fixture
 def test_select_explain_available(fixture_plugins):
     reg = Registry()
     missing_reason = f"{MISSING_CAUSE} (to fix: pip install paged-fixture-extra)"
-    assert reg.explain(SPEC16) == {"fixture-good": [], "fixture-missing": [missing_reason], "reference": []}
-    assert reg.available(SPEC16) == ["fixture-good", "reference"]
+    assert reg.explain(SPEC16) == {"fixture-good": [], "fixture-missing": [missing_reason], "reference": [], "auto": []}
+    assert reg.available(SPEC16) == ["fixture-good", "reference", "auto"]
     assert reg.select(SPEC16).name == "fixture-good"
 
     assert reg.explain(SPEC32) == {
         "fixture-good": ["head_dim 32 is not supported (accepted: 16)"],
         "fixture-missing": [missing_reason],
         "reference": [],
+        # auto claims what its base (the first available: fixture-good) claims.
+        "auto": ["head_dim 32 is not supported (accepted: 16)"],
     }
     assert reg.available(SPEC32) == ["reference"]
     chosen = reg.select(SPEC32, compute_dtype=torch.float64)
     assert type(chosen) is ReferenceBackend and chosen.compute_dtype == torch.float64
-    assert reg.available() == ["fixture-good", "reference"]  # runnable here, any spec
+    assert reg.available() == ["fixture-good", "reference", "auto"]  # runnable here, any spec
 
 
 def test_select_with_nothing_that_fits_explains_each_backend(fixture_plugins):
@@ -300,7 +302,7 @@ def problems_of(reg, source):
 def test_fake_plugin_with_a_class_target(reference_only):
     reg = reference_only
     reg.add_plugin(FakePlugin(call("tiny", Tiny, priority=3)), name="fake")
-    assert reg.names() == ["tiny", "reference"]
+    assert reg.names() == ["tiny", "reference", "auto"]
     r = reg.registration("tiny")
     assert r.cls is Tiny and r.plugin == "fake" and r.distribution is None
     assert r.install_hint == "pip install fake"
@@ -311,7 +313,7 @@ def test_fake_plugin_with_a_class_target(reference_only):
 def test_duplicate_name_keeps_the_first(reference_only):
     reg = reference_only
     reg.add_plugin(FakePlugin(call("reference", Tiny)), name="impostor")
-    assert reg.names() == ["reference"]
+    assert reg.names() == ["reference", "auto"]
     assert type(reg.get("reference")) is ReferenceBackend
     (p,) = problems_of(reg, "impostor")
     assert p.stage == "register"
@@ -339,7 +341,7 @@ def test_newer_hook_api_is_refused_with_a_message(reference_only):
 def test_bad_names_are_refused(reference_only, bad):
     reg = reference_only
     reg.add_plugin(FakePlugin(call(bad, Tiny)), name="badname")
-    assert reg.names() == ["reference"]
+    assert reg.names() == ["reference", "auto"]
     (p,) = problems_of(reg, "badname")
     assert p.message == (
         f"register_backends(register) was called with name {bad!r}; accepted: lowercase "
@@ -350,7 +352,7 @@ def test_bad_names_are_refused(reference_only, bad):
 def test_good_names_are_accepted(reference_only):
     reg = reference_only
     reg.add_plugin(FakePlugin(call("flash-attn2", Tiny), call("x", Tiny), call("a-b-c", Tiny)), name="ok")
-    assert set(reg.names()) == {"flash-attn2", "x", "a-b-c", "reference"}
+    assert set(reg.names()) == {"flash-attn2", "x", "a-b-c", "reference", "auto"}
 
 
 def test_non_backends_are_refused(reference_only):
@@ -359,7 +361,7 @@ def test_non_backends_are_refused(reference_only):
         FakePlugin(call("not-a-backend", NotABackend), call("no-colon", "paged_core.plugin"), call("an-int", 42)),
         name="wrong",
     )
-    assert reg.names() == ["reference"]
+    assert reg.names() == ["reference", "auto"]
     msgs = [p.message for p in problems_of(reg, "wrong")]
     assert msgs == [
         "backend 'not-a-backend' target NotABackend is not a paged_core.Backend subclass",
@@ -393,7 +395,7 @@ def test_dotted_path_to_a_non_backend_fails_on_get(reference_only):
         BackendUnavailableError, match=r"AttributeError: module 'paged_core' has no attribute 'NoSuchThing'"
     ):
         reg.get("lazy-nothing")
-    assert reg.available() == ["reference"]
+    assert reg.available() == ["reference", "auto"]
     assert {"lazy-wrong", "lazy-misnamed", "lazy-nothing"} <= {p.source for p in reg.problems()}
 
 
@@ -401,7 +403,7 @@ def test_a_raising_hook_keeps_what_others_registered(reference_only):
     reg = reference_only
     reg.add_plugin(FakePlugin(fail=ValueError("boom")), name="raiser")
     reg.add_plugin(FakePlugin(call("tiny", Tiny)), name="fine")
-    assert reg.names() == ["tiny", "reference"]
+    assert reg.names() == ["tiny", "reference", "auto"]
     (p,) = problems_of(reg, "raiser")
     assert p.stage == "register_backends" and p.message == "ValueError: boom"
     assert "ValueError: boom" in p.traceback
@@ -417,7 +419,7 @@ def test_a_plugin_with_a_wrong_hook_signature_is_named(reference_only):
         reference_only.add_plugin(WrongSignature(), name="wrong-sig")
     msg = str(exc.value)
     assert "wrong-sig" in msg and "register_backends" in msg and "backend_list" in msg
-    assert reference_only.names() == ["reference"]
+    assert reference_only.names() == ["reference", "auto"]
 
 
 def test_unavailable_probe_that_raises_is_a_reason(reference_only):
@@ -431,7 +433,7 @@ def test_unavailable_probe_that_raises_is_a_reason(reference_only):
     reg = reference_only
     reg.add_plugin(FakePlugin(call("flaky", Flaky)), name="flaky-plugin")
     assert reg.unavailable("flaky") == ["flaky.unavailable() raised OSError: driver not loaded"]
-    assert reg.available() == ["reference"]
+    assert reg.available() == ["reference", "auto"]
     with pytest.raises(
         BackendUnavailableError,
         match="Backend 'flaky' cannot run on this machine: flaky.unavailable\\(\\) raised OSError: driver not loaded",
@@ -473,11 +475,11 @@ def test_concurrent_access_is_safe_and_consistent(fixture_plugins):
         t.join(timeout=60)
     assert not errors, errors
     names, good_cls, ref_cls, problems, avail = results[0]
-    assert names == ["fixture-good", "fixture-missing", "reference"]
+    assert names == ["fixture-good", "fixture-missing", "reference", "auto"]
     assert good_cls.__module__ == "paged_fixture_good.backend" and ref_cls is ReferenceBackend
     # Loaded once: each broken plugin and the broken backend recorded exactly once.
     assert problems == ["fixture-badhook", "fixture-broken", "fixture-missing"]
-    assert avail == ["fixture-good", "reference"]
+    assert avail == ["fixture-good", "reference", "auto"]
     assert all(r == results[0] for r in results)
 
 
@@ -503,7 +505,10 @@ def test_the_reference_registers_through_the_hook():
 
     calls = []
     plugin.register_backends(register=lambda *a, **k: calls.append((a, k)))
-    assert calls == [(("reference", "paged_core._reference:ReferenceBackend"), {"priority": -100})]
+    assert calls == [
+        (("reference", "paged_core._reference:ReferenceBackend"), {"priority": -100}),
+        (("auto", "paged_core._auto:AutoBackend"), {"priority": -200}),
+    ]
     assert issubclass(ReferenceBackend, Backend)
 
 
@@ -547,7 +552,7 @@ def test_register_arguments_of_the_wrong_type_are_problems(reference_only, kwarg
 def test_a_typo_in_paged_plugins_is_a_problem(monkeypatch):
     monkeypatch.setenv("PAGED_PLUGINS", "reference,refrence")
     reg = Registry()
-    assert reg.names() == ["reference"]
+    assert reg.names() == ["reference", "auto"]
     (p,) = problems_of(reg, "refrence")
     assert p.stage == "PAGED_PLUGINS"
     assert "PAGED_PLUGINS names 'refrence', but no installed plugin has that entry point" in p.message

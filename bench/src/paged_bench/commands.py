@@ -22,3 +22,11 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
     timing = subparsers.add_parser("bench", help="time installed backends against the bandwidth floor")
     cli.add_arguments(timing)
     timing.set_defaults(func=cli.main)
+
+    from . import tune
+
+    tuning = subparsers.add_parser(
+        "tune", help="time installed backends on this machine's batches and write the table the auto backend reads"
+    )
+    tune.add_arguments(tuning)
+    tuning.set_defaults(func=tune.main)

@@ -10,6 +10,7 @@
 torch.Size([6, 8, 64])
 """
 
+from ._auto import AutoBackend, AutoPlan, TuneTable, tune_table_path
 from ._backend import Backend, validation_enabled
 from ._batch import BatchMeta, BlockAllocator, shared_prefix_blocks
 from ._cache import KVCache, allocate_kv_cache, kv_bytes_per_token
@@ -43,6 +44,10 @@ from .hookspecs import HOOK_API_VERSION, hookimpl
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoBackend",
+    "AutoPlan",
+    "TuneTable",
+    "tune_table_path",
     "AttentionSpec",
     "Backend",
     "BackendNotFoundError",

@@ -249,10 +249,22 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
         raise InputError(f"sinks is {sinks!r}; accepted: True or False (whether the layers pass sinks)")
     window, softcap = layer.get("window", 0), layer.get("softcap", 0.0)
     _check_scalars(window, softcap, layer.get("scale"))
-    if any(layer.get(n) is None for n in ("num_heads", "num_kv_heads", "head_dim")):
+    spec = layer_spec(backend.capabilities, meta, layer)
+    if spec is None:
         return  # not enough to describe a spec; forward checks the layer it gets
-    caps = backend.capabilities
-    spec = AttentionSpec(
+    reasons = backend.reasons(spec)
+    if reasons:
+        raise UnsupportedSpecError(backend.name, reasons)
+
+
+def layer_spec(caps: Capabilities, meta: BatchMeta, layer: dict[str, Any]) -> AttentionSpec | None:
+    """The spec that checked ``plan`` keywords describe for ``meta``'s batch, or None without
+    ``num_heads``, ``num_kv_heads`` and ``head_dim``. A ``dtype`` or ``kv_dtype`` left out is one
+    that ``caps`` takes, so only what was given can be refused."""
+    if any(layer.get(n) is None for n in ("num_heads", "num_kv_heads", "head_dim")):
+        return None
+    dtype, kv_dtype = layer.get("dtype"), layer.get("kv_dtype")
+    return AttentionSpec(
         num_heads=layer["num_heads"],
         num_kv_heads=layer["num_kv_heads"],
         head_dim=layer["head_dim"],
@@ -262,17 +274,14 @@ def _check_layer(backend: _Checked, meta: BatchMeta, layer: dict[str, Any]) -> N
         kv_dtype=kv_dtype
         if kv_dtype is not None
         else ("auto" if "auto" in caps.kv_dtypes else cast(KVDtype, min(caps.kv_dtypes, default="auto"))),
-        kv_scales=kv_scales,
-        window=int(window),
-        softcap=float(softcap),
-        sinks=sinks,
+        kv_scales=layer.get("kv_scales", "per_slot"),
+        window=int(layer.get("window", 0)),
+        softcap=float(layer.get("softcap", 0.0)),
+        sinks=layer.get("sinks", False),
         device=meta.device.type,
         decode_only=meta.decode_only,
         head_dim_v=layer.get("head_dim_v"),
     )
-    reasons = backend.reasons(spec)
-    if reasons:
-        raise UnsupportedSpecError(backend.name, reasons)
 
 
 def _check_scalars(window: Any, softcap: Any, scale: Any) -> None:

@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser", "versions", "PROVIDERS"]
 
 #: Commands that this project's other distributions provide, and which one: when a command is
 #: missing, ``paged`` says what to install instead of "invalid choice".
-PROVIDERS: dict[str, str] = {"check": "paged-conformance", "bench": "paged-bench"}
+PROVIDERS: dict[str, str] = {"check": "paged-conformance", "bench": "paged-bench", "tune": "paged-bench"}
 
 
 class _Row(TypedDict):
