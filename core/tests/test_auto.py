@@ -177,3 +177,18 @@ def test_the_default_table_is_per_device(monkeypatch, tmp_path):
     assert tune_table_path("NVIDIA H200") == str(tmp_path / "paged" / "tune" / "nvidia-h200.json")
     table = TuneTable.load(_table(tmp_path, [_entry("decode", 2, 40, reference=0.1)]))
     assert table.nearest("decode", KEY, 3, 64).fastest(["reference"]) == "reference"
+
+
+def test_the_cache_is_written_by_a_write_kernel_when_one_is_installed():
+    _needs_triton()
+    auto = AutoBackend(candidates=["reference", "triton-unified"])
+    cache = auto.allocate(8, BS, HKV, D, dtype=torch.float32)
+    assert auto.writer(cache).name == "triton-unified"
+    meta = BatchMeta.build(**DECODE)
+    k, v = torch.randn(2, meta.num_tokens, HKV, D)
+    auto.write(cache, k, v, meta)
+    slots = meta.slot_mapping.tolist()
+    flat_k = cache.k.reshape(-1, HKV, D)
+    assert torch.equal(flat_k[slots], k)
+    # The reference alone has no write kernel: the base writes.
+    assert AutoBackend(candidates=["reference"]).writer(cache).name == "reference"

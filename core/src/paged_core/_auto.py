@@ -11,7 +11,8 @@ What ``auto`` claims is what its base claims, less batch invariance (two batches
 request may run on two backends). Another backend runs a step only if it serves the step's layer
 (the ``plan`` keywords) and claims every feature the base claims (window, soft-cap, sinks, LSE,
 CUDA graphs, device plans), so no call the base accepts is refused or computed differently.
-The cache is the base's: it allocates and writes it, and every backend of ours reads that layout.
+The base allocates the cache (every backend of ours reads that layout); the first candidate with a
+write kernel of its own writes it.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ class AutoBackend(Backend):
                 stacklevel=2,
             )
         self._choices: dict[tuple, tuple[Backend, str]] = {}
+        self._writers: dict[tuple, Backend] = {}
 
     @classmethod
     def unavailable(cls) -> list[str]:
@@ -240,8 +242,25 @@ class AutoBackend(Backend):
     def extra_reasons(self, spec: AttentionSpec) -> list[str]:
         return self.base.extra_reasons(spec)
 
+    def writer(self, cache: KVCache) -> Backend:
+        """The backend that writes ``cache``: the first candidate with a write of its own (a
+        kernel: a few microseconds of host work instead of ``write_kv``'s PyTorch ops) that takes
+        the cache's format, else the base. Every write stores the same bytes (``Backend._write``)."""
+        key = (cache.kv_dtype, cache.kv_scales, cache.device.type)
+        if key not in self._writers:
+            own = [
+                b
+                for b in self.backends.values()
+                if type(b)._write is not Backend._write
+                and cache.kv_dtype in b.capabilities.kv_dtypes
+                and (cache.kv_dtype == "auto" or cache.kv_scales in b.capabilities.kv_scales)
+                and cache.device.type in b.capabilities.devices
+            ]
+            self._writers[key] = own[0] if own else self.base
+        return self._writers[key]
+
     def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self.base._write(cache, k, v, slot_mapping)
+        self.writer(cache)._write(cache, k, v, slot_mapping)
 
     def eligible(self, spec: AttentionSpec | None) -> list[Backend]:
         """The backends that may run a step of ``spec``'s layer: the base, and every other that
