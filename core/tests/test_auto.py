@@ -106,8 +106,6 @@ def test_a_layer_or_backend_the_table_does_not_name_runs_on_the_base(tmp_path):
     # Another layer (8 heads): no entry of its own, so the base, and the reason says so.
     plan = auto.plan(BatchMeta.build(**DECODE), **{**LAYER, "num_heads": 8})
     assert plan.choice == "reference" and "no decode entry" in plan.why
-    # plan() without the layer keywords cannot tell what may serve the layer: the base.
-    assert auto.plan(BatchMeta.build(**DECODE)).choice == "reference"
 
 
 def test_a_backend_that_does_not_serve_the_layer_or_claim_the_base_features_is_never_chosen(tmp_path):
@@ -120,11 +118,13 @@ def test_a_backend_that_does_not_serve_the_layer_or_claim_the_base_features_is_n
     )
     auto = AutoBackend(candidates=["reference", "triton-unified"], table=path)
     assert auto.plan(BatchMeta.build(**DECODE), **{**LAYER, "head_dim": 24}).choice == "reference"
-    # With triton-unified as the base, the reference (no CUDA graphs) may never run a step.
+    # With triton-unified as the base, the reference (no CUDA graphs) may never run a step, so a
+    # layer triton-unified does not serve is refused with each backend's reasons.
     path = _table(tmp_path, [_entry("decode", 2, 40, reference=0.1, triton_unified=1.0)])
     auto = AutoBackend(candidates=["triton-unified", "reference"], table=path)
     assert auto.capabilities.cuda_graphs and not auto.capabilities.batch_invariant
-    assert [b.name for b in auto.eligible(spec24)] == ["triton-unified"]
+    assert [b.name for b in auto.pool] == ["triton-unified"] and auto.eligible(spec24) == []
+    assert auto.reasons(spec24) and auto.reasons(spec24)[0].startswith("triton-unified: head_dim 24")
     assert auto.plan(BatchMeta.build(**DECODE), **LAYER).choice == "triton-unified"
 
 
@@ -190,5 +190,26 @@ def test_the_cache_is_written_by_a_write_kernel_when_one_is_installed():
     slots = meta.slot_mapping.tolist()
     flat_k = cache.k.reshape(-1, HKV, D)
     assert torch.equal(flat_k[slots], k)
-    # The reference alone has no write kernel: the base writes.
-    assert AutoBackend(candidates=["reference"]).writer(cache).name == "reference"
+    # The reference alone has no write kernel: write_kv writes.
+    assert AutoBackend(candidates=["reference"]).writer(cache) is None
+
+
+def test_planned_without_the_layer_the_first_forward_chooses(tmp_path):
+    """What the bench and the suite do: plan(meta) alone; the layer is known at forward."""
+    _needs_triton()
+    path = _table(
+        tmp_path,
+        [_entry("decode", 2, 40, reference=0.1, triton_unified=0.2), _entry("mixed", 8, 50, triton_unified=0.2)],
+    )
+    auto = AutoBackend(candidates=["reference", "triton-unified"], table=path)
+    plan = auto.plan(BatchMeta.build(**MIXED))
+    assert plan.backend is None and plan.choice is None and "first forward" in plan.why
+    cache = auto.allocate(8, BS, HKV, D, dtype=torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    q = torch.randn(plan.meta.num_tokens, H, D)
+    out = auto.forward(q, cache, plan)
+    assert plan.choice == "triton-unified" and len(plan.resolved) == 1
+    # A second layer of the same shape reuses the choice and its plan; a raw BatchMeta chooses too.
+    torch.testing.assert_close(auto.forward(q, cache, plan), out, rtol=0, atol=0)
+    assert len(plan.resolved) == 1
+    torch.testing.assert_close(auto.forward(q, cache, BatchMeta.build(**MIXED)), out, rtol=0, atol=0)

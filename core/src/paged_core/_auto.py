@@ -7,12 +7,13 @@ on host ints (the batch's request count, token count and longest sequence), so a
 captured on a plan replays the backend it captured. Without a table (or without an entry for the
 layer), ``auto`` is its *base*: the backend ``registry.select`` would pick.
 
-What ``auto`` claims is what its base claims, less batch invariance (two batches holding the same
-request may run on two backends). Another backend runs a step only if it serves the step's layer
-(the ``plan`` keywords) and claims every feature the base claims (window, soft-cap, sinks, LSE,
-CUDA graphs, device plans), so no call the base accepts is refused or computed differently.
-The base allocates the cache (every backend of ours reads that layout); the first candidate with a
-write kernel of its own writes it.
+``auto`` serves a layer if one of its backends does (the first in the registry's order runs it
+where no measurement says otherwise); a backend takes part only if it claims each way of driving
+it that the base (``registry.select``'s pick) claims: CUDA-graph capture of ``forward``, of
+``plan``. Its claims are otherwise those of the backends' union, less batch invariance (two
+batches holding the same request may run on two backends).
+The base allocates the cache (every backend of ours reads that layout); the first backend with a
+write kernel of its own that takes the cache's format writes it, else ``write_kv``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,7 +34,8 @@ from ._batch import BatchMeta
 from ._cache import KVCache
 from ._checks import layer_spec
 from ._errors import InputError, PagedError
-from ._spec import AttentionSpec, dtype_name
+from ._spec import AttentionSpec, KVDtype, check_spec, dtype_name
+from ._write import write_kv
 
 __all__ = ["TUNE_FORMAT", "AutoBackend", "AutoPlan", "TuneTable", "tune_table_path"]
 
@@ -41,8 +43,9 @@ __all__ = ["TUNE_FORMAT", "AutoBackend", "AutoPlan", "TuneTable", "tune_table_pa
 TUNE_FORMAT = "paged-tune/1"
 #: Overrides where ``auto`` reads, and ``paged tune`` writes, this machine's table.
 TUNE_TABLE_ENV = "PAGED_TUNE_TABLE"
-#: The features a backend other than the base must also claim to run a step for ``auto``.
-_FEATURES = ("sliding_window", "softcap", "sinks", "mixed_batches", "returns_lse", "cuda_graphs", "device_plan")
+#: How an engine drives a backend (capture its forward, or its plan too, in a CUDA graph): a
+#: backend other than the base runs steps for ``auto`` only if it claims each of these the base claims.
+_ENGINE_FEATURES = ("cuda_graphs", "device_plan")
 
 
 def device_name() -> str:
@@ -158,16 +161,23 @@ class TuneTable:
 
 @dataclasses.dataclass
 class AutoPlan:
-    """What :meth:`AutoBackend.plan` returns: the step's backend, its own plan, and why."""
+    """What :meth:`AutoBackend.plan` returns: the step's backend, its own plan, and why. Planned
+    without the layer keywords, the backend is chosen at the step's first ``forward`` of each
+    layer shape instead (``backend`` None; ``resolved`` keeps each choice and its plan)."""
 
     meta: BatchMeta
-    backend: Backend
+    backend: Backend | None
     inner: Any
     why: str
+    resolved: dict[AttentionSpec, tuple[Backend, Any, str]] = dataclasses.field(default_factory=dict)
 
     @property
-    def choice(self) -> str:
-        return self.backend.name
+    def choice(self) -> str | None:
+        """The chosen backend's name (None before the first forward of a deferred plan)."""
+        if self.backend is not None:
+            return self.backend.name
+        names = {b.name for b, _, _ in self.resolved.values()}
+        return names.pop() if len(names) == 1 else None
 
 
 class AutoBackend(Backend):
@@ -212,10 +222,17 @@ class AutoBackend(Backend):
                 + (f" (candidates {list(candidates)})" if candidates is not None else "")
                 + "; accepted: an installed, available backend (paged list shows them)"
             )
-        #: The backend that runs every step no measurement assigns elsewhere.
+        #: The first backend (registry order): how engines may drive auto is what it claims.
         self.base = next(iter(self.backends.values()))
+        base_caps = self.base.capabilities
+        #: The backends that may run a step, in the registry's order (the base first).
+        self.pool = [
+            b
+            for b in self.backends.values()
+            if all(getattr(b.capabilities, f) or not getattr(base_caps, f) for f in _ENGINE_FEATURES)
+        ]
         super().__init__(validate=validate)
-        self.capabilities = dataclasses.replace(self.base.capabilities, batch_invariant=False)
+        self.capabilities = dataclasses.replace(base_caps, batch_invariant=False)
         path = os.fspath(table) if table is not None else tune_table_path()
         #: The tune table read at construction (None: no file, every step runs on the base).
         self.table: TuneTable | None = TuneTable.load(path) if os.path.exists(path) else None
@@ -228,7 +245,7 @@ class AutoBackend(Backend):
                 stacklevel=2,
             )
         self._choices: dict[tuple, tuple[Backend, str]] = {}
-        self._writers: dict[tuple, Backend] = {}
+        self._writers: dict[tuple, Backend | None] = {}
 
     @classmethod
     def unavailable(cls) -> list[str]:
@@ -239,13 +256,26 @@ class AutoBackend(Backend):
             return []
         return ["no other backend is available to choose from (paged list shows why each is not)"]
 
-    def extra_reasons(self, spec: AttentionSpec) -> list[str]:
-        return self.base.extra_reasons(spec)
+    def reasons(self, spec: AttentionSpec) -> list[str]:
+        """Empty if a backend of the pool serves ``spec``; else each one's reasons, by name."""
+        check_spec(spec)
+        if spec not in self._reasons:
+            each = [(b.name, b.reasons(spec)) for b in self.pool]
+            ok = any(not r for _, r in each)
+            self._reasons[spec] = [] if ok else [f"{n}: {'; '.join(r)}" for n, r in each]
+        return list(self._reasons[spec])
 
-    def writer(self, cache: KVCache) -> Backend:
-        """The backend that writes ``cache``: the first candidate with a write of its own (a
-        kernel: a few microseconds of host work instead of ``write_kv``'s PyTorch ops) that takes
-        the cache's format, else the base. Every write stores the same bytes (``Backend._write``)."""
+    def eligible(self, spec: AttentionSpec | None) -> list[Backend]:
+        """The backends of the pool that serve ``spec``'s layer, in the registry's order (None:
+        the base alone)."""
+        if spec is None:
+            return [self.base]
+        return [b for b in self.pool if not b.reasons(spec)]
+
+    def writer(self, cache: KVCache) -> Backend | None:
+        """The backend whose write kernel writes ``cache``: the first with a write of its own (a
+        few microseconds of host work instead of ``write_kv``'s PyTorch ops) that takes the
+        cache's format; None: ``write_kv``. Every write stores the same bytes (``Backend._write``)."""
         key = (cache.kv_dtype, cache.kv_scales, cache.device.type)
         if key not in self._writers:
             own = [
@@ -256,25 +286,15 @@ class AutoBackend(Backend):
                 and (cache.kv_dtype == "auto" or cache.kv_scales in b.capabilities.kv_scales)
                 and cache.device.type in b.capabilities.devices
             ]
-            self._writers[key] = own[0] if own else self.base
+            self._writers[key] = own[0] if own else None
         return self._writers[key]
 
     def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self.writer(cache)._write(cache, k, v, slot_mapping)
-
-    def eligible(self, spec: AttentionSpec | None) -> list[Backend]:
-        """The backends that may run a step of ``spec``'s layer: the base, and every other that
-        serves the layer and claims each feature the base claims (None: the base alone)."""
-        if spec is None:
-            return [self.base]
-        base_caps = self.base.capabilities
-        out = [self.base]
-        for b in self.backends.values():
-            if b is self.base or b.reasons(spec):
-                continue
-            if all(getattr(b.capabilities, f) or not getattr(base_caps, f) for f in _FEATURES):
-                out.append(b)
-        return out
+        writer = self.writer(cache)
+        if writer is None:
+            write_kv(cache, k, v, slot_mapping)
+        else:
+            writer._write(cache, k, v, slot_mapping)
 
     def choose(self, meta: BatchMeta, spec: AttentionSpec | None) -> tuple[Backend, str]:
         """The backend for ``meta``'s batch and why; a function of host ints and the layer only."""
@@ -283,14 +303,15 @@ class AutoBackend(Backend):
         hit = self._choices.get(key)
         if hit is not None:
             return hit
-        pick, why = self.base, f"{self.base.name}: the registry's first choice (no tune table)"
+        eligible = self.eligible(spec) or [self.base]
+        first = eligible[0]
+        pick, why = first, f"{first.name}: the registry's first choice for the layer (no tune table)"
         if self.table is not None and spec is not None:
             layer = layer_key(spec)
             entry = self.table.nearest(kind, layer, size, context)
-            eligible = self.eligible(spec)
             best = entry.fastest([b.name for b in eligible]) if entry is not None else None
             if entry is None or best is None:
-                why = f"{self.base.name}: the tune table has no {kind} entry for {layer}"
+                why = f"{first.name}: the tune table has no {kind} entry for {layer}"
             else:
                 pick = next(b for b in eligible if b.name == best)
                 why = (
@@ -302,6 +323,9 @@ class AutoBackend(Backend):
 
     def _plan(self, meta: BatchMeta, **layer: Any) -> AutoPlan:
         spec = layer_spec(self.capabilities, meta, layer)
+        if spec is None:
+            why = "chosen at the first forward of each layer shape (plan() got no num_heads, num_kv_heads, head_dim)"
+            return AutoPlan(meta=meta, backend=None, inner=None, why=why)
         backend, why = self.choose(meta, spec)
         return AutoPlan(meta=meta, backend=backend, inner=backend.plan(meta, **layer), why=why)
 
@@ -318,8 +342,50 @@ class AutoBackend(Backend):
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> None:
-        if isinstance(plan, AutoPlan):
+        if isinstance(plan, AutoPlan) and plan.backend is not None:
             backend, inner = plan.backend, plan.inner
-        else:  # a BatchMeta: forward without a plan runs on the base
-            backend, inner = self.base, plan
+        else:
+            # The layer is known now: choose for it (once per layer shape and plan).
+            meta = plan.meta if isinstance(plan, AutoPlan) else plan
+            spec = AttentionSpec(
+                num_heads=q.shape[1],
+                num_kv_heads=cache.num_kv_heads,
+                head_dim=q.shape[2],
+                block_size=cache.block_size,
+                dtype=q.dtype,
+                kv_dtype=cast(KVDtype, cache.kv_dtype),
+                kv_scales=cache.kv_scales,
+                window=window,
+                softcap=softcap,
+                sinks=sinks is not None,
+                device=q.device.type,
+                decode_only=meta.decode_only,
+                return_lse=lse is not None,
+                head_dim_v=cache.head_dim_v,
+            )
+            hit = plan.resolved.get(spec) if isinstance(plan, AutoPlan) else None
+            if hit is None:
+                backend, why = self.choose(meta, spec)
+                # A BatchMeta is what every backend's forward takes without a plan of its own.
+                inner = backend.plan(meta, **_plan_keywords(spec)) if isinstance(plan, AutoPlan) else meta
+                hit = (backend, inner, why)
+                if isinstance(plan, AutoPlan):
+                    plan.resolved[spec] = hit
+            backend, inner = hit[0], hit[1]
         backend._forward(q, cache, inner, out=out, lse=lse, scale=scale, window=window, softcap=softcap, sinks=sinks)
+
+
+def _plan_keywords(spec: AttentionSpec) -> dict[str, Any]:
+    """The ``plan`` keywords that describe ``spec``'s layer."""
+    return dict(
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        head_dim_v=spec.head_dim_v,
+        dtype=spec.dtype,
+        kv_dtype=spec.kv_dtype,
+        kv_scales=spec.kv_scales,
+        window=spec.window,
+        softcap=spec.softcap,
+        sinks=spec.sinks,
+    )
