@@ -25,7 +25,7 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -36,6 +36,9 @@ from ._checks import layer_spec
 from ._errors import InputError, PagedError
 from ._spec import AttentionSpec, KVDtype, check_spec, dtype_name
 from ._write import write_kv
+
+if TYPE_CHECKING:
+    from ._registry import Registry
 
 __all__ = ["TUNE_FORMAT", "AutoBackend", "AutoPlan", "TuneTable", "tune_table_path"]
 
@@ -186,7 +189,8 @@ class AutoBackend(Backend):
     ``candidates``: the backend names it may choose from (default: every available registered
     backend but itself and deprecated aliases); the first of them that ``registry.select`` ranks
     highest is the base. ``table``: a tune table's path (default: :func:`tune_table_path`; a
-    missing file means none).
+    missing file means none). ``registry``: whose backends it chooses from (``registry.get``
+    passes itself; default: ``paged_core.registry``).
     """
 
     name = "auto"
@@ -196,9 +200,13 @@ class AutoBackend(Backend):
         *,
         candidates: Sequence[str] | None = None,
         table: str | os.PathLike[str] | None = None,
+        registry: Registry | None = None,
         validate: bool | None = None,
     ) -> None:
-        from ._registry import registry
+        if registry is None:
+            from ._registry import registry as default
+
+            registry = default
 
         if candidates is not None and (isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates)):
             raise InputError(f"candidates is {candidates!r}; accepted: a sequence of backend names, or None")
@@ -215,6 +223,10 @@ class AutoBackend(Backend):
                     backend = registry.get(n)
                 except DeprecationWarning:
                     continue  # an alias of another candidate: never a choice of its own
+                except PagedError:
+                    if candidates is not None:
+                        raise
+                    continue  # not constructible with its defaults here: not a candidate
             self.backends[n] = backend
         if not self.backends:
             raise PagedError(

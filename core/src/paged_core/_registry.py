@@ -359,12 +359,19 @@ class Registry:
                 "(check the spelling)"
             )
         try:
-            return cls(**options)
+            return self._instance(cls, **options)
         except TypeError as exc:
             raise InputError(
                 f"Backend {name!r} does not accept options {sorted(options)}: {exc}"
                 + (f"; accepted: {', '.join(accepted)}" if accepted else "")
             ) from exc
+
+    def _instance(self, cls: type[Backend], **options: Any) -> Backend:
+        """``cls(**options)``; a backend that composes others (auto) gets this registry to choose from."""
+        accepted = _options_of(cls)
+        if accepted is not None and "registry" in accepted and "registry" not in options:
+            options = {**options, "registry": self}
+        return cls(**options)
 
     def explain(self, spec: AttentionSpec | None = None) -> dict[str, list[str]]:
         """Every backend with the reasons it cannot serve ``spec`` (empty list: it can)."""
@@ -377,7 +384,7 @@ class Registry:
         for reg in self._sorted_locked():
             reasons = self.unavailable(reg.name)
             if not reasons and spec is not None:
-                reasons = reg.cls().reasons(spec) if reg.cls else []
+                reasons = self._instance(reg.cls).reasons(spec) if reg.cls else []
             out[reg.name] = reasons
         return out
 
