@@ -190,8 +190,10 @@ def test_the_cache_is_written_by_a_write_kernel_when_one_is_installed():
     slots = meta.slot_mapping.tolist()
     flat_k = cache.k.reshape(-1, HKV, D)
     assert torch.equal(flat_k[slots], k)
-    # The reference alone has no write kernel: write_kv writes.
-    assert AutoBackend(candidates=["reference"]).writer(cache) is None
+    assert auto.writes_on_device
+    # The reference alone has no write kernel: write_kv writes, on the host's schedule.
+    alone = AutoBackend(candidates=["reference"])
+    assert alone.writer(cache) is None and not alone.writes_on_device
 
 
 def test_planned_without_the_layer_the_first_forward_chooses(tmp_path):

@@ -293,13 +293,26 @@ class AutoBackend(Backend):
             own = [
                 b
                 for b in self.backends.values()
-                if type(b)._write is not Backend._write
+                if b.writes_on_device
                 and cache.kv_dtype in b.capabilities.kv_dtypes
                 and (cache.kv_dtype == "auto" or cache.kv_scales in b.capabilities.kv_scales)
                 and cache.device.type in b.capabilities.devices
             ]
             self._writers[key] = own[0] if own else None
         return self._writers[key]
+
+    @property
+    def writes_on_device(self) -> bool:
+        """True when a write kernel takes every cache format a backend of the pool reads."""
+        kernels = [b for b in self.backends.values() if b.writes_on_device]
+        formats = {(kv, sc) for b in self.pool for kv in b.capabilities.kv_dtypes for sc in b.capabilities.kv_scales}
+        return any(
+            all(
+                kv in k.capabilities.kv_dtypes and (kv == "auto" or sc in k.capabilities.kv_scales)
+                for kv, sc in formats
+            )
+            for k in kernels
+        )
 
     def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         writer = self.writer(cache)

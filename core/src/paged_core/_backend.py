@@ -162,6 +162,13 @@ class Backend:
             batch.validate(num_blocks=cache.num_blocks)
         self._write(cache, k, v, batch.slot_mapping)
 
+    @property
+    def writes_on_device(self) -> bool:
+        """Whether :meth:`write` runs without host syncs (a kernel of the backend's own), so an
+        engine may capture it in a CUDA graph: :func:`write_kv`, the default, filters skipped
+        slots on the host."""
+        return type(self)._write is not Backend._write
+
     def _write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The backend's own write; the cache and batch are checked. Default: :func:`write_kv`
         (pure PyTorch), which checks ``k`` and ``v`` before writing anything. An override must

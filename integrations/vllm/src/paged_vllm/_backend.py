@@ -137,8 +137,7 @@ def cudagraph_support(backend: Backend) -> AttentionCGSupport:
     capture refuses. ``NEVER`` still lets vLLM capture the rest of the model piecewise, with
     attention running eagerly between the pieces.
     """
-    own_write = type(backend)._write is not Backend._write
-    if backend.capabilities.cuda_graphs and own_write:
+    if backend.capabilities.cuda_graphs and backend.writes_on_device:
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     return AttentionCGSupport.NEVER
 
