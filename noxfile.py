@@ -161,10 +161,7 @@ def tests(session: nox.Session) -> None:
         # here, without a table, that would rerun triton-unified's suite under the interpreter.
         # The suite holds auto to its claims over the reference alone (its delegation: plan,
         # write, forward, capabilities); its choices between backends are core/tests/test_auto.py's.
-        names = session.run(
-            "python", "-c", "from paged_core import registry; print(','.join(registry.names()))", silent=True, env=env
-        )
-        env["PAGED_BACKENDS"] = ",".join(n for n in str(names).strip().split(",") if n != "auto")
+        env["PAGED_BACKENDS"] = _backends_but_auto(session, env)
         suite = _start_pytest(
             session,
             ["--pyargs", "paged_conformance", f"--junitxml={reports}/suite.xml", *session.posargs],
@@ -213,6 +210,14 @@ def tests(session: nox.Session) -> None:
     print(f"total: {passed} passed, {failed} failed, {skipped} skipped", flush=True)
     if failed:
         session.error(f"{failed} test(s) failed")
+
+
+def _backends_but_auto(session: nox.Session, env: dict[str, str] | None = None) -> str:
+    """Every backend the session's registry has but ``auto``, comma-separated (``--backends``)."""
+    names = session.run(
+        "python", "-c", "from paged_core import registry; print(','.join(registry.names()))", silent=True, env=env
+    )
+    return ",".join(n for n in str(names).strip().split(",") if n != "auto")
 
 
 def _entry_points() -> list[str]:
@@ -344,10 +349,7 @@ def demo(session: nox.Session) -> None:
     session.run("paged", "list")
     # auto runs each step on one of the backends checked here (without a tune table: the first);
     # checking it again would double the interpreter's time. nox -s tests holds it to the suite.
-    names = session.run(
-        "python", "-c", "from paged_core import registry; print(','.join(registry.names()))", silent=True
-    )
-    backends = ",".join(n for n in str(names).strip().split(",") if n != "auto")
+    backends = _backends_but_auto(session)
     session.log("the check leaves out auto, which runs each step on one of the backends checked")
     session.run("paged", "check", *(session.posargs or ["--backends", backends]))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,10 +11,8 @@ from paged_core import AutoBackend, BatchMeta, TuneTable
 
 
 def _paged(*argv: str, env_home: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": env_home, "HOME": env_home}
-    import os
-
-    env = {**os.environ, **env}
+    # A home of its own: the table lands where auto looks on this machine, not in the real ~/.cache.
+    env = {**os.environ, "XDG_CACHE_HOME": env_home, "HOME": env_home}
     env.pop("PAGED_TUNE_TABLE", None)
     return subprocess.run([sys.executable, "-m", "paged_core", *argv], capture_output=True, text=True, env=env)
 

@@ -130,12 +130,21 @@ def test_a_backend_that_does_not_serve_the_layer_or_claim_the_base_features_is_n
 
 def test_the_choice_depends_on_host_ints_only(tmp_path):
     """What a captured CUDA graph needs: the same batch class gives the same backend, whatever
-    the metadata tensors hold, and no tensor is read to choose."""
-    path = _table(tmp_path, [_entry("decode", 2, 40, reference=0.1)])
-    auto = AutoBackend(candidates=["reference"], table=path)
+    the metadata tensors hold, and another class may give another."""
+    _needs_triton()
+    path = _table(
+        tmp_path,
+        [_entry("decode", 2, 40, reference=0.1, triton_unified=0.2), _entry("decode", 8, 4096, triton_unified=0.1)],
+    )
+    auto = AutoBackend(candidates=["reference", "triton-unified"], table=path)
+    spec = AttentionSpec(
+        num_heads=H, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype=torch.float32, decode_only=True
+    )
     a, b = BatchMeta.build(**DECODE), BatchMeta.build(query_lens=[1, 1], seq_lens=[40, 2], block_size=BS)
     assert batch_class(a) == batch_class(b) == ("decode", 2, 40)
-    assert auto.choose(a, None)[0] is auto.choose(b, None)[0]
+    assert auto.choose(a, spec)[0].name == auto.choose(b, spec)[0].name == "reference"
+    long = BatchMeta.build(query_lens=[1] * 8, seq_lens=[4000] * 8, block_size=BS)
+    assert auto.choose(long, spec)[0].name == "triton-unified"
     assert batch_class(BatchMeta.build(**MIXED)) == ("mixed", 8, 50)
 
 

@@ -19,22 +19,23 @@ write kernel of its own that takes the cache's format writes it, else ``write_kv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._backend import Backend
 from ._batch import BatchMeta
 from ._cache import KVCache
-from ._checks import layer_spec
+from ._checks import forward_spec, layer_spec
 from ._errors import InputError, PagedError
-from ._spec import AttentionSpec, KVDtype, check_spec, dtype_name
+from ._spec import AttentionSpec, check_spec, dtype_name
 from ._write import write_kv
 
 if TYPE_CHECKING:
@@ -112,16 +113,20 @@ class TuneTable:
     entries: tuple[TuneEntry, ...]
     source: str = ""
 
+    @functools.cached_property
+    def _groups(self) -> dict[tuple[str, str], list[TuneEntry]]:
+        groups: dict[tuple[str, str], list[TuneEntry]] = {}
+        for e in self.entries:
+            groups.setdefault((e.kind, e.layer), []).append(e)
+        return groups
+
     def nearest(self, kind: str, layer: str, size: int, context: int) -> TuneEntry | None:
         """The entry of this class and layer closest to ``(size, context)`` on log scales."""
-        same = [e for e in self.entries if e.kind == kind and e.layer == layer]
+        same = self._groups.get((kind, layer))
         if not same:
             return None
-
-        def distance(e: TuneEntry) -> float:
-            return math.log2(max(e.size, 1) / max(size, 1)) ** 2 + math.log2(max(e.context, 1) / max(context, 1)) ** 2
-
-        return min(same, key=distance)
+        ls, lc = math.log2(max(size, 1)), math.log2(max(context, 1))
+        return min(same, key=lambda e: (math.log2(max(e.size, 1)) - ls) ** 2 + (math.log2(max(e.context, 1)) - lc) ** 2)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -256,7 +261,7 @@ class AutoBackend(Backend):
                 f"{device_name()}: its choices may not be the fastest here (run paged tune on this machine)",
                 stacklevel=2,
             )
-        self._choices: dict[tuple, tuple[Backend, str]] = {}
+        self._per_spec: dict[AttentionSpec | None, tuple[list[Backend], str]] = {}
         self._writers: dict[tuple, Backend | None] = {}
 
     @classmethod
@@ -322,28 +327,27 @@ class AutoBackend(Backend):
             writer._write(cache, k, v, slot_mapping)
 
     def choose(self, meta: BatchMeta, spec: AttentionSpec | None) -> tuple[Backend, str]:
-        """The backend for ``meta``'s batch and why; a function of host ints and the layer only."""
+        """The backend for ``meta``'s batch and why; a function of host ints and the layer only.
+        Per step: a lookup among the table's entries of the layer (what depends on the layer
+        alone is kept per spec, so nothing grows with the batches an engine sees)."""
         kind, size, context = batch_class(meta)
-        key = (kind, size, context, spec)
-        hit = self._choices.get(key)
-        if hit is not None:
-            return hit
-        eligible = self.eligible(spec) or [self.base]
+        known = self._per_spec.get(spec)
+        if known is None:
+            eligible = self.eligible(spec) or [self.base]
+            known = self._per_spec[spec] = (eligible, layer_key(spec) if spec is not None else "")
+        eligible, layer = known
         first = eligible[0]
-        pick, why = first, f"{first.name}: the registry's first choice for the layer (no tune table)"
-        if self.table is not None and spec is not None:
-            layer = layer_key(spec)
-            entry = self.table.nearest(kind, layer, size, context)
-            best = entry.fastest([b.name for b in eligible]) if entry is not None else None
-            if entry is None or best is None:
-                why = f"{first.name}: the tune table has no {kind} entry for {layer}"
-            else:
-                pick = next(b for b in eligible if b.name == best)
-                why = (
-                    f"{best}: fastest on the nearest measured {kind} batch ({entry.size} x {entry.context}, "
-                    f"{entry.ms[best]:.4g} ms) in {self.table.source}"
-                )
-        self._choices[key] = (pick, why)
+        if self.table is None or spec is None:
+            return first, f"{first.name}: the registry's first choice for the layer (no tune table)"
+        entry = self.table.nearest(kind, layer, size, context)
+        best = entry.fastest([b.name for b in eligible]) if entry is not None else None
+        if entry is None or best is None:
+            return first, f"{first.name}: the tune table has no {kind} entry for {layer}"
+        pick = next(b for b in eligible if b.name == best)
+        why = (
+            f"{best}: fastest on the nearest measured {kind} batch ({entry.size} x {entry.context}, "
+            f"{entry.ms[best]:.4g} ms) in {self.table.source}"
+        )
         return pick, why
 
     def _plan(self, meta: BatchMeta, **layer: Any) -> AutoPlan:
@@ -372,22 +376,10 @@ class AutoBackend(Backend):
         else:
             # The layer is known now: choose for it (once per layer shape and plan).
             meta = plan.meta if isinstance(plan, AutoPlan) else plan
-            spec = AttentionSpec(
-                num_heads=q.shape[1],
-                num_kv_heads=cache.num_kv_heads,
-                head_dim=q.shape[2],
-                block_size=cache.block_size,
-                dtype=q.dtype,
-                kv_dtype=cast(KVDtype, cache.kv_dtype),
-                kv_scales=cache.kv_scales,
-                window=window,
-                softcap=softcap,
-                sinks=sinks is not None,
-                device=q.device.type,
-                decode_only=meta.decode_only,
-                return_lse=lse is not None,
-                head_dim_v=cache.head_dim_v,
-            )
+            spec = forward_spec(
+                q.shape[1], q.shape[2], q.dtype, q.device.type, cache, meta, window, softcap, sinks is not None,
+                lse is not None,
+            )  # fmt: skip
             hit = plan.resolved.get(spec) if isinstance(plan, AutoPlan) else None
             if hit is None:
                 backend, why = self.choose(meta, spec)

@@ -446,25 +446,42 @@ def check_call(
         )
     if not isinstance(return_lse, bool):
         raise InputError(f"return_lse is {return_lse!r}; accepted: True or False")
-    spec = AttentionSpec(
-        num_heads=hq,
+    spec = forward_spec(hq, d, q_dtype, dev.type, cache, meta, window, softcap, sinks is not None, return_lse)
+    reasons = backend.reasons(spec)
+    if reasons:
+        raise UnsupportedSpecError(backend.name, reasons)
+
+
+def forward_spec(
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device_type: str,
+    cache: KVCache,
+    meta: BatchMeta,
+    window: Any,
+    softcap: Any,
+    sinks: bool,
+    return_lse: bool,
+) -> AttentionSpec:
+    """The spec of a ``forward`` call: q's heads, head dim, dtype and device, the cache's facts,
+    the batch's shape and the call's options (checked already)."""
+    return AttentionSpec(
+        num_heads=num_heads,
         num_kv_heads=cache.num_kv_heads,
-        head_dim=d,
+        head_dim=head_dim,
         block_size=cache.block_size,
-        dtype=q_dtype,
+        dtype=dtype,
         kv_dtype=cast(KVDtype, cache.kv_dtype),
         kv_scales=cache.kv_scales,
         window=int(window),
         softcap=float(softcap),
-        sinks=sinks is not None,
-        device=dev.type,
+        sinks=sinks,
+        device=device_type,
         decode_only=meta.decode_only,
         return_lse=return_lse,
-        head_dim_v=dv,
+        head_dim_v=cache.head_dim_v,
     )
-    reasons = backend.reasons(spec)
-    if reasons:
-        raise UnsupportedSpecError(backend.name, reasons)
 
 
 def check_inputs(
