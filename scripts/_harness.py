@@ -27,7 +27,8 @@ if SMOKE:
 import torch  # noqa: E402
 import torch.utils._python_dispatch  # noqa: E402
 from paged_conformance.tolerances import ConformanceFailure, assert_close_to_reference, output_tolerance  # noqa: E402
-from paged_core import BatchMeta, KVCache, allocate_kv_cache, reference_attention  # noqa: E402
+from paged_core import BatchMeta, KVCache, allocate_kv_cache, pack_int4, reference_attention  # noqa: E402
+from paged_triton_common.backend import kernel_k_scale  # noqa: E402
 from paged_triton_unified.launch import LaunchConfig, unified_attention  # noqa: E402
 from paged_triton_unified.split_launch import split_decode_attention  # noqa: E402
 
@@ -111,6 +112,10 @@ def make_case(
         for t in (cache.k, cache.v):
             codes = torch.randint(-127, 128, t.shape, generator=g, device=DEV, dtype=torch.int16)
             t.copy_(codes.to(torch.int8))
+    elif kv_dtype in ("int4", "kivi4"):  # codes in [-7, 7], two a byte
+        for t in (cache.k, cache.v):
+            shape = (*t.shape[:-1], 2 * t.shape[-1])
+            t.copy_(pack_int4(torch.randint(-7, 8, shape, generator=g, device=DEV, dtype=torch.int8)))
     else:  # fp8 e4m3: normal codes spread over the format's range
         for t in (cache.k, cache.v):
             t.copy_((torch.randn(t.shape, generator=g, device=DEV) * 100).clamp(-448, 448).to(t.dtype))
@@ -121,8 +126,11 @@ def make_case(
         for t in (cache.k_scale, cache.v_scale):
             t.copy_(torch.rand(t.shape, generator=g, device=DEV) * 0.02 + 1e-3)
     q = torch.randn(sum(qlens), HQ, D, generator=g, device=DEV).to(torch.bfloat16)
-    elem = 2 if kv_dtype == "auto" else 1
-    per_token = 2 * HKV * D * elem + (2 * HKV * 4 if kv_dtype != "auto" and not static_scales else 0)
+    elem = {"auto": 2, "int4": 0.5, "kivi4": 0.5}.get(kv_dtype, 1)
+    scales = 0 if kv_dtype == "auto" or static_scales else 2 * HKV * 4  # float32 per slot, K and V
+    if kv_dtype == "kivi4":  # K's per (block, channel), V's per slot
+        scales = HKV * D * 4 / BS + HKV * 4
+    per_token = 2 * HKV * D * elem + scales
     nbytes = sum(slens) * per_token
     flops = 4 * D * HQ * sum(t * (s - t) + t * (t + 1) // 2 for t, s in zip(qlens, slens, strict=True) if s)
     if check_reqs is None:
@@ -203,7 +211,7 @@ def unified(case: Case, out: torch.Tensor, cfg: LaunchConfig | None):
         max_query_len=m.max_query_len,
         max_seq_len=m.max_seq_len,
         scale=SCALE,
-        k_scale=c.k_scale,
+        k_scale=kernel_k_scale(c),
         v_scale=c.v_scale,
         config=cfg,
     )
@@ -218,6 +226,7 @@ def cfg(small=(128, 4, 2), large=(64, 8, 2), bq_large=32) -> LaunchConfig:
         block_n=small[0],
         num_warps=small[1],
         num_stages=small[2],
+        maxnreg=small[3] if len(small) > 3 else None,
         large_block_n=large[0],
         large_num_warps=large[1],
         large_num_stages=large[2],
@@ -227,7 +236,7 @@ def cfg(small=(128, 4, 2), large=(64, 8, 2), bq_large=32) -> LaunchConfig:
 def tag(small=None, large=None, bq_large=None) -> str:
     parts = []
     if small:
-        parts.append("small {}/w{}/st{}".format(*small))
+        parts.append("small {}/w{}/st{}".format(*small) + (f"/r{small[3]}" if len(small) > 3 else ""))
     if large:
         parts.append("large {}/w{}/st{}".format(*large))
     if bq_large:
@@ -251,6 +260,6 @@ def split_call(case: Case, out: torch.Tensor, splits: int, kc: tuple[int, int, i
         scale=SCALE,
         num_splits=splits,
         kernel_config=kcfg,
-        k_scale=c.k_scale,
+        k_scale=kernel_k_scale(c),
         v_scale=c.v_scale,
     )

@@ -200,6 +200,23 @@ def section_quant_depth() -> None:
         del case
 
 
+def section_quant_occupancy() -> None:
+    """Quantized decode tiles take more registers than bf16's (int8 64/4/3: 144 a thread, 3
+    programs per SM; bf16 125, 4), so 64 x 4,096 (512 programs) needs 1.3 waves of them on 132
+    SMs: does a config that fits 4-5 programs per SM (fewer keys a step, or a register cap) run the
+    formats faster? Each format at the autotuner's decode configs and capped ones."""
+    for kv in ("auto", "int8", "fp8", "int4", "kivi4"):
+        for b, n in ((64, 4096), (256, 1024)) if kv in ("int8", "int4") else ((64, 4096),):
+            case = make_case([1] * b, [n] * b, kv_dtype=kv)
+            out = torch.empty_like(case.q)
+            smalls = [(32, 4, 3), (64, 2, 2), (64, 4, 3), (128, 4, 2), (64, 4, 2, 128), (32, 4, 3, 96)]
+            if kv in ("int8", "fp8"):
+                smalls += [(128, 4, 2, 128)]
+            for small in smalls:
+                report("q-occ", f"{b}x{n} {kv} {tag(small)}", case, unified(case, out, cfg(small)), out)
+            del case
+
+
 def section_small_decode() -> None:
     """Decodes of 1-4 requests x 4,096 keys (latency-bound: a few microseconds of data): split
     counts x kernel configs, around ``choose_num_splits``."""
@@ -418,6 +435,7 @@ SECTIONS = {
     "split-count": section_split_count,
     "bench-mixed": section_bench_mixed,
     "quant-depth": section_quant_depth,
+    "quant-occupancy": section_quant_occupancy,
     "small-decode": section_small_decode,
     "mixed-parts": section_mixed_parts,
     "launch": section_launch,

@@ -437,6 +437,43 @@ def test_decode_rejects_bad_arguments():
         split_decode_attention(q, kc, vc, out, **base, blocks_per_split=0)
 
 
+@pytest.mark.parametrize("launcher", ["unified", "split", "cascade"])
+def test_launchers_refuse_scales_that_do_not_fit_the_cache(launcher):
+    # The launchers read a cache's scales by shape: kivi4's per-channel key scales passed as the
+    # cache stores them ([blocks, heads, head_dim]) instead of kernel_k_scale's 4-D view once ran
+    # as per-slot int4 scales and gave wrong numbers with no error.
+    from paged_core import allocate_kv_cache
+    from paged_triton_common.backend import kernel_k_scale
+    from paged_triton_unified.launch import unified_attention
+
+    cache = allocate_kv_cache(2, 16, 1, 64, dtype=torch.bfloat16, kv_dtype="kivi4", device=DEVICE)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    sl = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+
+    def call(k_scale, v_scale, k=cache.k):
+        args = (q, k, cache.v, torch.empty_like(q))
+        kw = dict(seq_lens=sl, block_table=bt, max_seq_len=20, scale=0.125, k_scale=k_scale, v_scale=v_scale)
+        if launcher == "unified":
+            unified_attention(*args, query_start_loc=qsl, max_query_len=1, **kw)
+        elif launcher == "split":
+            split_decode_attention(*args, **kw)
+        else:
+            cascade_attention(*args, query_start_loc=qsl, max_query_len=1, prefix_blocks=1, **kw)
+
+    stored = r"k_scale is torch.float32 \[2, 1, 64\]; .*float32 \[2, 16, 1\].*kernel_k_scale"
+    with pytest.raises(InputError, match=stored):
+        call(cache.k_scale, cache.v_scale)
+    with pytest.raises(InputError, match=r"v_scale is None; .*float32 \[2, 16, 1\]"):
+        call(kernel_k_scale(cache), None)
+    with pytest.raises(InputError, match=r"v_scale is torch.float16 \[2, 16, 1\]"):
+        call(kernel_k_scale(cache), cache.v_scale.half())
+    with pytest.raises(InputError, match="k_scale/v_scale is given; .*no scales for a cache of values"):
+        call(kernel_k_scale(cache), cache.v_scale, k=torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16, device=DEVICE))
+    call(kernel_k_scale(cache), cache.v_scale)  # the view the backends pass
+
+
 def test_choose_num_splits_on_cpu_is_one():
     assert choose_num_splits(1, 8, 131072, 16, "cpu") == 1
 

@@ -26,6 +26,7 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_KV_DTYPES",
     "LaunchConfig",
+    "check_scales",
     "default_config",
     "unified_attention",
 ]
@@ -38,6 +39,32 @@ SUPPORTED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch
 # The kernels' KV_QUANT per code dtype: 1 int8; 2 fp8 e4m3 and 3 fp8 e5m2, codes as uint8; 4 int4
 # codes two per uint8 (the cache's last dimension is half the head dim).
 _KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.uint8: 4}
+
+
+def check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """Raise ``paged_core.InputError`` unless the scales fit the cache as the kernels read them:
+    none for a cache of values; for codes, float32 ``v_scale [num_blocks, block_size,
+    num_kv_heads]`` and ``k_scale`` the same, or for int4 codes scaled per channel (kivi4) the 4-D
+    view of ``paged_triton_common.backend.kernel_k_scale``. Host-only: shapes and dtypes."""
+    nb, bs, heads = k_cache.shape[:3]
+    slots = (nb, bs, heads)
+    if k_cache.dtype not in _KV_QUANT:
+        if k_scale is not None or v_scale is not None:
+            _fail("k_scale/v_scale", "given", "no scales for a cache of values", "pass k_scale=None, v_scale=None")
+        return
+    per_channel = k_cache.dtype == torch.uint8 and k_scale is not None and k_scale.dim() == 4
+    for name, t, want in (
+        ("k_scale", k_scale, (*slots, 2 * k_cache.shape[3]) if per_channel else slots),
+        ("v_scale", v_scale, slots),
+    ):
+        if t is None or t.dtype != torch.float32 or tuple(t.shape) != want:
+            found = "None" if t is None else f"{t.dtype} {list(t.shape)}"
+            _fail(
+                name,
+                found,
+                f"float32 {list(want)} for a {k_cache.dtype} cache of shape {list(k_cache.shape)}",
+                "pass the cache's scales (kivi4 keys: paged_triton_common.backend.kernel_k_scale(cache))",
+            )
 
 
 def kv_quant_of(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> int:
@@ -116,9 +143,10 @@ class LaunchConfig:
     ``block_q_large``-token tiles, in the same launch (large tiles first, then the small ones
     fill the SMs the prefill tail leaves idle). A batch where every request fits one small tile
     skips the tile-plan launch and the search (tile = request). ``block_n``/``num_warps``/
-    ``num_stages`` fix the kernel config (``None``: the autotuner chooses, on the GPU);
-    ``large_*`` override them for a launch with large tiles (``None``: the same as the small
-    ones), whose small tiles step ``block_n`` keys (``None``: ``FUSED_BLOCK_N_SMALL``).
+    ``num_stages`` fix the kernel config (``None``: the autotuner chooses, on the GPU), with
+    ``maxnreg`` a register cap per thread for it (``None``: none); ``large_*`` override them
+    for a launch with large tiles (``None``: the same as the small ones), whose small tiles step
+    ``block_n`` keys (``None``: ``FUSED_BLOCK_N_SMALL``).
 
     Quantized caches with fp16/bf16 q run both dots in fp16 (``tiles.codes8_f16``,
     ``tiles.int4_f16``): NVIDIA H100, 64 x 4,096 decode, CUDA graph, 2026-12-07
@@ -134,6 +162,7 @@ class LaunchConfig:
     large_block_n: int | None = None
     large_num_warps: int | None = None
     large_num_stages: int | None = None
+    maxnreg: int | None = None
 
 
 def default_config(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> LaunchConfig:
@@ -249,7 +278,9 @@ def unified_attention(
         sinks: float32 ``[num_q_heads]`` or None: one logit per head that joins the softmax
             denominator and contributes no value.
         k_scale, v_scale: float32 ``[num_blocks, block_size, num_kv_heads]``, required for
-            int8/fp8 caches and rejected otherwise.
+            caches of codes and rejected otherwise; kivi4 keys (int4 codes, scaled per block
+            and channel) take ``paged_triton_common.backend.kernel_k_scale``'s 4-D view
+            (:func:`check_scales`).
         lse: float32 ``[num_tokens, num_q_heads]`` or None; if given, receives the natural-log
             log-sum-exp of the scaled (soft-capped) logits over the visible keys, sinks
             included; ``-inf`` for rows with no visible key.
@@ -299,6 +330,7 @@ def unified_attention(
         config = _batch_config(num_q_heads, num_kv_heads, max(head_dim, head_dim_v), num_tokens, max_query_len, num_sms)
     if check:
         _check(q, k_cache, v_cache, out, config, group_pad)
+        check_scales(k_cache, k_scale, v_scale)
     bq_small, bq_large = config.block_q_small, config.block_q_large
 
     kv_quant = kv_quant_of(k_cache, k_scale)
@@ -355,6 +387,8 @@ def unified_attention(
                 "num_warps": config.large_num_warps or fixed["num_warps"],
                 "num_stages": config.large_num_stages or fixed["num_stages"],
             }
+        if config.maxnreg is not None:
+            fixed["maxnreg"] = config.maxnreg
 
     kernel[grid](
         q_ptr=q,

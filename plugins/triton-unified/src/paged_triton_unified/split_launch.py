@@ -26,7 +26,7 @@ from paged_core import InputError, shared_prefix_blocks
 from paged_triton_common.direct import DirectKernel
 from paged_triton_common.runtime import INTERPRET, cdiv, head_dim_of, next_power_of_2, occupancy_class, sm_count
 
-from .launch import _fail, kv_quant_of
+from .launch import _fail, check_scales, kv_quant_of
 from .split_kernels import (
     PREFIX_DEFAULT_CONFIG,
     SPLIT_DEFAULT_CONFIG,
@@ -286,6 +286,7 @@ def split_decode_attention(
             f"num_reqs = {num_reqs}: one query per request",
             "use cascade_attention or unified_attention (paged_triton_unified.launch) for longer queries",
         )
+    check_scales(k_cache, k_scale, v_scale)
     _check_count("blocks_per_split", blocks_per_split, minimum=1, none_ok=True)
     if blocks_per_split is not None:
         tokens_per_split = blocks_per_split * block_size
@@ -711,6 +712,7 @@ def cascade_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs, max_blocks = block_table.shape
+    check_scales(k_cache, k_scale, v_scale)
     _check_count("prefix_blocks", prefix_blocks, minimum=0, none_ok=False)
     if prefix_blocks > max_blocks:
         _fail(
