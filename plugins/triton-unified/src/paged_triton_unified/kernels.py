@@ -469,10 +469,15 @@ def _attention_configs():
 # for the larger MMA, fewer stages because each stage holds larger K/V tiles. A config that wins
 # only some batch sizes (64 keys / 2 warps / 2 stages: best on 64 x 4096, 24-41 % slower on
 # batches of fewer programs) stays in the space: the autotune key holds the occupancy class
-# (programs per SM, see launch.py), so each batch size keeps its own choice.
+# (programs per SM, see launch.py), so each batch size keeps its own choice. Quantized caches
+# convert codes on the way to the MMA (142-176 registers a thread at 4 warps): two warps a
+# program fit five on an SM, and a third stage pays there (NVIDIA H100, Triton 3.6, decode
+# 64 x 4,096 autotuned: int8 0.2312 -> 0.2215 ms, kivi4 0.2832 -> 0.2704 with 64/2/3 in the space;
+# docs/results/2026-12-07-h100-quant-decode-configs.txt).
 _DECODE_CONFIGS = {
     (32, 4, 3),
     (64, 2, 2),
+    (64, 2, 3),
     (64, 4, 2),
     (64, 4, 3),
     (64, 4, 4),
