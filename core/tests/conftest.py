@@ -43,6 +43,23 @@ def _forget_fixture_modules() -> None:
             del sys.modules[mod]
 
 
+#: PAGED_PLUGINS as the session started (tests narrow it with monkeypatch).
+_SESSION_PLUGINS = os.environ.get("PAGED_PLUGINS")
+
+
+@pytest.fixture(autouse=True)
+def _process_registry_forgets_a_narrowed_environment(monkeypatch):
+    """The process-wide registry loads once, with the PAGED_PLUGINS of its first use: a test that
+    narrows the variable and reaches it would leave every later test in the process with that
+    narrowed registry. After such a test it discovers again (while the test's environment is
+    still set: this fixture depends on ``monkeypatch``, so it is torn down first)."""
+    yield
+    if os.environ.get("PAGED_PLUGINS") != _SESSION_PLUGINS:
+        import paged_core
+
+        paged_core.registry.reload()
+
+
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory) -> Path:
     """Install the fixture plugin distribution once; return the directory it was installed into."""
