@@ -8,6 +8,7 @@ does one key step cost?" before any GPU time is spent on it:
     python scripts/kernel_resources.py --head-dim 192 --head-dim-v 128 --group 1   # DeepSeek-V3's MLA shape
     python scripts/kernel_resources.py --tiles fused --configs 64/8/2,64/8/3
     python scripts/kernel_resources.py --tiles split   # triton-unified's split-KV kernel
+    python scripts/kernel_resources.py --tiles cascade --kv bf16,int8   # cascade attention's prefix pass
     python scripts/kernel_resources.py --kv bf16,int8,fp8,int4,kivi4 --configs 128/4/2   # quantized caches, bf16 q
 
 Loop columns: the SASS instructions of each of the kernel's loops (one BLOCK_N-key step of the
@@ -217,7 +218,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--block-q-large", type=int, default=32, help="query tokens per large tile")
     ap.add_argument(
-        "--tiles", default="decode,fused", help="which of decode,fused and split (triton-unified's split-KV kernel)"
+        "--tiles",
+        default="decode,fused",
+        help="which of decode, fused, split (triton-unified's split-KV kernel) and cascade (its prefix pass)",
     )
     ap.add_argument(
         "--configs",
@@ -288,6 +291,16 @@ def main() -> None:
     )
     split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in split_kernels._SPLIT_CONFIGS}
     tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
+    # Cascade attention's pass over the shared prefix, at its 64-row tiles.
+    prefix_base = {k: split_base[k] for k in ("HEAD_DIM", "HEAD_DIM_PAD", "HEAD_DIM_V", "HEAD_DIM_V_PAD")}
+    prefix_base.update(GROUP=args.group, BLOCK_SIZE=args.block_size, BLOCK_M=64, USE_SOFTCAP=False)
+    prefix_base.update(UPCAST=False, DOT_PRECISION="tf32")
+    prefix_configs = {
+        (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)
+        for c in split_kernels._PREFIX_CONFIGS
+        if c.kwargs["BLOCK_M"] == 64
+    }
+    tiles["cascade"] = ("cascade prefix (64 rows)", prefix_base, prefix_configs, split_kernels.cascade_prefix_kernel)
     unknown = set(args.tiles.split(",")) - set(tiles)
     if unknown:
         ap.error(f"unknown tiles {sorted(unknown)} (accepted: {', '.join(tiles)})")

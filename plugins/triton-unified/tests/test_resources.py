@@ -70,3 +70,15 @@ def test_reports_registers_and_shared_memory_per_config():
     }
     assert set(split) == {"64/4/2", "64/4/3"}, out.stdout
     assert split["64/4/3"] >= split["64/4/2"] + 31, split
+
+    # Cascade attention's prefix pass compiles too (its 64-row tiles): one key-step loop.
+    out = subprocess.run(
+        [sys.executable, str(script), "--tiles", "cascade", "--configs", "64/4/2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"cascade prefix \(64 rows\)\s+bf16\s+64/4/2\s+(\d+)\s+\d+\s+([\d.]+)\s+\d+\s+(\d+)", out.stdout)
+    assert m and 16 <= int(m[1]) <= 255 and float(m[2]) > 0 and 100 < int(m[3]) < 5000, out.stdout
