@@ -202,16 +202,14 @@ def section_quant_depth() -> None:
 
 def section_quant_occupancy() -> None:
     """Quantized decode tiles take more registers than bf16's (int8 64/4/3: 144 a thread, 3
-    programs per SM; bf16 125, 4), so 64 x 4,096 (512 programs) needs 1.3 waves of them on 132
-    SMs: does a config that fits 4-5 programs per SM (fewer keys a step, or a register cap) run the
-    formats faster? Each format at the autotuner's decode configs and capped ones."""
+    programs per SM; bf16 125, 4): which programs-per-SM and stage counts run each format
+    fastest? Each format at 2-warp configs around the autotuner's best (64/2/3 on an H100,
+    docs/results/2026-12-07-h100-quant-decode-configs.txt), a 4-warp one and a register cap."""
     for kv in ("auto", "int8", "fp8", "int4", "kivi4"):
         for b, n in ((64, 4096), (256, 1024)) if kv in ("int8", "int4") else ((64, 4096),):
             case = make_case([1] * b, [n] * b, kv_dtype=kv)
             out = torch.empty_like(case.q)
-            smalls = [(32, 4, 3), (64, 2, 2), (64, 4, 3), (128, 4, 2), (64, 4, 2, 128), (32, 4, 3, 96)]
-            if kv in ("int8", "fp8"):
-                smalls += [(128, 4, 2, 128)]
+            smalls = [(64, 2, 2), (64, 2, 3), (64, 2, 4), (32, 2, 4), (128, 2, 3), (128, 4, 2), (64, 4, 2, 128)]
             for small in smalls:
                 report("q-occ", f"{b}x{n} {kv} {tag(small)}", case, unified(case, out, cfg(small)), out)
             del case
