@@ -17,8 +17,12 @@ REFERENCE_CAPS = (
     "kv auto,fp8,fp8_e5m2,int4,int8,kivi4 (scales per_head,per_slot,per_tensor); mixed; cpu,cuda; "
     "window, softcap, sinks, lse, device-plan, batch-invariant"
 )
-#: auto's class claims nothing of its own: an instance claims its base's (paged_core._auto).
-AUTO_CAPS = "head_dim any; block any; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"
+#: auto claims what the backends it chooses from claim (an instance: its base's engine features),
+#: so its line says that instead of its class's empty claims ("kv auto", no features).
+AUTO_CAPS = (
+    "runs each batch on the available backend listed here measured fastest for it (paged tune), "
+    "else on the registry's first; serves a layer one of them serves, with the first's engine features"
+)
 GOOD_CAPS = "head_dim 16; block 8,16; group any; dtype bfloat16,float16,float32; kv auto; mixed; cpu,cuda"
 
 #: How every install hint for one of paged's own distributions says where its wheels come from.
@@ -105,6 +109,7 @@ def test_list_json(cli_registry, capsys):
         "capabilities": REFERENCE_CAPS,
     }
     assert backends["fixture-good"]["capabilities"] == GOOD_CAPS
+    assert backends["auto"]["capabilities"] == AUTO_CAPS
     missing = backends["fixture-missing"]
     assert missing["available"] is False and missing["capabilities"] is None
     assert missing["reasons"][0].endswith("(to fix: pip install paged-fixture-extra)")

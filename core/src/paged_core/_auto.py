@@ -199,6 +199,10 @@ class AutoBackend(Backend):
     """
 
     name = "auto"
+    listing = (
+        "runs each batch on the available backend listed here measured fastest for it (paged tune), "
+        "else on the registry's first; serves a layer one of them serves, with the first's engine features"
+    )
 
     def __init__(
         self,

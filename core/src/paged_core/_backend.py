@@ -72,6 +72,9 @@ class Backend:
     #: What the backend promises to compute exactly; conformance holds it to that. Set on the
     #: class; an instance may narrow it for its options (triton-unified's ``cascade``).
     capabilities: Capabilities = Capabilities()
+    #: What ``paged list`` prints instead of the class's capabilities, for a backend whose
+    #: instances claim other backends' (``auto``); None: the capabilities' summary.
+    listing: ClassVar[str | None] = None
 
     def __init__(self, *, validate: bool | None = None) -> None:
         #: Run the host-syncing checks of :meth:`BatchMeta.validate` on each call.

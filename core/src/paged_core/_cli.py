@@ -39,6 +39,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         reg = registry.registration(name)
         reasons = registry.unavailable(name)
         caps = registry.capabilities(name)
+        listing = getattr(registry.backend_class(name), "listing", None) if caps is not None else None
         rows.append(
             {
                 "name": name,
@@ -47,7 +48,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
                 "priority": reg.priority,
                 "available": not reasons,
                 "reasons": reasons,
-                "capabilities": caps.summary() if caps else None,
+                "capabilities": listing or (caps.summary() if caps else None),
             }
         )
     problems = [{"source": p.source, "stage": p.stage, "message": p.message} for p in registry.problems()]
