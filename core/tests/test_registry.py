@@ -559,6 +559,15 @@ def test_a_typo_in_paged_plugins_is_a_problem(monkeypatch):
     assert "reference" in p.message.split("installed:")[1]
 
 
+def test_auto_in_paged_plugins_names_the_plugin_that_registers_it(monkeypatch):
+    # PAGED_PLUGINS names plugins; auto is a backend of paged-core's plugin "reference".
+    monkeypatch.setenv("PAGED_PLUGINS", "auto")
+    reg = Registry()
+    assert reg.names() == []
+    (p,) = problems_of(reg, "auto")
+    assert "'auto' is a backend of plugin 'reference' (paged-core's): name that plugin" in p.message
+
+
 @pytest.mark.parametrize("bad", [{"num_heads": 4}, "4/2x16"])
 def test_explain_and_select_of_something_that_is_not_a_spec(reference_only, bad):
     # select() used to raise an AttributeError from spec.describe().

@@ -38,6 +38,10 @@ FIRST_PARTY = {
     "flashinfer": pip_install("'paged-core[flashinfer]'"),
     "flash-attn2": pip_install("'paged-core[flash-attn]'"),
 }
+#: paged-core's own plugin (entry point) and the backends it registers besides the one of its
+#: name (paged_core/plugin.py): PAGED_PLUGINS names plugins, and "auto" is one of these backends.
+_CORE_PLUGIN = "reference"
+_BACKENDS_OF_CORE_PLUGIN = frozenset({"auto"})
 _NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
 
@@ -126,12 +130,15 @@ class Registry:
             self._entry_points = names
             for typo in sorted(allow - set(names)) if allow is not None else ():
                 # A misspelt name would otherwise just load less, silently.
+                fix = "fix the spelling, or install the plugin"
+                if typo in _BACKENDS_OF_CORE_PLUGIN and _CORE_PLUGIN in names:
+                    fix = f"{typo!r} is a backend of plugin {_CORE_PLUGIN!r} (paged-core's): name that plugin"
                 self._problems.append(
                     Problem(
                         typo,
                         self.env_var,
                         f"{self.env_var} names {typo!r}, but no installed plugin has that entry point; "
-                        f"installed: {', '.join(names) or 'none'} (fix the spelling, or install the plugin)",
+                        f"installed: {', '.join(names) or 'none'} ({fix})",
                     )
                 )
             for ep_name in names:
