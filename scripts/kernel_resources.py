@@ -291,10 +291,9 @@ def main() -> None:
     )
     split_configs = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in split_kernels._SPLIT_CONFIGS}
     tiles["split"] = ("split-KV decode", split_base, split_configs, split_kernels.split_kv_attention_kernel)
-    # Cascade attention's pass over the shared prefix, at its 64-row tiles.
-    prefix_base = {k: split_base[k] for k in ("HEAD_DIM", "HEAD_DIM_PAD", "HEAD_DIM_V", "HEAD_DIM_V_PAD")}
-    prefix_base.update(GROUP=args.group, BLOCK_SIZE=args.block_size, BLOCK_M=64, USE_SOFTCAP=False)
-    prefix_base.update(UPCAST=False, DOT_PRECISION="tf32")
+    # Cascade attention's pass over the shared prefix, at its 64-row tiles (the split kernel's
+    # constexprs it lacks are left out when it compiles).
+    prefix_base = {**split_base, "BLOCK_M": 64}
     prefix_configs = {
         (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg)
         for c in split_kernels._PREFIX_CONFIGS

@@ -23,16 +23,21 @@ def test_reports_registers_and_shared_memory_per_config():
         [str(ROOT / "plugins" / p / "src") for p in ("triton-unified", "triton-common")] + [env.get("PYTHONPATH", "")]
     )
     script = ROOT / "scripts" / "kernel_resources.py"
-    run = subprocess.run(
-        [sys.executable, str(script), "--tiles", "decode", "--configs", "32/4/1,128/4/2,128/4/2/80"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+
+    def report(tiles: str, configs: str) -> str:
+        run = subprocess.run(
+            [sys.executable, str(script), "--tiles", tiles, "--configs", configs],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout
+
+    out = report("decode", "32/4/1,128/4/2,128/4/2/80")
     rows = {}
-    for line in run.stdout.splitlines():
+    for line in out.splitlines():
         m = re.match(
             r"decode \(direct\)\s+bf16\s+(\d+/\d+/\d+(?:/\d+)?)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+"
             r"((?:\d+ )*\d+)\s+\d+\s+\d+",
@@ -40,7 +45,7 @@ def test_reports_registers_and_shared_memory_per_config():
         )
         if m:
             rows[m[1]] = (int(m[2]), int(m[3]), float(m[4]), int(m[5]), [int(n) for n in m[6].split()])
-    assert set(rows) == {"32/4/1", "128/4/2", "128/4/2/80"}, run.stdout
+    assert set(rows) == {"32/4/1", "128/4/2", "128/4/2/80"}, out
     for regs, spill, smem_kb, ctas, loops in rows.values():
         assert 16 <= regs <= 255 and spill >= 0 and smem_kb > 0 and ctas >= 1
         # Its key ranges' loops (the bulk, the causal diagonal): one key step each, two MMAs of
@@ -56,29 +61,14 @@ def test_reports_registers_and_shared_memory_per_config():
     # The split-KV kernel loads each tile's block ids a tile ahead so that the pipeliner buffers
     # the gathered K/V num_stages deep, i.e. its third stage holds a third 64-key K/V buffer
     # (2 x 16 KB) more than two.
-    out = subprocess.run(
-        [sys.executable, str(script), "--tiles", "split", "--configs", "64/4/2,64/4/3"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = report("split", "64/4/2,64/4/3")
     split = {
-        m[1]: float(m[2])
-        for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)", out.stdout)
+        m[1]: float(m[2]) for m in re.finditer(r"split-KV decode\s+bf16\s+(64/4/[23])\s+\d+\s+\d+\s+([\d.]+)", out)
     }
-    assert set(split) == {"64/4/2", "64/4/3"}, out.stdout
+    assert set(split) == {"64/4/2", "64/4/3"}, out
     assert split["64/4/3"] >= split["64/4/2"] + 31, split
 
     # Cascade attention's prefix pass compiles too (its 64-row tiles): one key-step loop.
-    out = subprocess.run(
-        [sys.executable, str(script), "--tiles", "cascade", "--configs", "64/4/2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    m = re.search(r"cascade prefix \(64 rows\)\s+bf16\s+64/4/2\s+(\d+)\s+\d+\s+([\d.]+)\s+\d+\s+(\d+)", out.stdout)
-    assert m and 16 <= int(m[1]) <= 255 and float(m[2]) > 0 and 100 < int(m[3]) < 5000, out.stdout
+    out = report("cascade", "64/4/2")
+    m = re.search(r"cascade prefix \(64 rows\)\s+bf16\s+64/4/2\s+(\d+)\s+\d+\s+([\d.]+)\s+\d+\s+(\d+)", out)
+    assert m and 16 <= int(m[1]) <= 255 and float(m[2]) > 0 and 100 < int(m[3]) < 5000, out
